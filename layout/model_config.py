@@ -101,6 +101,22 @@ class TextConfig:
             sizes.append(_nth_prime_after(self.ngram_vocab_size_base - 1, global_head + 1))
         return sizes
 
+    def ple_multipliers(self, ple_index: int) -> list[int]:
+        """Odd per-position hash multipliers (splitmix64 of the seed), as transformers derives them."""
+        half_bound = max(1, ((1 << 63) - 1) // max(self.vocab_size, 1) // 2)
+        base_seed = self.ngram_seed + _PLE_LAYER_PRIME * ple_index
+        return [
+            2 * (_splitmix64((base_seed + _SPLITMIX_GAMMA * (position + 1)) & _MASK64) % half_bound) + 1
+            for position in range(self.ngram_size)
+        ]
+
+    def ple_head_offsets(self, ple_index: int) -> list[int]:
+        offsets, total = [], 0
+        for size in self.ple_head_vocab_sizes(ple_index):
+            offsets.append(total)
+            total += size
+        return offsets
+
     def ple_table_rows(self, ple_index: int) -> int:
         """Rows of one PLE layer's table: sum of head vocabularies, padded to the divisor."""
         total = sum(self.ple_head_vocab_sizes(ple_index))
@@ -211,6 +227,18 @@ class TextConfig:
             problems.append(f"unsupported layer types {sorted(bad_types)}")
         if problems:
             raise FlashpackError("invalid model config: " + "; ".join(problems))
+
+
+_MASK64 = (1 << 64) - 1
+_SPLITMIX_GAMMA = 0x9E3779B97F4A7C15
+_PLE_LAYER_PRIME = 10007
+
+
+def _splitmix64(value: int) -> int:
+    value = (value + _SPLITMIX_GAMMA) & _MASK64
+    value = ((value ^ (value >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    value = ((value ^ (value >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (value ^ (value >> 31)) & _MASK64
 
 
 def _is_prime(value: int) -> bool:

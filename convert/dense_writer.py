@@ -1,0 +1,84 @@
+"""Write the dense tensors (everything but routed experts and PLE tables) and the vision tower.
+
+Dense tensors are stored in BF16 by default. With `fp8_rows`, the large projection matrices are
+stored as float8_e4m3fn with a float32 scale per output row (`<name>.row_scale`), which halves
+their resident size; embeddings, lm_head, routers, norms and hyper-connection weights stay BF16
+because they are small or precision-critical.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from flashpack.convert.checkpoint_spec import iter_specs
+from flashpack.convert.nvfp4 import quantize_fp8_rows
+from flashpack.convert.safetensors_writer import StreamingSafetensorsWriter
+from flashpack.convert.source import SourceCheckpoint
+
+DENSE_FILE = "dense.safetensors"
+VISION_FILE = "vision.safetensors"
+ROW_SCALE_SUFFIX = ".row_scale"
+FP8_ELIGIBLE_SUFFIXES = (
+    "linear_attn.in_proj_qkv.weight", "linear_attn.in_proj_z.weight", "linear_attn.out_proj.weight",
+    "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight", "self_attn.o_proj.weight",
+    "shared_expert.gate_proj.weight", "shared_expert.up_proj.weight", "shared_expert.down_proj.weight",
+    "ple.key_proj.weight", "ple.value_proj.weight", "mtp.fc_embedding.weight", "mtp.fc_hidden.weight",
+)
+
+
+def stored_as_fp8(name: str, fp8_rows: bool) -> bool:
+    return fp8_rows and name.endswith(FP8_ELIGIBLE_SUFFIXES)
+
+
+def write_dense(checkpoint: SourceCheckpoint, pack: Path, fp8_rows: bool, progress: bool = True) -> dict:
+    specs = [s for s in iter_specs(checkpoint.config, with_mtp=checkpoint.has_mtp) if s.role == "dense"]
+    declared: list[tuple[str, str, tuple[int, ...]]] = []
+    for spec in specs:
+        if stored_as_fp8(spec.name, fp8_rows):
+            declared.append((spec.name, "F8_E4M3", spec.shape))
+            declared.append((spec.name + ROW_SCALE_SUFFIX, "F32", spec.shape[:1]))
+        else:
+            declared.append((spec.name, "BF16", spec.shape))
+    with StreamingSafetensorsWriter(pack / DENSE_FILE, declared, {"format": "pt"}) as writer:
+        for spec in tqdm(specs, unit="tensor", desc="dense", disable=not progress):
+            tensor = checkpoint.tensor(spec.name)
+            if stored_as_fp8(spec.name, fp8_rows):
+                values, scales = quantize_fp8_rows(tensor)
+                writer.write(spec.name, values)
+                writer.write(spec.name + ROW_SCALE_SUFFIX, scales)
+            else:
+                writer.write(spec.name, tensor.to(torch.bfloat16))
+        entries = _entries(writer, declared, fp8_rows)
+    return {"file": DENSE_FILE, "fp8_rows": fp8_rows, "tensors": entries}
+
+
+def write_vision(checkpoint: SourceCheckpoint, pack: Path) -> dict | None:
+    """Vision weights go aside, unchanged, so a text-only runtime never maps them."""
+    keys = checkpoint.vision_keys()
+    if not keys:
+        return None
+    declared = []
+    for key in keys:
+        tensor_slice = checkpoint.tensor_slice(key)
+        declared.append((key, tensor_slice.get_dtype(), tuple(tensor_slice.get_shape())))
+    with StreamingSafetensorsWriter(pack / VISION_FILE, declared, {"format": "pt"}) as writer:
+        for key in keys:
+            writer.write(key, checkpoint.raw(key))
+        entries = _entries(writer, declared, fp8_rows=False)
+    return {"file": VISION_FILE, "tensors": entries}
+
+
+def _entries(writer: StreamingSafetensorsWriter, declared: list, fp8_rows: bool) -> list[dict]:
+    entries = []
+    names = {name for name, _, _ in declared}
+    for name, dtype, shape in declared:
+        offset, length = writer.offsets(name)
+        entry = {"name": name, "dtype": dtype, "shape": list(shape), "offset": offset, "length": length}
+        if dtype == "F8_E4M3" and name + ROW_SCALE_SUFFIX in names:
+            entry["row_scale"] = name + ROW_SCALE_SUFFIX
+        entries.append(entry)
+    return entries
+

@@ -1,0 +1,243 @@
+"""A Hugging Face checkpoint to convert: find it, check it, and read its tensors by canonical name.
+
+The snapshot is a local directory or a hub repo id resolved by huggingface_hub (which honours
+HF_HUB_OFFLINE, the local cache and `revision`). Everything that can be checked before writing a
+byte is checked here, so a bad source fails in seconds with one line, not an hour into a convert.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from flashpack.convert.checkpoint_spec import (
+    Form,
+    TensorSpec,
+    checkpoint_key,
+    is_vision_key,
+    iter_specs,
+)
+from flashpack.errors import FlashpackError
+from flashpack.layout.model_config import TextConfig
+
+SNAPSHOT_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "*.txt", "*.model", "*.tiktoken", "merges.txt"]
+FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def resolve_snapshot(source: str, revision: str | None = None) -> tuple[Path, str | None]:
+    """(local snapshot dir, hub repo id or None). A path that exists wins over a repo id."""
+    path = Path(source).expanduser()
+    if path.is_dir():
+        return path, None
+    if path.exists():
+        raise FlashpackError(f"{source} is a file; give a snapshot directory or a hub repo id")
+    if source.count("/") != 1 or source.startswith((".", "/")):
+        raise FlashpackError(f"source {source!r} is neither a directory nor a hub repo id (owner/name)")
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError, RepositoryNotFoundError
+
+    try:
+        return Path(snapshot_download(source, revision=revision, allow_patterns=SNAPSHOT_PATTERNS)), source
+    except LocalEntryNotFoundError:
+        raise FlashpackError(
+            f"{source} (revision {revision or 'main'}) is not in the local Hugging Face cache and the hub "
+            "cannot be reached (HF_HUB_OFFLINE is set or there is no network)"
+        ) from None
+    except (RepositoryNotFoundError, HfHubHTTPError) as error:
+        raise FlashpackError(f"cannot fetch {source}: {str(error).splitlines()[0]}") from None
+
+
+@dataclass(frozen=True)
+class NVFP4Parts:
+    packed: torch.Tensor
+    block_scale: torch.Tensor
+    global_scale: float
+
+
+@dataclass
+class SourceCheckpoint:
+    """A checked snapshot: its config, form, quantisation and a key -> shard map."""
+
+    root: Path
+    repo_id: str | None
+    config: TextConfig
+    raw_config: dict
+    form: Form
+    quantization: str  # "bf16" (any float dtype) or "nvfp4"
+    key_files: dict[str, str]
+    _handles: dict[str, object] = field(default_factory=dict, repr=False)
+
+    @classmethod
+    def open(cls, root: Path, repo_id: str | None = None) -> "SourceCheckpoint":
+        config_path = root / "config.json"
+        if not config_path.is_file():
+            raise FlashpackError(f"{root} has no config.json: not a Hugging Face snapshot")
+        raw_config = _load_json(config_path)
+        config = TextConfig.from_checkpoint_config(raw_config)
+        form: Form = "qwen4_exp" if raw_config["model_type"] == "qwen4_exp" else "qwen4_exp_text"
+        checkpoint = cls(root, repo_id, config, raw_config, form, _detect_quantization(root, raw_config),
+                         _map_keys_to_files(root))
+        checkpoint._check_tensors()
+        return checkpoint
+
+    @property
+    def has_mtp(self) -> bool:
+        return any(key.startswith("mtp.") for key in self.key_files)
+
+    @property
+    def files(self) -> list[str]:
+        return sorted(set(self.key_files.values()))
+
+    def has(self, canonical: str) -> bool:
+        return checkpoint_key(canonical, self.form) in self.key_files
+
+    def tensor(self, canonical: str) -> torch.Tensor:
+        return self.raw(checkpoint_key(canonical, self.form))
+
+    def raw(self, key: str) -> torch.Tensor:
+        file = self.key_files[key]
+        if file not in self._handles:
+            self._handles[file] = safe_open(self.root / file, framework="pt")
+        return self._handles[file].get_tensor(key)
+
+    def vision_keys(self) -> list[str]:
+        return sorted(key for key in self.key_files if is_vision_key(key))
+
+    def expert_parts(self, name: str) -> torch.Tensor | NVFP4Parts:
+        """Expert weight `name`: a float tensor for BF16 sources, NVFP4Parts for ModelOpt NVFP4 ones."""
+        if self.quantization == "bf16":
+            return self.tensor(name)
+        base = name.removesuffix(".weight")
+        return NVFP4Parts(
+            self.tensor(base + ".weight"),
+            self.tensor(base + ".weight_scale"),
+            float(self.tensor(base + ".weight_scale_2").float().reshape(-1)[0]),
+        )
+
+    def _check_tensors(self) -> None:
+        """Every tensor the config implies is present, with the right shape and dtype."""
+        for spec in iter_specs(self.config, with_mtp=self.has_mtp):
+            if spec.role == "expert" and self.quantization == "nvfp4":
+                self._check_nvfp4(spec)
+            else:
+                self._check_shape(spec.name, spec.shape, FLOAT_DTYPES if spec.role != "ple_buffer" else None)
+        known = {checkpoint_key(s.name, self.form) for s in iter_specs(self.config, with_mtp=self.has_mtp)}
+        stray = [k for k in self.key_files if k not in known and not is_vision_key(k) and not _is_quant_aux(k)]
+        if stray:
+            raise FlashpackError(f"checkpoint has {len(stray)} tensors the config does not explain, e.g. {stray[0]}")
+
+    def _check_nvfp4(self, spec: TensorSpec) -> None:
+        out, inp = spec.shape
+        base = spec.name.removesuffix(".weight")
+        self._check_shape(base + ".weight", (out, inp // 2), (torch.uint8,))
+        self._check_shape(base + ".weight_scale", (out, inp // 16), (torch.float8_e4m3fn,))
+        self._check_shape(base + ".weight_scale_2", None, (torch.float32,))
+
+    def _check_shape(self, canonical: str, shape: tuple[int, ...] | None, dtypes: tuple | None) -> None:
+        key = checkpoint_key(canonical, self.form)
+        if key not in self.key_files:
+            raise FlashpackError(f"checkpoint lacks tensor {key}")
+        handle_slice = self.tensor_slice(key)
+        got_shape = tuple(handle_slice.get_shape())
+        if shape is not None and got_shape != tuple(shape):
+            raise FlashpackError(f"{key} has shape {list(got_shape)} but the config implies {list(shape)}")
+        if shape is None and math.prod(got_shape) != 1:
+            raise FlashpackError(f"{key} should be a scalar, has shape {list(got_shape)}")
+        got_dtype = _SAFETENSORS_TO_TORCH.get(handle_slice.get_dtype())
+        if dtypes is not None and got_dtype not in dtypes:
+            wanted = "/".join(str(d).removeprefix("torch.") for d in dtypes)
+            raise FlashpackError(f"{key} has dtype {handle_slice.get_dtype()}, expected {wanted}")
+
+    def tensor_slice(self, key: str):
+        """Lazy view of a stored tensor: shape and dtype without reading its bytes."""
+        file = self.key_files[key]
+        if file not in self._handles:
+            self._handles[file] = safe_open(self.root / file, framework="pt")
+        return self._handles[file].get_slice(key)
+
+
+_SAFETENSORS_TO_TORCH = {
+    "BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F8_E4M3": torch.float8_e4m3fn,
+    "U8": torch.uint8, "I64": torch.int64, "I32": torch.int32,
+}
+_QUANT_AUX_SUFFIXES = (".weight_scale", ".weight_scale_2", ".input_scale")
+
+
+def _is_quant_aux(key: str) -> bool:
+    return key.endswith(_QUANT_AUX_SUFFIXES)
+
+
+def _detect_quantization(root: Path, raw_config: dict) -> str:
+    quant = raw_config.get("quantization_config")
+    if quant is None and (root / "hf_quant_config.json").is_file():
+        quant = _load_json(root / "hf_quant_config.json").get("quantization", {})
+    if quant is None:
+        return "bf16"
+    algo = str(quant.get("quant_algo", "")).upper()
+    method = str(quant.get("quant_method", "modelopt")).lower()
+    if method != "modelopt" or algo != "NVFP4":
+        raise FlashpackError(f"unsupported quantization {method}/{algo}: flashpack reads BF16/FP16/FP32 or ModelOpt NVFP4")
+    if int(quant.get("group_size", 16)) != 16:
+        raise FlashpackError(f"NVFP4 group_size {quant.get('group_size')} is not 16")
+    return "nvfp4"
+
+
+def _map_keys_to_files(root: Path) -> dict[str, str]:
+    index_path = root / "model.safetensors.index.json"
+    if index_path.is_file():
+        weight_map = _load_json(index_path).get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise FlashpackError(f"{index_path.name} has no weight_map")
+        files = sorted(set(weight_map.values()))
+    elif (root / "model.safetensors").is_file():
+        files, weight_map = ["model.safetensors"], None
+    else:
+        raise FlashpackError(f"{root} has neither model.safetensors.index.json nor model.safetensors")
+    key_files: dict[str, str] = {}
+    for file in files:
+        header = read_safetensors_header(root / file)
+        for key in header:
+            key_files[key] = file
+    if weight_map is not None:
+        missing = [key for key, file in weight_map.items() if key_files.get(key) != file]
+        if missing:
+            raise FlashpackError(f"index names {missing[0]} in {weight_map[missing[0]]}, which does not hold it")
+    return key_files
+
+
+def read_safetensors_header(path: Path) -> dict[str, dict]:
+    """Tensor entries of a safetensors file, after checking the file is whole."""
+    if not path.is_file():
+        raise FlashpackError(f"shard {path.name} is missing from {path.parent}")
+    size = path.stat().st_size
+    with open(path, "rb") as handle:
+        prefix = handle.read(8)
+        if len(prefix) < 8:
+            raise FlashpackError(f"shard {path.name} is truncated ({size} bytes)")
+        header_length = struct.unpack("<Q", prefix)[0]
+        if header_length > size - 8:
+            raise FlashpackError(f"shard {path.name} is truncated: header claims {header_length} bytes, file has {size}")
+        try:
+            header = json.loads(handle.read(header_length))
+        except ValueError:
+            raise FlashpackError(f"shard {path.name} has a corrupt header") from None
+    header.pop("__metadata__", None)
+    data_end = max((entry["data_offsets"][1] for entry in header.values()), default=0)
+    if 8 + header_length + data_end > size:
+        raise FlashpackError(
+            f"shard {path.name} is truncated: {size} bytes, its header needs {8 + header_length + data_end}"
+        )
+    return header
+
+
+def _load_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except ValueError as error:
+        raise FlashpackError(f"{path.name} is not valid JSON: {error}") from None

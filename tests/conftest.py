@@ -1,0 +1,35 @@
+"""Shared fixtures: tiny snapshots and packs built by the tests themselves (nothing downloaded)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def tiny_snapshot(tmp_path_factory) -> Path:
+    from flashpack.convert.synth import synthesize
+
+    return synthesize("tiny", tmp_path_factory.mktemp("snap") / "tiny-bf16", format="bf16", seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_nvfp4_snapshot(tmp_path_factory) -> Path:
+    from flashpack.convert.synth import synthesize
+
+    return synthesize("tiny", tmp_path_factory.mktemp("snap") / "tiny-nvfp4", format="nvfp4", seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_pack(tiny_snapshot, tmp_path_factory) -> Path:
+    from flashpack.convert.pipeline import convert
+
+    return convert(str(tiny_snapshot), tmp_path_factory.mktemp("pack") / "tiny.pack", progress=False)
+
+
+@pytest.fixture(scope="session")
+def tiny_nvfp4_pack(tiny_nvfp4_snapshot, tmp_path_factory) -> Path:
+    from flashpack.convert.pipeline import convert
+
+    return convert(str(tiny_nvfp4_snapshot), tmp_path_factory.mktemp("pack") / "tiny-nvfp4.pack", progress=False)

@@ -1,0 +1,53 @@
+"""A pack as the engine's WeightSource and ExpertFetcher: dense tensors, PLE rows and experts,
+decoded from the memory-mapped pack on demand.
+
+This is the plain, all-from-page-cache path; the tiered store puts VRAM and pinned-RAM caches and
+O_DIRECT reads behind the same `ExpertFetcher` call.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from flashpack.errors import FlashpackError
+from flashpack.layout.model_config import TextConfig
+from flashpack.layout.nvfp4 import dequantize_fp8_rows
+from flashpack.layout.pack import Pack
+from flashpack.runtime.experts import ExpertWeights
+
+
+class PackWeights:
+    """Dense tensors (FP8 rows dequantised) and PLE rows straight from the pack."""
+
+    def __init__(self, pack: Pack):
+        self.pack = pack
+        self.config: TextConfig = pack.manifest.config
+        self._entries = pack.manifest.dense_tensors()
+        self._ple_tables = {table.ple_index: table for table in pack.manifest.ple_tables()}
+
+    def dense(self, name: str) -> torch.Tensor:
+        entry = self._entries.get(name)
+        if entry is None:
+            raise FlashpackError(f"pack has no dense tensor {name}")
+        stored = self.pack.dense_tensor(name)
+        if entry.row_scale is None:
+            return stored
+        return dequantize_fp8_rows(stored, self.pack.dense_tensor(entry.row_scale))
+
+    def ple_rows(self, ple_index: int, rows: torch.Tensor) -> torch.Tensor:
+        return self.pack.ple_rows(self._ple_tables[ple_index], rows)
+
+
+class PackExperts:
+    """Every fetch decodes the records from the pack (hash-checked on first read)."""
+
+    def __init__(self, pack: Pack, verify_records: bool = True):
+        self.pack = pack
+        self.verify_records = verify_records
+
+    def fetch(self, layer: int, experts: list[int]) -> dict[int, ExpertWeights]:
+        fetched = {}
+        for expert in experts:
+            decoded = self.pack.expert(layer, expert, verify=self.verify_records)
+            fetched[expert] = ExpertWeights(*(decoded.dequantize(p) for p in ("gate", "up", "down")))
+        return fetched

@@ -36,6 +36,29 @@ def main() -> None:
 
 
 @main.command()
+@click.argument("preset", type=click.Choice(["tiny", "small", "full"]))
+@click.argument("out", type=click.Path(path_type=Path))
+@click.option("--format", "weight_format", type=click.Choice(["bf16", "nvfp4"]), default="bf16", show_default=True,
+              help="bf16, or the ModelOpt NVFP4 form (quantised routed and MTP experts).")
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--layers", type=int, help="Cut the layer count (keeps the 3 linear + 1 attention pattern).")
+@click.option("--router-skew", type=float, help="Zipf-like expert popularity per layer; 0 turns it off "
+              "(default: on for full, off otherwise).")
+@click.option("--text-only", is_flag=True, help="Write the qwen4_exp_text form (no vision, keys under model.).")
+@click.option("--ple-rows-per-head", type=int, help="Shrink the PLE tables (full preset) so they fit a small disk.")
+@click.option("--force", is_flag=True, help="Replace OUT if it exists.")
+@_one_line_errors
+def synth(preset: str, out: Path, weight_format: str, seed: int, layers: int | None, router_skew: float | None,
+          text_only: bool, ple_rows_per_head: int | None, force: bool) -> None:
+    """Write a random Hugging Face-style snapshot of PRESET (tiny, small, full) to OUT."""
+    from flashpack.convert.synth import synthesize
+
+    path = synthesize(preset, out, format=weight_format, seed=seed, layers=layers, router_skew=router_skew,
+                      text_only=text_only, ple_rows_per_head=ple_rows_per_head, force=force)
+    click.echo(f"wrote {path}")
+
+
+@main.command()
 @click.argument("source")
 @click.argument("out", type=click.Path(path_type=Path))
 @click.option("--revision", help="Hub revision (branch, tag or commit) when SOURCE is a repo id.")

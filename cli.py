@@ -95,5 +95,45 @@ def inspect(pack: Path, check: bool) -> None:
         click.echo(f"all {len(opened.manifest.expert_records())} expert records match their hashes")
 
 
+@main.command()
+@click.argument("pack", type=click.Path(path_type=Path))
+@click.argument("prompt")
+@click.option("--chat", is_flag=True, help="Wrap PROMPT as a user message with the pack's chat template.")
+@click.option("--think/--no-think", default=None, help="The chat template's thinking switch.")
+@click.option("--max-tokens", type=int, default=128, show_default=True)
+@click.option("--temperature", type=float, default=0.0, show_default=True, help="0 is greedy.")
+@click.option("--top-k", type=int, default=0)
+@click.option("--top-p", type=float, default=1.0)
+@click.option("--seed", type=int)
+@click.option("--stop", multiple=True, help="Stop string (repeatable).")
+@click.option("--device", default="cpu", show_default=True)
+@click.option("--dtype", default="bfloat16", show_default=True, help="bfloat16 or float32.")
+@_one_line_errors
+def run(pack: Path, prompt: str, chat: bool, think: bool | None, max_tokens: int, temperature: float, top_k: int,
+        top_p: float, seed: int | None, stop: tuple[str, ...], device: str, dtype: str) -> None:
+    """Generate from PACK for PROMPT, streaming text to stdout; tokens/s on stderr at the end."""
+    from flashpack.runtime.loader import load_engine
+    from flashpack.runtime.sampling import SamplingParams
+
+    engine = load_engine(pack, device=device, dtype=dtype)
+    text = engine.tokenizer.render_chat([{"role": "user", "content": prompt}], enable_thinking=think) if chat else prompt
+    params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
+                            stop_strings=stop)
+    prompt_ids = engine.tokenizer.encode(text)
+    generated = 0
+    for event in engine.generator.stream(prompt_ids, params):
+        click.echo(event.text, nl=False)
+        generated += event.token_id is not None
+        if event.finish_reason:
+            timings = event.timings
+            decode_time = timings["total_seconds"] - timings["first_token_seconds"]
+            rate = (generated - 1) / decode_time if generated > 1 and decode_time > 0 else 0.0
+            click.echo("")
+            click.echo(
+                f"[{len(prompt_ids)} prompt tokens, {generated} generated, first token {timings['first_token_seconds']:.2f} s, "
+                f"{rate:.1f} tok/s decode, finish: {event.finish_reason}]", err=True,
+            )
+
+
 if __name__ == "__main__":
     main()

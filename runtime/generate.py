@@ -1,0 +1,129 @@
+"""Generation: prompt ids in, a stream of text pieces out, until a stop condition.
+
+    prefill(prompt) -> loop { sample -> stop? -> decode(token) }
+
+Stops: a stop token (end of turn), a stop string (cut before it), `max_tokens`, a constraint that
+has terminated, or the caller cancelling. The step function is the engine's `forward`; a
+`TokenConstraint` (grammar-constrained decoding) may mask logits before each choice.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from flashpack.errors import FlashpackError
+from flashpack.runtime.detokenize import IncrementalDetokenizer, StopStringFilter
+from flashpack.runtime.sampling import Sampler, SamplingParams
+
+
+class TokenConstraint(Protocol):
+    """Restricts the next token (e.g. to a JSON schema's grammar)."""
+
+    def mask(self, logits: torch.Tensor) -> torch.Tensor: ...
+
+    def accept(self, token_id: int) -> None: ...
+
+    def is_terminated(self) -> bool: ...
+
+
+@dataclass
+class GenerationEvent:
+    text: str  # new text (may be empty while a character or stop string is pending)
+    token_id: int | None = None
+    finish_reason: str | None = None  # "stop", "length", "cancelled" on the last event
+    timings: dict[str, float] | None = None  # on the last event: first_token_seconds, total_seconds
+
+
+@dataclass
+class GenerationResult:
+    text: str
+    token_ids: list[int]
+    prompt_tokens: int
+    finish_reason: str
+    first_token_seconds: float
+    total_seconds: float
+
+    @property
+    def completion_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def decode_tokens_per_second(self) -> float:
+        decode_time = self.total_seconds - self.first_token_seconds
+        return (self.completion_tokens - 1) / decode_time if self.completion_tokens > 1 and decode_time > 0 else 0.0
+
+
+@dataclass
+class Generator:
+    model: object  # runtime.model.Qwen4ExpModel (forward(tokens, state, last_only) / new_state())
+    tokenizer: object  # runtime.tokenizer.PackTokenizer
+    max_context: int = 0  # 0: the model's max_position_embeddings
+
+    def stream(
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        constraint: TokenConstraint | None = None,
+        cancelled: Callable[[], bool] = lambda: False,
+    ) -> Iterator[GenerationEvent]:
+        """Yield text pieces; the last event carries the finish reason."""
+        limit = self.max_context or self.model.config.max_position_embeddings
+        if not prompt_ids:
+            raise FlashpackError("the prompt is empty")
+        if len(prompt_ids) + 1 > limit:
+            raise FlashpackError(f"prompt of {len(prompt_ids)} tokens exceeds the context limit of {limit}")
+        stop_ids = set(params.stop_token_ids) | set(self.tokenizer.stop_token_ids)
+        sampler = Sampler(params, device="cpu")
+        detok = IncrementalDetokenizer(self.tokenizer.tokenizer)
+        stops = StopStringFilter(params.stop_strings)
+        state = self.model.new_state()
+        start = time.perf_counter()
+        logits = self.model.forward(torch.tensor(prompt_ids), state, last_only=True).logits[-1]
+        generated, first_token_seconds = 0, 0.0
+        finish = "length"
+        while True:
+            if constraint is not None:
+                logits = constraint.mask(logits.float())
+            token = sampler(logits.float().cpu())
+            generated += 1
+            if generated == 1:
+                first_token_seconds = time.perf_counter() - start
+            if token in stop_ids:
+                finish = "stop"
+                break
+            if constraint is not None:
+                constraint.accept(token)
+            text = stops.push(detok.push(token))
+            if stops.stopped:
+                yield GenerationEvent(text, token)
+                finish = "stop"
+                break
+            yield GenerationEvent(text, token)
+            if constraint is not None and constraint.is_terminated():
+                finish = "stop"
+                break
+            if generated >= params.max_tokens or len(prompt_ids) + generated >= limit:
+                break
+            if cancelled():
+                finish = "cancelled"
+                break
+            logits = self.model.forward(torch.tensor([token]), state, last_only=True).logits[-1]
+        timings = {"first_token_seconds": first_token_seconds, "total_seconds": time.perf_counter() - start}
+        yield GenerationEvent(stops.flush(), None, finish, timings)
+
+    def generate(self, prompt_ids: list[int], params: SamplingParams, **kwargs) -> GenerationResult:
+        pieces, token_ids, last = [], [], None
+        for event in self.stream(prompt_ids, params, **kwargs):
+            pieces.append(event.text)
+            if event.token_id is not None:
+                token_ids.append(event.token_id)
+            last = event
+        return GenerationResult(
+            "".join(pieces), token_ids, len(prompt_ids), last.finish_reason,
+            last.timings["first_token_seconds"], last.timings["total_seconds"],
+        )

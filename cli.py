@@ -107,7 +107,7 @@ def inspect(pack: Path, check: bool) -> None:
 @click.option("--seed", type=int)
 @click.option("--stop", multiple=True, help="Stop string (repeatable).")
 @click.option("--device", default="cpu", show_default=True)
-@click.option("--dtype", default="bfloat16", show_default=True, help="bfloat16 or float32.")
+@click.option("--dtype", default="auto", show_default=True, help="auto (bf16 on GPU, fp32 on CPU), bfloat16, float32.")
 @_one_line_errors
 def run(pack: Path, prompt: str, chat: bool, think: bool | None, max_tokens: int, temperature: float, top_k: int,
         top_p: float, seed: int | None, stop: tuple[str, ...], device: str, dtype: str) -> None:

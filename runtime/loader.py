@@ -26,7 +26,10 @@ class LoadedEngine:
     generator: Generator
 
 
-def parse_dtype(name: str) -> torch.dtype:
+def parse_dtype(name: str, device: torch.device) -> torch.dtype:
+    """`auto` is BF16 on a GPU and FP32 on a CPU, where BF16 matmuls are emulated and slower."""
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
     try:
         return DTYPES[name]
     except KeyError:
@@ -43,16 +46,17 @@ def parse_device(name: str) -> torch.device:
 def load_engine(
     pack_path: Path | str,
     device: str = "cpu",
-    dtype: str = "bfloat16",
+    dtype: str = "auto",
     fetcher: ExpertFetcher | None = None,
     verify_records: bool = True,
 ) -> LoadedEngine:
     pack = Pack.open(pack_path)
+    torch_device = parse_device(device)
     model = Qwen4ExpModel(
         PackWeights(pack),
         fetcher or PackExperts(pack, verify_records=verify_records),
-        dtype=parse_dtype(dtype),
-        device=parse_device(device),
+        dtype=parse_dtype(dtype, torch_device),
+        device=torch_device,
     )
     tokenizer = PackTokenizer.load(pack.root)
     return LoadedEngine(pack, model, tokenizer, Generator(model, tokenizer))

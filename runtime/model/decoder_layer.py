@@ -1,0 +1,62 @@
+"""One decoder layer: [PLE] -> hc mix -> DeltaNet or QSA attention -> hc combine -> hc mix -> MoE -> hc combine.
+
+Works on the hc-stream residual [T, hc * H]. Each layer finds its own recurrent pieces in the
+`SequenceState` by its layer index; the MTP head's layer is built by the same class at index
+num_hidden_layers + j (QSA, no PLE).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from flashpack.layout.model_config import TextConfig
+from flashpack.runtime.experts import ExpertFetcher
+from flashpack.runtime.model.deltanet import GatedDeltaNet
+from flashpack.runtime.model.hyper_connection import GatedResidual
+from flashpack.runtime.model.moe import SparseMoE
+from flashpack.runtime.model.ple import PLELayer
+from flashpack.runtime.model.qsa_attention import QSAAttention
+from flashpack.runtime.model.rope import Rotary
+from flashpack.runtime.state import SequenceState
+from flashpack.runtime.weights import WeightSource
+
+
+class DecoderLayer(nn.Module):
+    def __init__(
+        self, cfg: TextConfig, source: WeightSource, fetcher: ExpertFetcher, layer: int, prefix: str,
+        rotary: Rotary, dtype: torch.dtype, device,
+    ):
+        super().__init__()
+        self.layer = layer
+        self.linear = layer < cfg.num_hidden_layers and cfg.is_linear(layer)
+        ple_index = cfg.ple_index(layer) if layer < cfg.num_hidden_layers else None
+        self.ple = PLELayer(cfg, source, prefix + "ple.", ple_index, dtype, device) if ple_index is not None else None
+        self.attn_hc = GatedResidual(cfg, source, prefix + "attn_hyper_connection.", dtype, device)
+        if self.linear:
+            self.mixer = GatedDeltaNet(cfg, source, prefix + "linear_attn.", dtype, device)
+        else:
+            self.mixer = QSAAttention(cfg, source, prefix + "self_attn.", rotary, dtype, device)
+        self.mlp_hc = GatedResidual(cfg, source, prefix + "mlp_hyper_connection.", dtype, device)
+        self.moe = SparseMoE(cfg, source, prefix + "mlp.", layer, fetcher, dtype, device)
+
+    def forward(
+        self, streams: torch.Tensor, tokens: torch.Tensor, state: SequenceState,
+        pending: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """streams [T, hc*H], tokens [T] -> streams [T, hc*H]; advances this layer's part of `state`.
+
+        `pending` [T, H] is a block output still to be added to every stream with unit weight
+        before this layer (the MTP head's projected token embedding)."""
+        if pending is not None:
+            streams = self.attn_hc.combine(streams, pending, None)
+        if self.ple is not None:
+            streams = streams + self.ple(streams, tokens, state.ple[self.layer])
+        block_input, inject = self.attn_hc.mix(streams)
+        if self.linear:
+            block_output = self.mixer(block_input, state.deltanet[self.layer])
+        else:
+            block_output = self.mixer(block_input, state.attention[self.layer])
+        streams = self.attn_hc.combine(streams, block_output, inject)
+        block_input, inject = self.mlp_hc.mix(streams)
+        return self.mlp_hc.combine(streams, self.moe(block_input), inject)

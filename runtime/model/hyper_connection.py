@@ -1,0 +1,61 @@
+"""Hyper-connections: the residual is hc_count streams, mixed into one block input and injected back.
+
+Streams are laid out [T, hc * H] (stream outer, hidden inner). Around every attention and MoE block:
+
+    block_input, inject = hc.mix(streams)          # gated low-rank mean over the normalised streams
+    streams = hc.combine(streams, block(block_input), inject)
+
+`combine` adds the block output to every stream with weight 2 * sigmoid(inject_logit / hc); an
+`inject` of None adds it with unit weight to every stream (how the MTP head feeds its projected
+token embedding in, as vLLM's delayed combine does with prev_injection=None). The final mixer is
+a `GatedResidual` without injection weights: its `mix` collapses the streams for the lm_head.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from flashpack.layout.model_config import TextConfig
+from flashpack.runtime.model.norms import RMSNorm
+from flashpack.runtime.weights import WeightSource, load_dense
+
+
+class GatedResidual(nn.Module):
+    def __init__(
+        self, cfg: TextConfig, source: WeightSource, prefix: str, dtype: torch.dtype,
+        device: torch.device | str, inject: bool = True,
+    ):
+        super().__init__()
+        self.hc, self.hidden = cfg.hc_count, cfg.hidden_size
+        load = lambda name: load_dense(source, prefix + name, dtype, device)  # noqa: E731
+        self.norm = RMSNorm(load("hc_norm.weight"), cfg.rms_norm_eps, group_size=cfg.hidden_size)
+        self.register_buffer("mix_down", load("input_mix_weight_down.weight"), persistent=False)  # [R, hc*H]
+        self.register_buffer("mix_up", load("input_mix_weight_up.weight"), persistent=False)  # [hc*H, R]
+        inject_weight = load("block_inject_weight.weight") if inject else None  # [hc, hc*H]
+        self.register_buffer("inject_weight", inject_weight, persistent=False)
+
+    def mix(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """streams [T, hc*H] -> block input [T, H], injection weights [T, hc] (None for a final mixer)."""
+        normed = self.norm(streams)
+        gate = F.silu(F.linear(normed, self.mix_down) / self.hc)
+        gate = torch.sigmoid(F.linear(gate, self.mix_up)).unflatten(-1, (self.hc, self.hidden))
+        block_input = (gate * normed.unflatten(-1, (self.hc, self.hidden))).mean(dim=-2)
+        if self.inject_weight is None:
+            return block_input, None
+        return block_input, 2 * torch.sigmoid(F.linear(normed, self.inject_weight) / self.hc)
+
+    def combine(
+        self, streams: torch.Tensor, block_output: torch.Tensor, inject: torch.Tensor | None
+    ) -> torch.Tensor:
+        """streams [T, hc*H] + block_output [T, H] weighted per stream by inject [T, hc] (None: weight 1)."""
+        return combine(streams, block_output, inject, self.hc)
+
+
+def combine(streams: torch.Tensor, block_output: torch.Tensor, inject: torch.Tensor | None, hc: int) -> torch.Tensor:
+    if inject is None:
+        added = block_output.unsqueeze(-2).expand(*block_output.shape[:-1], hc, block_output.shape[-1])
+    else:
+        added = block_output.unsqueeze(-2) * inject.unsqueeze(-1)
+    return streams + added.flatten(-2)

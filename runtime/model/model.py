@@ -1,0 +1,72 @@
+"""The qwen4_exp text model as one step function: tokens of one sequence in, logits out.
+
+    embed -> repeat into hc streams -> decoder layers -> final mixer -> lm_head
+
+`forward(tokens, state)` takes any number of new tokens of one sequence: a whole prompt (prefill),
+one token (decode), or a few (speculative verification); the state carries everything needed to
+continue. It also returns the pre-final-mixer streams, which the MTP head consumes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from flashpack.runtime.experts import ExpertFetcher
+from flashpack.runtime.model.decoder_layer import DecoderLayer
+from flashpack.runtime.model.hyper_connection import GatedResidual
+from flashpack.runtime.model.rope import Rotary
+from flashpack.runtime.state import SequenceState
+from flashpack.runtime.weights import WeightSource, load_dense
+
+
+@dataclass
+class StepOutput:
+    logits: torch.Tensor  # [T, vocab] (or [1, vocab] with last_only), engine dtype
+    streams: torch.Tensor  # [T, hc * H] pre-final-mixer hidden streams: the MTP head's input
+
+
+class Qwen4ExpModel(nn.Module):
+    def __init__(
+        self, source: WeightSource, fetcher: ExpertFetcher, dtype: torch.dtype = torch.bfloat16,
+        device: torch.device | str = "cpu",
+    ):
+        super().__init__()
+        cfg = self.config = source.config
+        self.dtype, self.device = dtype, torch.device(device)
+        self.rotary = Rotary(cfg, self.device)
+        self.register_buffer("embed_tokens", load_dense(source, "embed_tokens.weight", dtype, device), persistent=False)
+        self.layers = nn.ModuleList(
+            DecoderLayer(cfg, source, fetcher, layer, f"layers.{layer}.", self.rotary, dtype, device)
+            for layer in range(cfg.num_hidden_layers)
+        )
+        self.final_mixer = GatedResidual(cfg, source, "hyper_connection_mixer.", dtype, device, inject=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head = self.embed_tokens
+        else:
+            self.register_buffer("lm_head", load_dense(source, "lm_head.weight", dtype, device), persistent=False)
+
+    def new_state(self) -> SequenceState:
+        return SequenceState.empty(self.config, self.dtype, self.device)
+
+    @torch.inference_mode()
+    def forward(self, tokens: torch.Tensor, state: SequenceState, last_only: bool = False) -> StepOutput:
+        """tokens int64 [T] (the next T tokens of the sequence) -> StepOutput; advances `state` by T."""
+        tokens = tokens.to(self.device)
+        streams = self.embed(tokens).repeat(1, self.config.hc_count)  # [T, hc*H]
+        for layer in self.layers:
+            streams = layer(streams, tokens, state)
+        state.position += tokens.shape[0]
+        hidden = streams[-1:] if last_only else streams
+        return StepOutput(logits=self.logits(hidden), streams=streams)
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        return F.embedding(tokens, self.embed_tokens)
+
+    def logits(self, streams: torch.Tensor) -> torch.Tensor:
+        """Pre-final-mixer streams [T, hc*H] -> logits [T, vocab]."""
+        hidden, _ = self.final_mixer.mix(streams)
+        return F.linear(hidden, self.lm_head)

@@ -1,0 +1,125 @@
+"""PLE: hashed n-gram embeddings injected into every residual stream (layers in `ple_layer_ids`).
+
+Per token, the bigram and trigram ending at it are hashed by `heads_per_ngram` heads each (odd
+per-layer multipliers from splitmix64, XOR-combined, modulo a prime per head); the rows come from
+the WeightSource one batch at a time, never as a table. N-grams stop at document boundaries: a
+token more than `shift` back counts only if no EOS sits strictly between it and the current token
+(before the first token, EOS fills in). The concatenated rows pass a gated projection and a dilated
+depthwise conv (dilation = ngram_size) and the result is added to the streams.
+
+State per PLE layer (in `PLEState`): the last ngram_size - 1 tokens and the conv's input tail.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from flashpack.layout.model_config import TextConfig
+from flashpack.runtime.model.norms import RMSNorm
+from flashpack.runtime.state import PLEState
+from flashpack.runtime.weights import WeightSource, load_dense
+
+_MASK64 = (1 << 64) - 1
+_GAMMA = 0x9E3779B97F4A7C15
+_PRIME_1 = 10007
+
+
+def _splitmix64(value: int) -> int:
+    value = (value + _GAMMA) & _MASK64
+    value = ((value ^ (value >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    value = ((value ^ (value >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (value ^ (value >> 31)) & _MASK64
+
+
+def layer_multipliers(cfg: TextConfig, ple_index: int) -> list[int]:
+    """Odd hash multipliers, one per n-gram position, small enough that token * m fits int64."""
+    half_bound = max(1, ((1 << 63) - 1) // max(cfg.vocab_size, 1) // 2)
+    base_seed = cfg.ngram_seed + _PRIME_1 * ple_index
+    return [
+        2 * (_splitmix64((base_seed + _GAMMA * (i + 1)) & _MASK64) % half_bound) + 1 for i in range(cfg.ngram_size)
+    ]
+
+
+def shift_within_document(tokens: torch.Tensor, shift: int, eos: int) -> torch.Tensor:
+    """tokens int64 [L] -> the token `shift` back at each position, or EOS across a document start."""
+    if shift == 0:
+        return tokens
+    positions = torch.arange(tokens.shape[0], device=tokens.device)
+    eos_positions = torch.where(tokens == eos, positions, -1)
+    last_eos_before = torch.cat([eos_positions.new_full((1,), -1), torch.cummax(eos_positions, 0).values[:-1]])
+    valid = (positions - last_eos_before - 1 >= shift) & (positions >= shift)
+    return torch.where(valid, tokens[(positions - shift).clamp_min(0)], eos)
+
+
+class NGramHasher:
+    """Global PLE row ids of every hash head for each token."""
+
+    def __init__(self, cfg: TextConfig, ple_index: int):
+        self.ngram_size, self.per_order, self.eos = cfg.ngram_size, cfg.heads_per_ngram, cfg.eos_token_id
+        self.multipliers = layer_multipliers(cfg, ple_index)
+        sizes = cfg.ple_head_vocab_sizes(ple_index)
+        self.vocab_sizes = torch.tensor(sizes, dtype=torch.int64)
+        self.offsets = torch.tensor([sum(sizes[:h]) for h in range(len(sizes))], dtype=torch.int64)
+
+    def rows(self, history: torch.Tensor, new: int) -> torch.Tensor:
+        """history int64 [ngram_size - 1 + new] (CPU) -> row ids [new, ngram_heads] for the last `new` tokens."""
+        shifted = [shift_within_document(history, s, self.eos) * self.multipliers[s] for s in range(self.ngram_size)]
+        blocks = []
+        for order in range(2, self.ngram_size + 1):
+            mixed = shifted[0]
+            for position in range(1, order):
+                mixed = torch.bitwise_xor(mixed, shifted[position])
+            heads = slice((order - 2) * self.per_order, (order - 1) * self.per_order)
+            ids = torch.remainder(mixed[:, None], self.vocab_sizes[None, heads])
+            blocks.append(ids + self.offsets[None, heads])
+        return torch.cat(blocks, dim=-1)[-new:]
+
+
+class PLELayer(nn.Module):
+    def __init__(
+        self, cfg: TextConfig, source: WeightSource, prefix: str, ple_index: int,
+        dtype: torch.dtype, device: torch.device | str,
+    ):
+        super().__init__()
+        self.source, self.ple_index, self.hasher = source, ple_index, NGramHasher(cfg, ple_index)
+        self.hc, self.hidden, self.dilation = cfg.hc_count, cfg.hidden_size, cfg.ngram_size
+        self.dtype, self.device = dtype, device
+        load = lambda name: load_dense(source, prefix + name, dtype, device)  # noqa: E731
+        self.register_buffer("key_proj", load("key_proj.weight"), persistent=False)  # [hc*H, E]
+        self.register_buffer("value_proj", load("value_proj.weight"), persistent=False)  # [H, E]
+        self.register_buffer("conv_weight", load("conv1d.weight"), persistent=False)  # [hc*H, 1, K]
+        eps = cfg.rms_norm_eps
+        self.norm_key = RMSNorm(load("norm_key.weight"), eps, group_size=cfg.hidden_size)
+        self.norm_query = RMSNorm(load("norm_query.weight"), eps, group_size=cfg.hidden_size)
+        self.norm_conv = RMSNorm(load("norm_conv.weight"), eps, group_size=cfg.hidden_size)
+
+    def embed(self, tokens: torch.Tensor, state: PLEState) -> torch.Tensor:
+        """tokens int64 [T] -> concatenated n-gram rows [T, ple_embed_dim]; advances the n-gram context."""
+        history = torch.cat([state.context, tokens.cpu()])
+        rows = self.hasher.rows(history, tokens.shape[0])  # [T, heads]
+        state.context = history[history.shape[0] - state.context.shape[0]:].clone()
+        unique, inverse = torch.unique(rows.flatten(), return_inverse=True)
+        fetched = self.source.ple_rows(self.ple_index, unique).to(device=self.device, dtype=self.dtype)
+        return fetched[inverse.to(self.device)].reshape(rows.shape[0], -1)
+
+    def forward(self, streams: torch.Tensor, tokens: torch.Tensor, state: PLEState) -> torch.Tensor:
+        """streams [T, hc*H], tokens [T] -> the addend for the streams [T, hc*H]."""
+        embedded = self.embed(tokens, state)
+        key = self.norm_key(F.linear(embedded, self.key_proj)).unflatten(-1, (self.hc, self.hidden))
+        value = F.linear(embedded, self.value_proj)  # [T, H]
+        query = self.norm_query(streams).unflatten(-1, (self.hc, self.hidden))
+        gate = (key * query).sum(dim=-1, keepdim=True) / math.sqrt(self.hidden)  # [T, hc, 1]
+        gate = gate.abs().clamp_min(1e-6).sqrt() * gate.sign()  # signed square root
+        gated = (torch.sigmoid(gate) * value.unsqueeze(-2)).flatten(-2)  # [T, hc*H]
+        return gated + self.short_conv(self.norm_conv(gated), state)
+
+    def short_conv(self, x: torch.Tensor, state: PLEState) -> torch.Tensor:
+        """Dilated depthwise causal conv + SiLU over x [T, C], continuing from state.conv [C, S]."""
+        full = torch.cat([state.conv, x.transpose(0, 1)], dim=-1)  # [C, S + T]
+        state.conv = full[:, full.shape[1] - state.conv.shape[1]:].clone()
+        out = F.conv1d(full[None], self.conv_weight, dilation=self.dilation, groups=full.shape[0])[0]
+        return F.silu(out).transpose(0, 1)

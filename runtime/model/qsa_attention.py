@@ -1,0 +1,129 @@
+"""QSA attention: gated GQA attention whose keys a block indexer picks once the context is long.
+
+The indexer keeps one raw key per token (its own single head); every `ratio` consecutive keys are
+mean-pooled into a block key, normalised and roped at the block's first position (done once, when
+a block completes, and cached). A query at position p sees nb = (p + 1) // ratio complete blocks:
+if nb <= budget / ratio it attends to all of 0..p; otherwise its indexer heads score every complete
+block (sum over heads of relu(q.k) / sqrt(d)), and it attends to the tokens of the top budget/ratio
+blocks plus the incomplete tail. Decode therefore reads at most budget + ratio - 1 keys.
+
+Attention itself: q_proj yields per head a query and a same-sized output gate (sigmoid); q/k norms
+per head (zero-centred); partial rotary; KV heads shared by groups of query heads.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from flashpack.layout.model_config import TextConfig
+from flashpack.runtime.model.norms import RMSNorm
+from flashpack.runtime.model.rope import Rotary, apply_rotary
+from flashpack.runtime.state import AttentionCache
+from flashpack.runtime.weights import WeightSource, load_dense
+
+
+class BlockIndexer(nn.Module):
+    def __init__(self, cfg: TextConfig, source: WeightSource, prefix: str, dtype: torch.dtype, device):
+        super().__init__()
+        self.heads, self.dim = cfg.indexer_n_heads, cfg.indexer_head_dim
+        self.ratio, self.block_topk = cfg.indexer_compress_ratio, cfg.indexer_budget // cfg.indexer_compress_ratio
+        load = lambda name: load_dense(source, prefix + name, dtype, device)  # noqa: E731
+        self.register_buffer("qk_proj", load("index_qk_proj.weight"), persistent=False)  # [(heads + 1) * d, H]
+        self.q_norm = RMSNorm(load("q_layernorm.weight"), cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(load("k_layernorm.weight"), cfg.rms_norm_eps)
+
+    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, H] -> queries [T, heads, d] (normed, roped), raw keys [T, d]."""
+        q, keys = F.linear(x, self.qk_proj).split([self.heads * self.dim, self.dim], dim=-1)
+        q = apply_rotary(self.q_norm(q.unflatten(-1, (self.heads, self.dim))), cos, sin)
+        return q, keys
+
+    def pool_new_blocks(self, cache: AttentionCache, rotary: Rotary) -> None:
+        """Pool, norm and rope the blocks completed since the last call; append them to the cache."""
+        first, complete = cache.blocks, cache.length // self.ratio
+        if complete == first:
+            return
+        tokens = cache.index_keys[first * self.ratio: complete * self.ratio]
+        pooled = tokens.unflatten(0, (-1, self.ratio)).float().mean(dim=1).to(tokens.dtype)
+        starts = torch.arange(first, complete, device=tokens.device) * self.ratio
+        cos, sin = rotary.cos_sin(starts, tokens.dtype)
+        cache.append_blocks(apply_rotary(self.k_norm(pooled)[:, None], cos, sin)[:, 0])
+
+    def block_scores(self, queries: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+        """queries [T, heads, d], blocks [B, d] -> [T, B] = sum_heads relu(q.k) / sqrt(d), fp32."""
+        scores = torch.einsum("thd,bd->tbh", queries.float(), blocks.float())
+        return torch.relu(scores).sum(dim=-1) / math.sqrt(self.dim)
+
+    def select_mask(self, queries: torch.Tensor, start: int, cache: AttentionCache) -> torch.Tensor:
+        """Bool [T, L]: which of the cache's L keys each query (positions start..) attends to."""
+        length, device = cache.length, queries.device
+        positions = torch.arange(start, start + queries.shape[0], device=device)
+        mask = torch.arange(length, device=device)[None, :] <= positions[:, None]
+        visible = [(p + 1) // self.ratio for p in range(start, start + queries.shape[0])]
+        if max(visible) <= self.block_topk:
+            return mask
+        scores = self.block_scores(queries, cache.block_keys)
+        for blocks in sorted(set(v for v in visible if v > self.block_topk)):
+            rows = torch.tensor([v == blocks for v in visible], device=device)
+            top = scores[rows, :blocks].topk(self.block_topk, dim=-1).indices
+            chosen = torch.zeros(top.shape[0], blocks, dtype=torch.bool, device=device).scatter(1, top, True)
+            mask[rows, : blocks * self.ratio] = chosen.repeat_interleave(self.ratio, dim=1)
+        return mask
+
+    def select_indices(self, query: torch.Tensor, position: int, cache: AttentionCache) -> torch.Tensor | None:
+        """One query [1, heads, d] at `position`: int64 key indices to attend, or None for all 0..position."""
+        blocks = (position + 1) // self.ratio
+        if blocks <= self.block_topk:
+            return None
+        scores = self.block_scores(query, cache.block_keys[:blocks])[0]
+        top = scores.topk(self.block_topk).indices.sort().values
+        offsets = torch.arange(self.ratio, device=query.device)
+        tail = torch.arange(blocks * self.ratio, position + 1, device=query.device)
+        return torch.cat([(top[:, None] * self.ratio + offsets).flatten(), tail])
+
+
+class QSAAttention(nn.Module):
+    def __init__(self, cfg: TextConfig, source: WeightSource, prefix: str, rotary: Rotary, dtype, device):
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.rotary = rotary
+        load = lambda name: load_dense(source, prefix + name, dtype, device)  # noqa: E731
+        self.register_buffer("q_proj", load("q_proj.weight"), persistent=False)  # [heads * 2 * hd, H]
+        self.register_buffer("k_proj", load("k_proj.weight"), persistent=False)  # [kv_heads * hd, H]
+        self.register_buffer("v_proj", load("v_proj.weight"), persistent=False)
+        self.register_buffer("o_proj", load("o_proj.weight"), persistent=False)  # [H, heads * hd]
+        self.q_norm = RMSNorm(load("q_norm.weight"), cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(load("k_norm.weight"), cfg.rms_norm_eps)
+        self.indexer = BlockIndexer(cfg, source, prefix + "indexer.", dtype, device)
+
+    def forward(self, x: torch.Tensor, cache: AttentionCache) -> torch.Tensor:
+        """x [T, H] at positions cache.length.. -> [T, H]; appends the T tokens to `cache`."""
+        length, start = x.shape[0], cache.length
+        cos, sin = self.rotary.cos_sin(torch.arange(start, start + length, device=x.device), x.dtype)
+        q, gate = F.linear(x, self.q_proj).view(length, self.heads, 2 * self.head_dim).chunk(2, dim=-1)
+        q = apply_rotary(self.q_norm(q), cos, sin)
+        k = apply_rotary(self.k_norm(F.linear(x, self.k_proj).view(length, self.kv_heads, self.head_dim)), cos, sin)
+        v = F.linear(x, self.v_proj).view(length, self.kv_heads, self.head_dim)
+        index_q, index_k = self.indexer.project(x, cos, sin)
+        cache.append(k.transpose(0, 1), v.transpose(0, 1), index_k)
+        self.indexer.pool_new_blocks(cache, self.rotary)
+
+        keys, values = cache.keys, cache.values  # [kv_heads, L, hd]
+        if length == 1:
+            picked = self.indexer.select_indices(index_q, start, cache)
+            if picked is not None:
+                keys, values = keys[:, picked], values[:, picked]
+            mask = None
+        else:
+            mask = self.indexer.select_mask(index_q, start, cache)[None, None]
+        out = F.scaled_dot_product_attention(
+            q.transpose(0, 1)[None], keys[None], values[None], attn_mask=mask,
+            scale=self.head_dim ** -0.5, enable_gqa=self.heads != self.kv_heads,
+        )[0]  # [heads, T, hd]
+        out = out.transpose(0, 1).reshape(length, self.heads * self.head_dim)
+        out = out * torch.sigmoid(gate.reshape(length, self.heads * self.head_dim))
+        return F.linear(out, self.o_proj)

@@ -1,0 +1,185 @@
+"""Everything one sequence carries between engine steps, in one object with snapshot/restore.
+
+    SequenceState
+      position          tokens the backbone has consumed (the next token's position)
+      deltanet[l]       DeltaNet layer l: causal-conv input tail + recurrent state (fp32)
+      attention[l]      QSA layer l: roped K/V, raw indexer keys, pooled block keys;
+                        MTP layers sit at l = num_hidden_layers + j, their length is the MTP position
+      ple[l]            PLE layer l: last ngram_size - 1 tokens (CPU) + dilated-conv input tail
+
+`snapshot()` returns a deep copy; `restore(snapshot)` copies it back (the snapshot stays usable),
+which is what prompt reuse and speculative rollback build on. Attention buffers grow by doubling,
+so appending one token costs O(1) amortised, never a copy of the whole prefix.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from flashpack.layout.model_config import TextConfig
+
+
+@dataclass
+class DeltaNetState:
+    conv: torch.Tensor  # [2 * key_dim + value_dim, conv_kernel - 1] pre-conv q/k/v inputs
+    recurrent: torch.Tensor  # [value_heads, key_head_dim, value_head_dim], fp32
+
+    def copy(self) -> "DeltaNetState":
+        return DeltaNetState(self.conv.clone(), self.recurrent.clone())
+
+
+@dataclass
+class PLEState:
+    context: torch.Tensor  # int64 [ngram_size - 1] on CPU, EOS before the first token
+    conv: torch.Tensor  # [hc * H, (ple_conv_kernel - 1) * ngram_size]
+
+    def copy(self) -> "PLEState":
+        return PLEState(self.context.clone(), self.conv.clone())
+
+
+class AttentionCache:
+    """Per-position keys of one QSA layer, in buffers that grow by doubling."""
+
+    def __init__(
+        self, kv_heads: int, head_dim: int, index_dim: int, ratio: int,
+        dtype: torch.dtype, device: torch.device | str, capacity: int = 64,
+    ):
+        self.ratio, self.length, self.blocks = ratio, 0, 0
+        capacity = -(-max(capacity, ratio) // ratio) * ratio
+        self._keys = torch.empty(kv_heads, capacity, head_dim, dtype=dtype, device=device)
+        self._values = torch.empty_like(self._keys)
+        self._index_keys = torch.empty(capacity, index_dim, dtype=dtype, device=device)
+        self._block_keys = torch.empty(capacity // ratio, index_dim, dtype=dtype, device=device)
+
+    @property
+    def keys(self) -> torch.Tensor:  # [kv_heads, length, head_dim], roped
+        return self._keys[:, : self.length]
+
+    @property
+    def values(self) -> torch.Tensor:  # [kv_heads, length, head_dim]
+        return self._values[:, : self.length]
+
+    @property
+    def index_keys(self) -> torch.Tensor:  # [length, index_dim], before norm and rope
+        return self._index_keys[: self.length]
+
+    @property
+    def block_keys(self) -> torch.Tensor:  # [blocks, index_dim], pooled, normed, roped at block start
+        return self._block_keys[: self.blocks]
+
+    @property
+    def capacity(self) -> int:
+        return self._keys.shape[1]
+
+    def append(self, keys: torch.Tensor, values: torch.Tensor, index_keys: torch.Tensor) -> None:
+        """keys, values [kv_heads, T, head_dim]; index_keys [T, index_dim]."""
+        new = keys.shape[1]
+        if self.length + new > self.capacity:
+            self._grow(self.length + new)
+        end = self.length + new
+        self._keys[:, self.length:end] = keys
+        self._values[:, self.length:end] = values
+        self._index_keys[self.length:end] = index_keys
+        self.length = end
+
+    def append_blocks(self, block_keys: torch.Tensor) -> None:
+        """Pooled keys of the next complete blocks, [n, index_dim] (capacity follows the tokens)."""
+        end = self.blocks + block_keys.shape[0]
+        self._block_keys[self.blocks:end] = block_keys
+        self.blocks = end
+
+    def _grow(self, needed: int) -> None:
+        capacity = self.capacity
+        while capacity < needed:
+            capacity *= 2
+        self._keys = _resized(self._keys, 1, capacity, self.length)
+        self._values = _resized(self._values, 1, capacity, self.length)
+        self._index_keys = _resized(self._index_keys, 0, capacity, self.length)
+        self._block_keys = _resized(self._block_keys, 0, capacity // self.ratio, self.blocks)
+
+    def copy(self) -> "AttentionCache":
+        """A deep copy holding only the filled part (it grows again on append)."""
+        clone = AttentionCache.__new__(AttentionCache)
+        clone.ratio, clone.length, clone.blocks = self.ratio, self.length, self.blocks
+        capacity = -(-max(self.length, self.ratio) // self.ratio) * self.ratio
+        clone._keys = _resized(self._keys, 1, capacity, self.length)
+        clone._values = _resized(self._values, 1, capacity, self.length)
+        clone._index_keys = _resized(self._index_keys, 0, capacity, self.length)
+        clone._block_keys = _resized(self._block_keys, 0, capacity // self.ratio, self.blocks)
+        return clone
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self._keys, self._values, self._index_keys, self._block_keys))
+
+
+def _resized(buffer: torch.Tensor, dim: int, size: int, filled: int) -> torch.Tensor:
+    shape = list(buffer.shape)
+    shape[dim] = size
+    out = torch.empty(shape, dtype=buffer.dtype, device=buffer.device)
+    out.narrow(dim, 0, filled).copy_(buffer.narrow(dim, 0, filled))
+    return out
+
+
+@dataclass
+class SequenceState:
+    position: int
+    deltanet: dict[int, DeltaNetState]
+    attention: dict[int, AttentionCache]
+    ple: dict[int, PLEState]
+
+    @classmethod
+    def empty(cls, cfg: TextConfig, dtype: torch.dtype, device: torch.device | str) -> "SequenceState":
+        """Fresh state for `cfg`'s backbone and MTP layers, before the first token."""
+        conv_dim = 2 * cfg.linear_key_dim + cfg.linear_value_dim
+        deltanet, attention, ple = {}, {}, {}
+        for layer in range(cfg.num_hidden_layers):
+            if cfg.is_linear(layer):
+                deltanet[layer] = DeltaNetState(
+                    conv=torch.zeros(conv_dim, cfg.linear_conv_kernel_dim - 1, dtype=dtype, device=device),
+                    recurrent=torch.zeros(
+                        cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim,
+                        dtype=torch.float32, device=device,
+                    ),
+                )
+            else:
+                attention[layer] = _attention_cache(cfg, dtype, device)
+            if cfg.ple_index(layer) is not None:
+                ple[layer] = PLEState(
+                    context=torch.full((cfg.ngram_size - 1,), cfg.eos_token_id, dtype=torch.int64),
+                    conv=torch.zeros(
+                        cfg.hc_count * cfg.hidden_size, (cfg.ple_conv_kernel_size - 1) * cfg.ngram_size,
+                        dtype=dtype, device=device,
+                    ),
+                )
+        for mtp_layer in range(cfg.mtp_num_hidden_layers):
+            attention[cfg.num_hidden_layers + mtp_layer] = _attention_cache(cfg, dtype, device)
+        return cls(position=0, deltanet=deltanet, attention=attention, ple=ple)
+
+    def snapshot(self) -> "SequenceState":
+        """A deep copy, independent of this state from now on."""
+        return SequenceState(
+            position=self.position,
+            deltanet={layer: s.copy() for layer, s in self.deltanet.items()},
+            attention={layer: s.copy() for layer, s in self.attention.items()},
+            ple={layer: s.copy() for layer, s in self.ple.items()},
+        )
+
+    def restore(self, snapshot: "SequenceState") -> None:
+        """Become a deep copy of `snapshot` (which stays valid for further restores)."""
+        copy = snapshot.snapshot()
+        self.position, self.deltanet, self.attention, self.ple = (
+            copy.position, copy.deltanet, copy.attention, copy.ple,
+        )
+
+    def nbytes(self) -> int:
+        tensors = [t for s in self.deltanet.values() for t in (s.conv, s.recurrent)]
+        tensors += [t for s in self.ple.values() for t in (s.context, s.conv)]
+        return sum(t.numel() * t.element_size() for t in tensors) + sum(c.nbytes() for c in self.attention.values())
+
+
+def _attention_cache(cfg: TextConfig, dtype: torch.dtype, device: torch.device | str) -> AttentionCache:
+    return AttentionCache(
+        cfg.num_key_value_heads, cfg.head_dim, cfg.indexer_head_dim, cfg.indexer_compress_ratio, dtype, device,
+    )

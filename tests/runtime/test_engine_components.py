@@ -1,0 +1,125 @@
+"""Engine pieces against their references, on awkward shapes: delta rule, n-gram hashing, indexer, state."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from reference_model import EOS, prompts, rel_err
+from transformers.models.qwen4_exp import modeling_qwen4_exp as hf
+
+from flashpack.runtime.model.deltanet import chunk_gated_delta_rule, recurrent_gated_delta_rule
+from flashpack.runtime.model.ple import layer_multipliers
+from flashpack.runtime.state import AttentionCache
+
+
+def _delta_inputs(length: int, heads: int = 3, dk: int = 20, dv: int = 12, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    rand = lambda *shape: torch.randn(*shape, generator=gen)  # noqa: E731
+    q, k, v = rand(length, heads, dk), rand(length, heads, dk), rand(length, heads, dv)
+    g = -torch.rand(length, heads, generator=gen) * 2  # log decay <= 0
+    beta = torch.rand(length, heads, generator=gen)
+    state = rand(heads, dk, dv) * 0.5
+    return q, k, v, g, beta, state
+
+
+@pytest.mark.parametrize("length", [1, 5, 63, 130])
+def test_delta_rule_chunked_equals_recurrent_and_transformers(length):
+    q, k, v, g, beta, state = _delta_inputs(length)
+    out_r, state_r = recurrent_gated_delta_rule(q, k, v, g, beta, state)
+    for chunk in (16, 64):
+        out_c, state_c = chunk_gated_delta_rule(q, k, v, g, beta, state, chunk=chunk)
+        assert rel_err(out_c, out_r) <= 1e-5 and rel_err(state_c, state_r) <= 1e-5
+    ref_out, ref_state = hf.torch_recurrent_gated_delta_rule(
+        q[None], k[None], v[None], g[None], beta[None], initial_state=state[None],
+        output_final_state=True, use_qk_l2norm_in_kernel=True,
+    )
+    assert rel_err(out_r, ref_out[0]) <= 1e-5 and rel_err(state_r, ref_state[0]) <= 1e-5
+
+
+def test_ngram_rows_match_transformers_across_eos_and_steps(bench, engine):
+    cfg = bench.weights.config
+    layer = cfg.ple_layer_ids[0] - 1
+    theirs = bench.reference.model.layers[layer].ple.ple_embedding
+    mine = engine.layers[layer].ple
+    assert layer_multipliers(cfg, 0) == theirs.layer_multipliers.tolist()
+    tokens = [EOS, EOS, 9, EOS, 17, 18, EOS, 20, 21, 22, 23] + prompts()["long_72_eos"]
+    with torch.no_grad():
+        expected = theirs(torch.tensor([tokens]), None)[0]
+    state = engine.new_state().ple[layer]
+    cuts = [0, 1, 2, 3, 7, 8, len(tokens)]
+    actual = torch.cat([mine.embed(torch.tensor(tokens[a:b]), state) for a, b in zip(cuts, cuts[1:])])
+    assert torch.equal(actual, expected)
+    assert state.context.tolist() == tokens[-(cfg.ngram_size - 1):]
+
+
+def test_indexer_selection_equals_transformers_mask(bench, engine):
+    """The engine's token selection per query equals the mask transformers' QSA indexer builds."""
+    cfg = bench.weights.config
+    layer = cfg.layer_types.index("indexed_attention")
+    theirs = bench.reference.model.layers[layer].self_attn.indexer
+    mine = engine.layers[layer].mixer
+    length = 61
+    x = torch.randn(length, cfg.hidden_size, generator=torch.Generator().manual_seed(3))
+    positions = torch.arange(length).view(1, 1, -1).expand(3, 1, -1)
+    cos, sin = bench.reference.model.rotary_emb(x[None], positions)
+    causal = torch.full((length, length), torch.finfo(torch.float32).min).triu(1)[None, None]
+    with torch.no_grad():
+        expected = theirs(x[None], (cos, sin), causal, None)[0, 0]
+
+    cache = AttentionCache(cfg.num_key_value_heads, cfg.head_dim, cfg.indexer_head_dim,
+                           cfg.indexer_compress_ratio, torch.float32, "cpu", capacity=8)
+    rope_cos, rope_sin = mine.rotary.cos_sin(torch.arange(length), torch.float32)
+    queries, keys = mine.indexer.project(x, rope_cos, rope_sin)
+    cache.append(torch.zeros(cfg.num_key_value_heads, length, cfg.head_dim),
+                 torch.zeros(cfg.num_key_value_heads, length, cfg.head_dim), keys)
+    mine.indexer.pool_new_blocks(cache, mine.rotary)
+    actual = mine.indexer.select_mask(queries, 0, cache)
+    assert torch.equal(actual, expected)
+    assert actual.sum(-1).max() <= cfg.indexer_budget + cfg.indexer_compress_ratio - 1
+    for position in (15, 16, 19, 20, 40, 60):  # below, at and above the budget
+        picked = mine.indexer.select_indices(queries[position:position + 1], position, cache)
+        row = torch.arange(position + 1) if picked is None else picked.sort().values
+        assert torch.equal(row, expected[position].nonzero().flatten())
+
+
+def test_pooled_block_keys_are_incremental_and_exact(engine):
+    """Blocks pooled as they complete, token by token, equal blocks pooled from a whole prompt."""
+    tokens = prompts()["long_44"]
+    whole, stepwise = engine.new_state(), engine.new_state()
+    engine(torch.tensor(tokens), whole)
+    for token in tokens:
+        engine(torch.tensor([token]), stepwise)
+    for layer, cache in whole.attention.items():
+        if layer < engine.config.num_hidden_layers:
+            assert cache.blocks == stepwise.attention[layer].blocks == len(tokens) // engine.config.indexer_compress_ratio
+            assert rel_err(stepwise.attention[layer].block_keys, cache.block_keys) <= 1e-5
+
+
+def test_decode_never_reads_unfilled_cache(engine):
+    """Poison every attention buffer past its length with NaN: decoding must not see it."""
+    tokens = prompts()["long_44"]
+    clean, poisoned = engine.new_state(), engine.new_state()
+    engine(torch.tensor(tokens), clean)
+    engine(torch.tensor(tokens), poisoned)
+    for cache in poisoned.attention.values():
+        cache._keys[:, cache.length:] = float("nan")
+        cache._values[:, cache.length:] = float("nan")
+        cache._index_keys[cache.length:] = float("nan")
+        cache._block_keys[cache.blocks:] = float("nan")
+    for token in (3, 4, EOS, 6):
+        expected = engine(torch.tensor([token]), clean).logits
+        actual = engine(torch.tensor([token]), poisoned).logits
+        assert torch.isfinite(actual).all() and torch.equal(actual, expected)
+
+
+def test_attention_cache_grows_by_doubling_and_keeps_contents():
+    cache = AttentionCache(2, 4, 3, ratio=4, dtype=torch.float32, device="cpu", capacity=4)
+    keys = torch.randn(2, 37, 4)
+    for start in range(0, 37, 5):
+        chunk = slice(start, min(start + 5, 37))
+        cache.append(keys[:, chunk], -keys[:, chunk], keys[0, chunk, :3])
+    assert cache.length == 37 and cache.capacity == 64
+    assert torch.equal(cache.keys, keys) and torch.equal(cache.values, -keys)
+    copy = cache.copy()
+    copy.append(keys[:, :1], keys[:, :1], keys[0, :1, :3])
+    assert cache.length == 37 and torch.equal(copy.keys[:, :37], keys)

@@ -52,7 +52,7 @@ class Qwen4ExpModel(nn.Module):
     def new_state(self) -> SequenceState:
         return SequenceState.empty(self.config, self.dtype, self.device)
 
-    @torch.inference_mode()
+    @torch.no_grad()
     def forward(self, tokens: torch.Tensor, state: SequenceState, last_only: bool = False) -> StepOutput:
         """tokens int64 [T] (the next T tokens of the sequence) -> StepOutput; advances `state` by T."""
         tokens = tokens.to(self.device)

@@ -55,7 +55,7 @@ class MTPHead(nn.Module):
         """Next position the MTP layer for draft `step` will write."""
         return state.attention[self.layers[step % len(self.layers)].layer].length
 
-    @torch.inference_mode()
+    @torch.no_grad()
     def forward(
         self, streams: torch.Tensor, next_tokens: torch.Tensor, state: SequenceState, step: int = 0,
     ) -> DraftOutput:

@@ -25,6 +25,8 @@ from flashpack.runtime.model.rope import Rotary, apply_rotary
 from flashpack.runtime.state import AttentionCache
 from flashpack.runtime.weights import WeightSource, load_dense
 
+QUERY_CHUNK = 1024  # prompt queries attended per step
+
 
 class BlockIndexer(nn.Module):
     def __init__(self, cfg: TextConfig, source: WeightSource, prefix: str, dtype: torch.dtype, device):
@@ -59,19 +61,21 @@ class BlockIndexer(nn.Module):
         return torch.relu(scores).sum(dim=-1) / math.sqrt(self.dim)
 
     def select_mask(self, queries: torch.Tensor, start: int, cache: AttentionCache) -> torch.Tensor:
-        """Bool [T, L]: which of the cache's L keys each query (positions start..) attends to."""
-        length, device = cache.length, queries.device
-        positions = torch.arange(start, start + queries.shape[0], device=device)
-        mask = torch.arange(length, device=device)[None, :] <= positions[:, None]
-        visible = [(p + 1) // self.ratio for p in range(start, start + queries.shape[0])]
-        if max(visible) <= self.block_topk:
+        """Bool [T, start + T]: which keys each query (positions start..start+T-1) attends to."""
+        length, device = start + queries.shape[0], queries.device
+        positions = torch.arange(start, length, device=device)
+        mask = torch.arange(length, device=device)[None, :] <= positions[:, None]  # causal
+        most = length // self.ratio  # complete blocks the last query sees
+        if most <= self.block_topk:
             return mask
-        scores = self.block_scores(queries, cache.block_keys)
-        for blocks in sorted(set(v for v in visible if v > self.block_topk)):
-            rows = torch.tensor([v == blocks for v in visible], device=device)
-            top = scores[rows, :blocks].topk(self.block_topk, dim=-1).indices
-            chosen = torch.zeros(top.shape[0], blocks, dtype=torch.bool, device=device).scatter(1, top, True)
-            mask[rows, : blocks * self.ratio] = chosen.repeat_interleave(self.ratio, dim=1)
+        visible = (positions + 1) // self.ratio  # complete blocks per query
+        seen = torch.arange(most, device=device)[None, :] < visible[:, None]  # [T, most]
+        scores = self.block_scores(queries, cache.block_keys[:most]).masked_fill(~seen, float("-inf"))
+        top = scores.topk(self.block_topk, dim=-1).indices
+        chosen = torch.zeros_like(seen).scatter(1, top, True) & seen
+        chosen |= seen & (visible[:, None] <= self.block_topk)  # under the budget: every block
+        keep = (chosen | ~seen).repeat_interleave(self.ratio, dim=1)  # unseen blocks: tail or future
+        mask[:, : most * self.ratio] &= keep
         return mask
 
     def select_indices(self, query: torch.Tensor, position: int, cache: AttentionCache) -> torch.Tensor | None:
@@ -112,18 +116,26 @@ class QSAAttention(nn.Module):
         cache.append(k.transpose(0, 1), v.transpose(0, 1), index_k)
         self.indexer.pool_new_blocks(cache, self.rotary)
 
-        keys, values = cache.keys, cache.values  # [kv_heads, L, hd]
         if length == 1:
             picked = self.indexer.select_indices(index_q, start, cache)
+            keys, values = cache.keys, cache.values  # [kv_heads, L, hd]
             if picked is not None:
                 keys, values = keys[:, picked], values[:, picked]
-            mask = None
-        else:
-            mask = self.indexer.select_mask(index_q, start, cache)[None, None]
-        out = F.scaled_dot_product_attention(
-            q.transpose(0, 1)[None], keys[None], values[None], attn_mask=mask,
-            scale=self.head_dim ** -0.5, enable_gqa=self.heads != self.kv_heads,
-        )[0]  # [heads, T, hd]
+            out = self.attend(q, keys, values, None)
+        else:  # a prompt: query chunks bound the [chunk, L] masks and scores
+            pieces = []
+            for a in range(0, length, QUERY_CHUNK):
+                b = min(a + QUERY_CHUNK, length)
+                mask = self.indexer.select_mask(index_q[a:b], start + a, cache)  # [b - a, start + b]
+                pieces.append(self.attend(q[a:b], cache.keys[:, : start + b], cache.values[:, : start + b], mask))
+            out = torch.cat(pieces, dim=1)
         out = out.transpose(0, 1).reshape(length, self.heads * self.head_dim)
         out = out * torch.sigmoid(gate.reshape(length, self.heads * self.head_dim))
         return F.linear(out, self.o_proj)
+
+    def attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None):
+        """q [T, heads, hd], keys/values [kv_heads, L, hd], mask bool [T, L] or None -> [heads, T, hd]."""
+        return F.scaled_dot_product_attention(
+            q.transpose(0, 1)[None], keys[None], values[None], attn_mask=None if mask is None else mask[None, None],
+            scale=self.head_dim ** -0.5, enable_gqa=self.heads != self.kv_heads,
+        )[0]

@@ -32,9 +32,17 @@ class Bench:
         return MTPHead(engine, self.weights, self.experts)
 
 
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Tiny matrices: more threads only add contention (restored after each test)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="session")
 def bench() -> Bench:
-    torch.set_num_threads(min(torch.get_num_threads(), 2))
     reference = build_reference(seed=0)
     mtp = mtp_tensors(text_config(reference), seed=0)
     return Bench(reference, StateDictWeights(reference, mtp), StateDictExperts(reference, mtp), mtp)

@@ -91,6 +91,15 @@ def test_chunked_prefill_matches_one_pass(engine):
     assert rel_err(torch.cat(pieces), full) <= TOL
 
 
+def test_prompt_query_chunks_do_not_change_results(engine, monkeypatch):
+    from flashpack.runtime.model import qsa_attention
+
+    tokens = PROMPTS["long_72_eos"]
+    whole = engine(torch.tensor(tokens), engine.new_state()).logits
+    monkeypatch.setattr(qsa_attention, "QUERY_CHUNK", 7)
+    assert rel_err(engine(torch.tensor(tokens), engine.new_state()).logits, whole) <= TOL
+
+
 def test_snapshot_restore_gives_identical_continuation(engine):
     tokens = PROMPTS["long_44"]
     state = engine.new_state()

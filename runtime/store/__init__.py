@@ -1,0 +1,35 @@
+"""The tiered expert store: device slot pool, pinned host cache, the pack read with O_DIRECT.
+
+    build_store(pack, vram_budget, ram_budget, device, policy, verify_records, hot_set=...) -> TieredStore
+    TieredStore.fetch(layer, experts)       the engine's ExpertFetcher call
+    TieredStore.request / wait              the asynchronous form (handles, ready or in flight)
+    profile_pack / record_trace / replay_trace   `flashpack profile` and `flashpack trace`
+
+Bookkeeping (policy, residency, capacity, budget, simulate, trace, stats) is plain Python; the
+modules that move bytes (reader, tiers, store, prewarm) are the only ones that touch torch.
+Imports are lazy so the plain-Python parts load without torch.
+"""
+
+from __future__ import annotations
+
+__all__ = ["build_store", "TieredStore", "profile_pack", "record_trace", "replay_trace"]
+
+
+def __getattr__(name: str):
+    if name == "build_store":
+        from flashpack.runtime.store.build import build_store
+
+        return build_store
+    if name == "TieredStore":
+        from flashpack.runtime.store.store import TieredStore
+
+        return TieredStore
+    if name in ("profile_pack", "record_trace"):
+        from flashpack.runtime.store import profile
+
+        return getattr(profile, name)
+    if name == "replay_trace":
+        from flashpack.runtime.store.simulate import replay_trace
+
+        return replay_trace
+    raise AttributeError(name)

@@ -1,0 +1,93 @@
+"""`build_store`: a TieredStore for a pack from the CLI's flags (budgets, device, policy, hot set).
+
+What the engine keeps on the device besides experts (dense weights in the engine dtype, the
+dequantised experts of one fetch, the KV the caller reserves) is counted against --vram-budget
+before the pool is cut into slots; the pinned host cache gets --ram-budget. A budget too small
+for one layer's top_k is refused here, at start, with the minimum in the message.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import torch
+
+from flashpack.errors import FlashpackError
+from flashpack.layout.manifest import Manifest
+from flashpack.layout.pack import Pack
+from flashpack.runtime.store.budget import parse_budget, plan_store
+from flashpack.runtime.store.policy import DEFAULT_POLICY, make_policy
+from flashpack.runtime.store.store import TieredStore
+
+_DTYPE_BYTES = {"bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2, "float32": 4, "fp32": 4}
+
+
+def resident_device_bytes(
+    manifest: Manifest, dtype: str | torch.dtype = "auto", kv_bytes: int = 0, device: str | torch.device = "cpu",
+) -> int:
+    """Bytes the engine holds on the device outside the expert pool: dense weights (FP8 rows
+    dequantised to `dtype`; their row scales are folded in), one fetch's dequantised experts
+    (float32 today: top_k x 3 x H x I x 4), and `kv_bytes` the caller reserves for KV/state.
+    dtype "auto" is the engine's: BF16 on a GPU, FP32 on a CPU."""
+    if dtype == "auto":
+        dtype = "bfloat16" if torch.device(device).type == "cuda" else "float32"
+    width = torch.empty((), dtype=dtype).element_size() if isinstance(dtype, torch.dtype) else _DTYPE_BYTES.get(dtype, 2)
+    tensors = manifest.dense_tensors()
+    scales = {t.row_scale for t in tensors.values() if t.row_scale}
+    dense = sum(math.prod(t.shape) * width for name, t in tensors.items() if name not in scales)
+    cfg = manifest.config
+    work = cfg.num_experts_per_tok * 3 * cfg.hidden_size * cfg.moe_intermediate_size * 4
+    return dense + work + kv_bytes
+
+
+def build_store(
+    pack: Pack | Path | str,
+    vram_budget: str | int | None = None,
+    ram_budget: str | int | None = None,
+    device: str | torch.device = "cpu",
+    policy: str = DEFAULT_POLICY,
+    verify_records: bool = True,
+    *,
+    hot_set: str | None = None,
+    dtype: str | torch.dtype = "auto",
+    kv_bytes: int = 0,
+    device_reserved: int | None = None,
+    host_reserved: int = 0,
+    reader_threads: int = 8,
+    direct_io: bool = True,
+    rebalance: bool = True,
+    poison: bool = False,
+) -> TieredStore:
+    """A ready store. Budgets: "24GiB"-style strings or bytes; None = room for every record.
+
+    `device_reserved` overrides the estimate of what else lives on the device (see
+    `resident_device_bytes`); `hot_set` names a profile in the manifest's hot_sets to pre-warm
+    the device pool, then the host cache, from."""
+    pack = pack if isinstance(pack, Pack) else Pack.open(pack)
+    make_policy(policy)  # an unknown name fails here, before any memory is taken
+    manifest = pack.manifest
+    profile = None
+    if hot_set is not None:
+        profile = manifest.hot_sets.get(hot_set)
+        if profile is None:
+            names = ", ".join(sorted(manifest.hot_sets)) or "none; run `flashpack profile` first"
+            raise FlashpackError(f"pack has no hot set {hot_set!r} (has: {names})")
+    if device_reserved is None:
+        device_reserved = resident_device_bytes(manifest, dtype, kv_bytes, device)
+    plan = plan_store(
+        record_stride=manifest.document["experts"]["record_stride"],
+        total_records=len(manifest.document["experts"]["records"]),
+        top_k=manifest.config.num_experts_per_tok,
+        vram_budget=parse_budget(vram_budget, "--vram-budget"),
+        ram_budget=parse_budget(ram_budget, "--ram-budget"),
+        device_reserved=device_reserved,
+        host_reserved=host_reserved,
+    )
+    store = TieredStore(pack, plan, device=device, policy=policy, verify_records=verify_records,
+                        reader_threads=reader_threads, direct_io=direct_io, rebalance=rebalance, poison=poison)
+    if profile is not None:
+        from flashpack.runtime.store.hotset import apply_hot_set
+
+        apply_hot_set(store, profile)
+    return store

@@ -1,0 +1,146 @@
+"""Eviction policies: which resident expert of a partition leaves when a new one needs its slot.
+
+A policy sees the requests of one partition (one layer of the device pool, or the whole host
+cache) and, asked for a victim, names one of the resident keys the caller may evict (keys that
+are pinned by a read or a computation in flight are skipped). Plain Python, no torch: the store
+and the trace simulator use the very same objects.
+
+    lru        least recently used
+    lfu        least frequently used, counting every request since start (counts survive
+               eviction, so a popular expert that was pushed out comes back with its history);
+               ties go to the least recently used. The default: on skewed routing it misses less
+               than LRU (bench: see the store's README table).
+    lfu-decay  LFU whose counts halve every `half_life` requests: follows a workload that shifts
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Callable, Hashable, Iterable
+
+from flashpack.errors import FlashpackError
+
+Key = Hashable
+
+
+class EvictionPolicy:
+    name = "base"
+
+    def admit(self, key: Key) -> None:
+        """`key` became resident because it was requested (a miss)."""
+        raise NotImplementedError
+
+    def touch(self, key: Key) -> None:
+        """`key` was requested and was resident (a hit)."""
+        raise NotImplementedError
+
+    def forget(self, key: Key) -> None:
+        """`key` left the cache (evicted, moved or failed)."""
+        raise NotImplementedError
+
+    def victim(self, evictable: Callable[[Key], bool]) -> Key | None:
+        """The resident key to evict among those `evictable` accepts, or None."""
+        raise NotImplementedError
+
+    def seed(self, key: Key, count: float) -> None:
+        """`key` was placed without a request (pre-warming); `count` is its profile weight."""
+        self.admit(key)
+
+
+class LRU(EvictionPolicy):
+    name = "lru"
+
+    def __init__(self) -> None:
+        self._order: OrderedDict[Key, None] = OrderedDict()  # oldest first
+
+    def admit(self, key: Key) -> None:
+        self._order[key] = None
+        self._order.move_to_end(key)
+
+    touch = admit
+
+    def forget(self, key: Key) -> None:
+        self._order.pop(key, None)
+
+    def victim(self, evictable: Callable[[Key], bool]) -> Key | None:
+        return next((key for key in self._order if evictable(key)), None)
+
+    def seed(self, key: Key, count: float) -> None:
+        # Pre-warmed keys go in coldest-first order, so the hottest is the most recent.
+        self.admit(key)
+
+
+class LFU(EvictionPolicy):
+    name = "lfu"
+
+    def __init__(self) -> None:
+        self._counts: dict[Key, float] = {}  # every key ever requested: history survives eviction
+        self._last: dict[Key, int] = {}  # resident keys -> tick of their last request
+        self._tick = 0
+
+    def _bump(self, key: Key, amount: float = 1.0) -> None:
+        self._tick += 1
+        self._counts[key] = self._counts.get(key, 0.0) + amount
+        self._last[key] = self._tick
+
+    def admit(self, key: Key) -> None:
+        self._bump(key)
+
+    touch = admit
+
+    def forget(self, key: Key) -> None:
+        self._last.pop(key, None)
+
+    def victim(self, evictable: Callable[[Key], bool]) -> Key | None:
+        candidates = [key for key in self._last if evictable(key)]
+        if not candidates:
+            return None
+        return min(candidates, key=lambda key: (self._counts[key], self._last[key]))
+
+    def seed(self, key: Key, count: float) -> None:
+        # A profile's count is a prior worth one request: enough to order the pre-warmed keys
+        # among themselves, not so much that a stale profile outlives the live workload.
+        self._tick += 1
+        self._counts.setdefault(key, 0.0)
+        self._last[key] = self._tick
+
+    def count(self, key: Key) -> float:
+        return self._counts.get(key, 0.0)
+
+
+class DecayingLFU(LFU):
+    """Counts weighted by 2^(t / half_life): the same order as halving every count each
+    half_life requests, without touching every count; rescaled before floats overflow."""
+
+    name = "lfu-decay"
+
+    def __init__(self, half_life: int = 512) -> None:
+        super().__init__()
+        self._growth = 2.0 ** (1.0 / half_life)
+        self._weight = 1.0
+
+    def _bump(self, key: Key, amount: float = 1.0) -> None:
+        self._weight *= self._growth
+        if self._weight > 1e100:
+            self._counts = {k: v / self._weight for k, v in self._counts.items()}
+            self._weight = 1.0
+        super()._bump(key, amount * self._weight)
+
+
+POLICIES: dict[str, Callable[[], EvictionPolicy]] = {"lru": LRU, "lfu": LFU, "lfu-decay": DecayingLFU}
+DEFAULT_POLICY = "lfu"
+
+
+def make_policy(name: str) -> EvictionPolicy:
+    try:
+        return POLICIES[name]()
+    except KeyError:
+        raise FlashpackError(f"unknown eviction policy {name!r}: choose one of {', '.join(POLICIES)}") from None
+
+
+def policy_names(names: Iterable[str] | None = None) -> list[str]:
+    names = list(names) if names else list(POLICIES)
+    for name in names:
+        if name not in POLICIES:
+            raise FlashpackError(f"unknown eviction policy {name!r}: choose one of {', '.join(POLICIES)}")
+    return names

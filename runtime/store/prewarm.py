@@ -1,0 +1,88 @@
+"""Pre-warming: fill the host cache, then the device pool, from a hot-set profile at start.
+
+The host tier gets the hottest records of all layers (each layer's device share first, then the
+rest by count), read in runs of records that are contiguous on disk: one `preadv` of several
+page-aligned slots per run, so a pack whose hot experts were moved together (`--reorder`) is read
+sequentially. The device pool then takes each layer's hottest `capacity[layer]` experts through
+the ordinary request path (host hits, or disk reads where the host tier was too small).
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import wait as wait_futures
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from flashpack.runtime.store.store import TieredStore
+
+MAX_RUN = 64  # records per preadv
+
+
+def plan_prewarm(
+    ranked: dict[int, list[int]], counts: dict[int, list[int]] | None, device_capacity: dict[int, int], host_slots: int,
+) -> tuple[dict[int, list[int]], list[tuple[int, int]]]:
+    """(device targets per layer, host targets hottest first). Plain Python."""
+    device = {layer: list(experts[:device_capacity.get(layer, 0)]) for layer, experts in ranked.items()}
+    first = [(layer, e) for layer, experts in device.items() for e in experts]
+    rest = []
+    for layer, experts in ranked.items():
+        weights = (counts or {}).get(layer) or [len(experts) - rank for rank in range(len(experts))]
+        cut = len(device[layer])
+        rest += [(-weights[rank], rank, layer, e) for rank, e in enumerate(experts) if rank >= cut]
+    rest.sort()
+    host = (first + [(layer, e) for _, _, layer, e in rest])[:host_slots]
+    return device, host
+
+
+def prewarm_store(store: "TieredStore", ranked: dict[int, list[int]], counts: dict[int, list[int]] | None = None) -> dict[str, int]:
+    start = time.perf_counter()
+    ranked = {layer: experts for layer, experts in ranked.items() if layer in store.device_slots.capacity}
+    device, host = plan_prewarm(ranked, counts, store.device_slots.capacity, store.host_slots.slots)
+    loads = _prewarm_host(store, host)
+    wait_futures(loads)
+    placed_device = 0
+    for layer, experts in device.items():
+        remaining = [e for e in experts if (layer, e) not in store.device_slots]
+        while remaining:
+            handles, remaining = store._request(layer, remaining, partial=True, prewarm=True)
+            for handle in handles:
+                try:
+                    handle.wait()
+                    placed_device += 1
+                except Exception:
+                    pass  # a bad record is reported when a request needs it, not at pre-warming
+                finally:
+                    handle.release()
+    store.stats.add_time("prewarm_seconds", time.perf_counter() - start)
+    return {"device": placed_device, "host": len(loads)}
+
+
+def _prewarm_host(store: "TieredStore", keys: list[tuple[int, int]]):
+    """Place `keys` in the host cache (coldest first, so LRU keeps the hottest longest) and
+    submit their reads in contiguous runs; returns the loads' futures."""
+    from concurrent.futures import Future
+
+    placed = []
+    with store._changed:
+        for key in reversed(keys):
+            if key in store.host_slots:
+                continue
+            store._place_host(key, seed=1.0)
+            store._host_loads[key] = Future()
+            store.stats.bump(key[0], prewarmed_host=1)
+            placed.append(key)
+    entries = sorted(((store.pack.record_entry(*key), key) for key in placed), key=lambda p: (p[0].file, p[0].offset))
+    runs: list[list[tuple[int, int]]] = []
+    previous = None
+    for entry, key in entries:
+        if (previous is not None and entry.file == previous.file and entry.offset == previous.offset + store.stride
+                and len(runs[-1]) < MAX_RUN):
+            runs[-1].append(key)
+        else:
+            runs.append([key])
+        previous = entry
+    loads = [store._host_loads[key] for key in placed]
+    for run in runs:
+        store._readers.submit(store._read_job, run, None, True)
+    return loads

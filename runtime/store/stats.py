@@ -1,0 +1,107 @@
+"""What the store did: hits, misses and bytes moved per tier and per layer, and time spent waiting.
+
+Tiers: `device` (the slot pool the compute reads), `host` (the pinned RAM cache), `disk` (the
+pack, read with O_DIRECT). A request is a device hit, else a host hit (one host->device copy),
+else a disk read (disk->host, then host->device). Pre-warming is counted apart, so the hits it
+buys show up as hits and the bytes it moved are not charged to decoding. Plain Python.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field, fields
+
+
+@dataclass
+class LayerCounters:
+    requests: int = 0
+    device_hits: int = 0
+    host_hits: int = 0  # device misses served from the host cache
+    disk_reads: int = 0  # device misses read from disk (host misses)
+    joined: int = 0  # requests that joined a read or copy already in flight
+    bytes_host_to_device: int = 0
+    bytes_disk_to_host: int = 0
+    evictions_device: int = 0
+    evictions_host: int = 0
+    prewarmed_device: int = 0  # records placed by pre-warming (not requests)
+    prewarmed_host: int = 0
+    prewarm_bytes_disk_to_host: int = 0  # bytes pre-warming moved (not in the bytes_* above)
+    prewarm_bytes_host_to_device: int = 0
+    failed: int = 0
+
+    def add(self, other: "LayerCounters") -> None:
+        for f in fields(self):
+            setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
+
+
+@dataclass
+class StoreStats:
+    layers: dict[int, LayerCounters] = field(default_factory=dict)
+    wait_seconds: float = 0.0  # time fetch/wait spent blocked on reads and copies
+    prewarm_seconds: float = 0.0
+    read_seconds: float = 0.0  # time reader threads spent in preadv (summed over threads)
+    verified_records: int = 0
+    tokens: int = 0  # set by whoever knows (bench, run); divides the per-token figures
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def layer(self, layer: int) -> LayerCounters:
+        counters = self.layers.get(layer)
+        if counters is None:
+            counters = self.layers[layer] = LayerCounters()
+        return counters
+
+    def bump(self, layer: int, **amounts: int) -> None:
+        """Thread-safe increments: reader threads count bytes while the engine counts hits."""
+        with self._lock:
+            counters = self.layer(layer)
+            for name, amount in amounts.items():
+                setattr(counters, name, getattr(counters, name) + amount)
+
+    def add_time(self, name: str, seconds: float) -> None:
+        with self._lock:
+            setattr(self, name, getattr(self, name) + seconds)
+
+    def total(self) -> LayerCounters:
+        out = LayerCounters()
+        for counters in self.layers.values():
+            out.add(counters)
+        return out
+
+    def reset(self) -> None:
+        """Zero the counters (after pre-warming or warm-up), keeping nothing but the lock."""
+        with self._lock:
+            self.layers.clear()
+            self.wait_seconds = self.read_seconds = self.prewarm_seconds = 0.0
+            self.verified_records = self.tokens = 0
+
+    def to_dict(self) -> dict:
+        total = self.total()
+        misses = total.requests - total.device_hits
+        per_token = (lambda v: v / self.tokens) if self.tokens else (lambda v: None)
+        return {
+            "tiers": {
+                "device": {"hits": total.device_hits, "misses": misses, "evictions": total.evictions_device,
+                           "prewarmed": total.prewarmed_device},
+                "host": {"hits": total.host_hits, "misses": total.disk_reads, "evictions": total.evictions_host,
+                         "prewarmed": total.prewarmed_host, "bytes_to_device": total.bytes_host_to_device,
+                         "prewarm_bytes_to_device": total.prewarm_bytes_host_to_device},
+                "disk": {"reads": total.disk_reads, "bytes_to_host": total.bytes_disk_to_host,
+                         "prewarm_bytes_to_host": total.prewarm_bytes_disk_to_host},
+            },
+            "requests": total.requests,
+            "joined": total.joined,
+            "failed": total.failed,
+            "device_hit_rate": total.device_hits / total.requests if total.requests else None,
+            "tokens": self.tokens,
+            "per_token": {
+                "device_misses": per_token(misses), "disk_reads": per_token(total.disk_reads),
+                "bytes_host_to_device": per_token(total.bytes_host_to_device),
+                "bytes_disk_to_host": per_token(total.bytes_disk_to_host),
+            },
+            "wait_seconds": self.wait_seconds,
+            "read_seconds": self.read_seconds,
+            "prewarm_seconds": self.prewarm_seconds,
+            "verified_records": self.verified_records,
+            "layers": {str(layer): {f.name: getattr(c, f.name) for f in fields(c)}
+                       for layer, c in sorted(self.layers.items())},
+        }

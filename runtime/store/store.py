@@ -1,0 +1,455 @@
+"""TieredStore: the engine's ExpertFetcher over a device slot pool, a pinned host cache and the pack.
+
+    request(layer, experts) -> handles     device hit: ready now; host hit: one copy in flight;
+                                           miss: O_DIRECT read (reader threads) then a copy
+    wait(handles) -> {expert: ExpertWeights}   blocks on the copies, dequantises, releases slots
+    fetch(layer, experts) = wait(request(...)), in chunks when a prefill asks for more experts
+                                           than the layer's share of the pool
+
+Residency (which key is where, pins, policies, per-layer capacity) lives in `Residency` objects
+guarded by one lock; reader and copy threads only move bytes and then publish, under that lock,
+that a slot is ready. A request for an expert already in flight joins it. Copies to the device run
+on their own CUDA stream; a slot is reused only after the compute that read it has finished (an
+event recorded at release). A failed read or a corrupt record fails the requests waiting on it
+with a FlashpackError naming layer and expert, and frees its slots; everything else goes on.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Iterable
+
+import torch
+
+from flashpack.errors import FlashpackError
+from flashpack.layout.pack import Pack
+from flashpack.layout.records import PROJECTIONS, decode_record, record_hash
+from flashpack.runtime.experts import ExpertWeights
+from flashpack.runtime.store.budget import StorePlan
+from flashpack.runtime.store.capacity import Rebalancer, even_split, weighted_split
+from flashpack.runtime.store.policy import DEFAULT_POLICY, make_policy
+from flashpack.runtime.store.reader import RecordReader
+from flashpack.runtime.store.residency import Entry, NoRoom, Residency
+from flashpack.runtime.store.stats import StoreStats
+from flashpack.runtime.store.tiers import SlotPool
+
+HOST = 0  # the host cache's single partition
+WAIT_TIMEOUT_S = 600.0
+
+
+@dataclass
+class ExpertHandle:
+    """One requested expert: its device slot, ready now or once its copy lands."""
+
+    layer: int
+    expert: int
+    slot: int
+    source: str  # "device", "host", "disk" or "joined"
+    _store: "TieredStore"
+    _entry: Entry
+    _future: Future | None = None
+    _released: bool = False
+
+    def ready(self) -> bool:
+        return self._future is None or self._future.done()
+
+    def wait(self, timeout: float | None = WAIT_TIMEOUT_S) -> torch.Tensor:
+        """The record's bytes in the device pool, uint8 [stride]; raises FlashpackError on failure."""
+        if self._future is not None:
+            self._future.result(timeout)
+        return self._store.device_pool.slot(self.slot)
+
+    def release(self) -> None:
+        if not self._released:
+            self._released = True
+            self._store._release(self)
+
+
+class TieredStore:
+    def __init__(
+        self,
+        pack: Pack,
+        plan: StorePlan,
+        device: torch.device | str = "cpu",
+        policy: str = DEFAULT_POLICY,
+        host_policy: str | None = None,
+        verify_records: bool = True,
+        reader_threads: int = 8,
+        direct_io: bool = True,
+        rebalance: bool = True,
+        poison: bool = False,
+    ):
+        self.pack, self.plan, self.device = pack, plan, torch.device(device)
+        self.geometry = pack.manifest.geometry
+        self.stride = pack.manifest.document["experts"]["record_stride"]
+        if plan.record_stride != self.stride:
+            raise ValueError(f"plan is for records of {plan.record_stride} bytes, the pack's are {self.stride}")
+        records = pack.manifest.expert_records()
+        self.layers = sorted({r.layer for r in records})
+        self.top_k = pack.manifest.config.num_experts_per_tok
+        self.verify_records = verify_records
+        self.stats = StoreStats()
+        cuda = self.device.type == "cuda"
+        self.device_pool = SlotPool(plan.device_slots, self.stride, self.device, poison=poison)
+        self.host_pool = SlotPool(plan.host_slots, self.stride, "cpu", host=True, pin=cuda, poison=poison)
+        self.device_slots = Residency(plan.device_slots, even_split(self.layers, plan.device_slots),
+                                      lambda: make_policy(policy))
+        self.host_slots = Residency(plan.host_slots, {HOST: plan.host_slots}, lambda: make_policy(host_policy or policy))
+        floor = min(self.top_k, plan.device_slots // len(self.layers))
+        self.rebalancer = Rebalancer(floor=floor, window=32 * len(self.layers)) if rebalance else None
+        self.reader = RecordReader(pack.root, sorted({r.file for r in records}), direct=direct_io)
+        self._readers = ThreadPoolExecutor(reader_threads, thread_name_prefix="flashpack-read")
+        self._copier = ThreadPoolExecutor(1, thread_name_prefix="flashpack-copy")
+        self._copy_stream = torch.cuda.Stream(self.device) if cuda else None
+        self._slot_free_events: dict[int, torch.cuda.Event] = {}
+        self._lock = threading.Lock()
+        self._changed = threading.Condition(self._lock)  # a slot was released or a load finished
+        self._inflight: dict[tuple[int, int], Future] = {}  # device loads not yet ready
+        self._host_loads: dict[tuple[int, int], Future] = {}  # host loads not yet ready
+        self._verified: set[tuple[int, int]] = set()
+        self._closed = False
+
+    # ---- the ExpertFetcher call -------------------------------------------------------------
+
+    def fetch(self, layer: int, experts: list[int]) -> dict[int, ExpertWeights]:
+        """Dequantised weights of `experts` of `layer` (on the store's device)."""
+        fetched: dict[int, ExpertWeights] = {}
+        remaining = list(experts)
+        before = self.stats.layer(layer).device_hits
+        while remaining:
+            handles, remaining = self._request(layer, remaining, partial=True)
+            fetched.update(self.wait(handles))
+        if self.rebalancer is not None:
+            self._rebalance(layer, self.stats.layer(layer).device_hits - before, len(experts))
+        return fetched
+
+    # ---- asynchronous API -------------------------------------------------------------------
+
+    def request(self, layer: int, experts: Iterable[int]) -> list[ExpertHandle]:
+        """Start loading `experts`; their slots stay pinned until `wait` or `release`.
+
+        Raises FlashpackError when the layer cannot hold them all at once (use `fetch`)."""
+        handles, left = self._request(layer, list(experts), partial=False)
+        return handles
+
+    def wait(self, handles: list[ExpertHandle]) -> dict[int, ExpertWeights]:
+        """Block until every handle's copy landed; dequantise; release the slots."""
+        fetched, failure, waited = {}, None, 0.0
+        try:
+            for handle in handles:
+                start = time.perf_counter()
+                try:
+                    raw = handle.wait()
+                except FlashpackError as error:
+                    failure = failure or error
+                    continue
+                finally:
+                    waited += time.perf_counter() - start
+                fetched[handle.expert] = self._dequantize(handle, raw)
+        finally:
+            self.stats.add_time("wait_seconds", waited)
+            for handle in handles:
+                handle.release()
+        if failure is not None:
+            raise failure
+        return fetched
+
+    def _dequantize(self, handle: ExpertHandle, raw: torch.Tensor) -> ExpertWeights:
+        decoded = decode_record(self.geometry, raw[:self.geometry.length],
+                                where=f"layer {handle.layer} expert {handle.expert}")
+        return ExpertWeights(*(decoded.dequantize(p) for p in PROJECTIONS))
+
+    # ---- placing requests (under the lock) --------------------------------------------------
+
+    def _request(self, layer: int, experts: list[int], partial: bool, prewarm: bool = False):
+        """Handles for a prefix of `experts` (all of them unless `partial` and the layer's slots
+        run out), and the experts left over."""
+        if self._closed:
+            raise FlashpackError("the expert store is closed")
+        handles: list[ExpertHandle] = []
+        with self._changed:
+            index = 0
+            while index < len(experts):
+                key = (layer, experts[index])
+                try:
+                    handles.append(self._admit(key, prewarm))
+                except NoRoom:
+                    if handles and partial:
+                        break
+                    if self._inflight or self._host_loads or self._pins() > len(handles):
+                        # loads in flight or other requests hold the slots: wait for a release
+                        if not self._changed.wait(WAIT_TIMEOUT_S):
+                            self._unpin_all(handles)
+                            raise FlashpackError(f"layer {layer}: timed out waiting for a free expert slot")
+                        continue
+                    self._unpin_all(handles)
+                    raise FlashpackError(
+                        f"layer {layer}: cannot hold {len(experts)} experts at once "
+                        f"({self.device_slots.capacity[layer]} slots); use fetch()"
+                    ) from None
+                index += 1
+        return handles, experts[index:]
+
+    def _pins(self) -> int:
+        return sum(e.pins for e in self.device_slots.entries.values())
+
+    def _unpin_all(self, handles: list[ExpertHandle]) -> None:
+        for handle in handles:
+            handle._released = True
+            if self.device_slots.get((handle.layer, handle.expert)) is handle._entry:
+                self.device_slots.unpin((handle.layer, handle.expert))
+
+    def _admit(self, key: tuple[int, int], prewarm: bool) -> ExpertHandle:
+        layer, expert = key
+        entry = self.device_slots.get(key)
+        count = (lambda **kw: self.stats.bump(layer, **kw)) if not prewarm else (lambda **kw: None)
+        if entry is not None:
+            self.device_slots.touch(key)
+            self.device_slots.pin(key)
+            if entry.ready:
+                count(requests=1, device_hits=1)
+                return ExpertHandle(layer, expert, entry.slot, "device", self, entry)
+            count(requests=1, joined=1)
+            return ExpertHandle(layer, expert, entry.slot, "joined", self, entry, self._inflight[key])
+        host_entry = self.host_slots.get(key)
+        if host_entry is None and self.host_slots.free_slots == 0 and self.host_slots.unpinned(HOST) == 0:
+            raise NoRoom("every host buffer is in use")  # checked before the device slot is taken
+        slot, evicted = self.device_slots.place(key, layer, pin=True, limit=self.top_k,
+                                                seed=1.0 if prewarm else None)
+        if evicted is not None:
+            self.stats.bump(evicted[0], evictions_device=1)
+        entry = self.device_slots.get(key)
+        future: Future = Future()
+        self._inflight[key] = future
+        if host_entry is not None:
+            self.host_slots.touch(key)
+            self.host_slots.pin(key)
+            if prewarm:
+                self.stats.bump(layer, prewarmed_device=1)
+            count(requests=1, host_hits=1)
+            source = "host"
+            if host_entry.ready:
+                self._copier.submit(self._copy_job, key, host_entry, slot, future, None, prewarm)
+            else:  # its read is in flight (pre-warming the host tier): copy when it lands
+                self._host_loads[key].add_done_callback(
+                    lambda load: self._copier.submit(self._copy_job, key, host_entry, slot, future, load, prewarm)
+                )
+        else:
+            host_slot = self._place_host(key, seed=1.0 if prewarm else None)
+            host_entry = self.host_slots.get(key)
+            if prewarm:
+                self.stats.bump(layer, prewarmed_device=1, prewarmed_host=1)
+            count(requests=1, disk_reads=1)
+            source = "disk"
+            self._host_loads[key] = Future()
+            self._readers.submit(self._read_job, [key], (slot, future), prewarm)
+        return ExpertHandle(layer, expert, slot, source, self, entry, future)
+
+    def _place_host(self, key: tuple[int, int], seed: float | None = None) -> int:
+        host_slot, evicted = self.host_slots.place(key, HOST, pin=True, seed=seed)
+        if evicted is not None:
+            self.stats.bump(evicted[0], evictions_host=1)
+        return host_slot
+
+    def _release(self, handle: ExpertHandle) -> None:
+        key = (handle.layer, handle.expert)
+        event = None
+        if self._copy_stream is not None:  # the slot may be overwritten only after its readers ran
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(self.device))
+        with self._changed:
+            if self.device_slots.get(key) is handle._entry:
+                self.device_slots.unpin(key)
+                if event is not None:
+                    self._slot_free_events[handle.slot] = event
+            self._changed.notify_all()
+
+    # ---- moving bytes (reader and copy threads) ---------------------------------------------
+
+    def _read_job(
+        self, keys: list[tuple[int, int]], then: tuple[int, Future] | None = None, prewarm: bool = False,
+    ) -> None:
+        """Read the records of `keys` (contiguous on disk when several) into their host slots,
+        check each, publish the good ones; then copy the first to device slot `then` if given."""
+        with self._lock:
+            host_entries = [self.host_slots.get(key) for key in keys]
+        entries = [self.pack.record_entry(*key) for key in keys]
+        start = time.perf_counter()
+        try:
+            self.reader.read(entries[0].file, entries[0].offset, [self.host_pool.slot(h.slot) for h in host_entries],
+                             need=(len(keys) - 1) * self.stride + entries[-1].length)
+        except OSError as error:
+            more = f" (and {len(keys) - 1} more records)" if len(keys) > 1 else ""
+            failure = FlashpackError(
+                f"reading layer {keys[0][0]} expert {keys[0][1]}{more} from {entries[0].file} "
+                f"at offset {entries[0].offset} failed: {error.strerror or error}"
+            )
+            self._fail_host(keys, failure)
+            if then is not None:
+                self._fail_device(keys[0], failure)
+            return
+        finally:
+            self.stats.add_time("read_seconds", time.perf_counter() - start)
+        good = []
+        for key, entry, host_entry in zip(keys, entries, host_entries):
+            try:
+                self._check(key, entry, self.host_pool.slot(host_entry.slot))
+            except BaseException as error:
+                self._fail_host([key], error)
+                if then is not None:
+                    self._fail_device(key, error)
+                continue
+            self.stats.bump(key[0], **{"prewarm_bytes_disk_to_host" if prewarm else "bytes_disk_to_host": self.stride})
+            good.append(key)
+        self._publish_host(good, unpin=good if then is None else good[1:])
+        if then is not None and good and good[0] == keys[0]:
+            self._copy_job(keys[0], host_entries[0], *then, None, prewarm)
+
+    def _check(self, key: tuple[int, int], entry, buffer: torch.Tensor) -> None:
+        if not self.verify_records:
+            return
+        with self._lock:
+            if key in self._verified:
+                return
+        if record_hash(memoryview(buffer.numpy())[:entry.length]) != entry.xxh64:
+            raise FlashpackError(
+                f"corrupt expert record: layer {key[0]} expert {key[1]} fails its xxh64 check "
+                f"({entry.file} @ {entry.offset})"
+            )
+        with self._lock:
+            self._verified.add(key)
+            self.stats.verified_records += 1
+
+    def _copy_job(
+        self, key: tuple[int, int], host_entry: Entry, device_slot: int, future: Future, load: Future | None = None,
+        prewarm: bool = False,
+    ) -> None:
+        """Host slot -> device slot on the copy stream; publish the device entry once it landed.
+        `load` is the host read this copy waited for, when there was one."""
+        try:
+            if load is not None and load.exception() is not None:
+                raise load.exception()
+            source, target = self.host_pool.slot(host_entry.slot), self.device_pool.slot(device_slot)
+            if self._copy_stream is None:
+                target.copy_(source)
+            else:
+                with torch.cuda.stream(self._copy_stream):
+                    freed = self._slot_free_events.pop(device_slot, None)
+                    if freed is not None:  # the compute that last read this slot must finish first
+                        self._copy_stream.wait_event(freed)
+                    target.copy_(source, non_blocking=True)
+                    done = torch.cuda.Event()
+                    done.record(self._copy_stream)
+                done.synchronize()
+            self.stats.bump(key[0], **{"prewarm_bytes_host_to_device" if prewarm else "bytes_host_to_device": self.stride})
+        except BaseException as error:
+            with self._changed:
+                if self.host_slots.get(key) is host_entry:
+                    self.host_slots.unpin(key)
+            self._fail_device(key, error)
+            return
+        with self._changed:
+            if self.host_slots.get(key) is host_entry:
+                self.host_slots.unpin(key)
+            self.device_slots.get(key).ready = True
+            self._inflight.pop(key, None)
+            self._changed.notify_all()
+        future.set_result(device_slot)
+
+    def _publish_host(self, keys: list[tuple[int, int]], unpin: list[tuple[int, int]]) -> None:
+        """Mark `keys` ready in the host cache; unpin those no copy waits for."""
+        with self._changed:
+            for key in unpin:
+                self.host_slots.unpin(key)
+            for key in keys:
+                self.host_slots.get(key).ready = True
+                load = self._host_loads.pop(key, None)
+                if load is not None:
+                    load.set_result(None)
+            self._changed.notify_all()
+
+    def _fail_host(self, keys: list[tuple[int, int]], error: BaseException) -> None:
+        with self._changed:
+            for key in keys:
+                if self.host_slots.get(key) is not None:
+                    self.host_slots.drop(key)
+                load = self._host_loads.pop(key, None)
+                if load is not None:
+                    load.set_exception(_as_flashpack(error))
+                self.stats.bump(key[0], failed=1)
+            self._changed.notify_all()
+
+    def _fail_device(self, key: tuple[int, int], error: BaseException) -> None:
+        with self._changed:
+            if self.device_slots.get(key) is not None:
+                self.device_slots.drop(key)
+            future = self._inflight.pop(key, None)
+            self._changed.notify_all()
+        if future is not None and not future.done():
+            future.set_exception(_as_flashpack(error))
+
+    # ---- capacity, pre-warming, lifecycle ---------------------------------------------------
+
+    def _rebalance(self, layer: int, hits: int, requests: int) -> None:
+        self.rebalancer.record(layer, hits, requests)
+        if not self.rebalancer.due():
+            return
+        with self._changed:
+            move = self.rebalancer.decide(self.device_slots.capacity)
+            if move is not None:
+                for key in self.device_slots.move_capacity(*move):
+                    self.stats.bump(key[0], evictions_device=1)
+
+    def set_capacities(self, weights: dict[int, float]) -> None:
+        """Re-split the device pool in proportion to `weights` per layer (e.g. from a hot set)."""
+        with self._changed:
+            target = weighted_split(self.layers, self.device_slots.slots, weights, self.top_k)
+            for layer in self.layers:  # shrink first, grow after: capacities always sum to the pool
+                delta = self.device_slots.capacity[layer] - target[layer]
+                if delta > 0:
+                    receiver = next(l for l in self.layers if self.device_slots.capacity[l] < target[l])
+                    self.device_slots.move_capacity(layer, receiver, delta)
+            # a single pass can leave mismatches when receivers fill up: settle them pairwise
+            for layer in self.layers:
+                while self.device_slots.capacity[layer] > target[layer]:
+                    receiver = next(l for l in self.layers if self.device_slots.capacity[l] < target[l])
+                    self.device_slots.move_capacity(layer, receiver, 1)
+
+    def prewarm(self, ranked: dict[int, list[int]], counts: dict[int, list[int]] | None = None) -> dict[str, int]:
+        """Fill the device pool, then the host cache, with each layer's hottest experts.
+
+        `ranked[layer]` lists experts hottest first. Host loads are read in runs of records that
+        are contiguous on disk (a `--reorder`ed pack reads each layer's hot set sequentially).
+        Returns how many records went to each tier."""
+        from flashpack.runtime.store.prewarm import prewarm_store
+
+        return prewarm_store(self, ranked, counts)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._readers.shutdown(wait=True)
+        self._copier.shutdown(wait=True)
+        self.reader.close()
+
+    def __enter__(self) -> "TieredStore":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def check_budgets(self) -> None:
+        """Assert the pools are the sizes the plan allowed and the bookkeeping is consistent."""
+        assert self.device_pool.nbytes == self.plan.device_pool_bytes
+        assert self.host_pool.nbytes == self.plan.host_pool_bytes
+        with self._lock:
+            self.device_slots.check()
+            self.host_slots.check()
+
+
+def _as_flashpack(error: BaseException) -> FlashpackError:
+    return error if isinstance(error, FlashpackError) else FlashpackError(f"expert load failed: {error}")

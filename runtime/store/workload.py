@@ -1,0 +1,95 @@
+"""Run a workload file through the engine and record its routing: the input of `profile` and
+`trace record`.
+
+Workload (JSON lines): one request per line, {"prompt": "text"} or {"messages": [...]} (rendered
+with the pack's chat template), optionally "max_tokens". Each is decoded greedily; every forward
+of the model is one trace step (the prompt, then one step per generated token).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import xxhash
+
+from flashpack.errors import FlashpackError
+from flashpack.runtime.store.trace import Trace, TraceRecorder
+
+
+@dataclass
+class WorkloadItem:
+    text: str | None
+    messages: list[dict[str, Any]] | None
+    max_tokens: int | None
+
+
+def load_workload(path: Path | str) -> tuple[list[WorkloadItem], str]:
+    """(requests, xxh64 of the file)."""
+    path = Path(path)
+    try:
+        raw = path.read_bytes()
+    except OSError as error:
+        raise FlashpackError(f"cannot read workload {path}: {error.strerror}") from None
+    items = []
+    for number, line in enumerate(raw.decode().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            doc = json.loads(line)
+        except ValueError as error:
+            raise FlashpackError(f"{path}:{number}: not JSON ({error})") from None
+        if not isinstance(doc, dict) or ("prompt" in doc) == ("messages" in doc):
+            raise FlashpackError(f'{path}:{number}: give exactly one of "prompt" or "messages"')
+        items.append(WorkloadItem(doc.get("prompt"), doc.get("messages"), doc.get("max_tokens")))
+    if not items:
+        raise FlashpackError(f"workload {path} has no requests")
+    return items, xxhash.xxh64(raw).hexdigest()
+
+
+class _SteppingModel:
+    """The engine's model with a trace step opened before every forward (what Generator calls)."""
+
+    def __init__(self, model, recorder: TraceRecorder):
+        self._model, self._recorder = model, recorder
+
+    def __getattr__(self, name):
+        return getattr(self._model, name)
+
+    def forward(self, tokens, state, last_only: bool = False):
+        self._recorder.begin_step(int(tokens.shape[0]))
+        return self._model.forward(tokens, state, last_only=last_only)
+
+
+def run_workload(
+    pack_path: Path | str, workload_path: Path | str, *, max_tokens: int = 32, device: str = "cpu",
+    dtype: str = "auto", fetcher=None, verify_records: bool = True,
+) -> Trace:
+    """Greedy-decode every request of the workload; return the routing trace (meta: workload)."""
+    from flashpack.layout.pack import Pack
+    from flashpack.runtime.generate import Generator
+    from flashpack.runtime.loader import load_engine
+    from flashpack.runtime.pack_source import PackExperts
+    from flashpack.runtime.sampling import SamplingParams
+
+    items, digest = load_workload(workload_path)
+    pack = Pack.open(pack_path)
+    cfg, manifest = pack.manifest.config, pack.manifest
+    layers = sorted({r.layer for r in manifest.expert_records()})
+    trace = Trace(cfg.num_experts, cfg.num_experts_per_tok, layers, manifest.document["experts"]["record_stride"])
+    recorder = TraceRecorder(fetcher or PackExperts(pack, verify_records=verify_records), trace)
+    engine = load_engine(pack_path, device=device, dtype=dtype, fetcher=recorder)
+    generator = Generator(_SteppingModel(engine.model, recorder), engine.tokenizer)
+    prompt_tokens = generated = 0
+    for item in items:
+        text = item.text if item.messages is None else engine.tokenizer.render_chat(item.messages)
+        ids = engine.tokenizer.encode(text)
+        result = generator.generate(ids, SamplingParams(max_tokens=item.max_tokens or max_tokens))
+        prompt_tokens += len(ids)
+        generated += result.completion_tokens
+    trace.meta = {"workload": {"file": Path(workload_path).name, "xxh64": digest, "prompts": len(items),
+                               "prompt_tokens": prompt_tokens, "generated_tokens": generated,
+                               "max_tokens": max_tokens}}
+    return trace

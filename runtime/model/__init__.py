@@ -1,7 +1,15 @@
 """flashpack's own qwen4_exp engine: plain PyTorch modules, one concept per file.
 
-    Qwen4ExpModel(source, fetcher, dtype, device)   backbone step: forward(tokens, state) -> StepOutput
-    MTPHead(model, source, fetcher)                 draft head: forward(streams, next_tokens, state)
+    model = Qwen4ExpModel(source, fetcher, dtype=torch.bfloat16, device="cuda")
+    state = model.new_state()                          # runtime.state.SequenceState
+    out = model(prompt_ids, state, last_only=True)     # prefill: StepOutput(logits, streams)
+    out = model(torch.tensor([token]), state)          # decode (or several tokens: verification)
+    saved = state.snapshot(); state.restore(saved)     # deep copies: prompt reuse, rollback
+
+    mtp = MTPHead(model, source, fetcher)              # draft the token after next:
+    draft = mtp(out.streams[-1:], torch.tensor([token]), state)   # DraftOutput(logits, streams)
+
+Files: norms, rope, hyper_connection, ple, deltanet, qsa_attention, moe, decoder_layer, model, mtp.
 """
 
 from flashpack.runtime.model.model import Qwen4ExpModel, StepOutput

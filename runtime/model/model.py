@@ -55,6 +55,8 @@ class Qwen4ExpModel(nn.Module):
     @torch.no_grad()
     def forward(self, tokens: torch.Tensor, state: SequenceState, last_only: bool = False) -> StepOutput:
         """tokens int64 [T] (the next T tokens of the sequence) -> StepOutput; advances `state` by T."""
+        if tokens.ndim != 1 or tokens.shape[0] == 0:
+            raise ValueError(f"forward takes a non-empty 1-D tensor of token ids, got shape {tuple(tokens.shape)}")
         tokens = tokens.to(self.device)
         streams = self.embed(tokens).repeat(1, self.config.hc_count)  # [T, hc*H]
         for layer in self.layers:

@@ -39,7 +39,8 @@ class MTPHead(nn.Module):
     def __init__(self, model: Qwen4ExpModel, source: WeightSource, fetcher: ExpertFetcher):
         super().__init__()
         cfg, dtype, device = model.config, model.dtype, model.device
-        self.config, self.model = cfg, model  # embed_tokens and lm_head are shared with the backbone
+        self.config, self.device = cfg, device
+        self.embed_tokens, self.lm_head = model.embed_tokens, model.lm_head  # shared, not copied
         load = lambda name: load_dense(source, "mtp." + name, dtype, device)  # noqa: E731
         self.norm_embedding = RMSNorm(load("pre_fc_norm_embedding.weight"), cfg.rms_norm_eps)
         self.norm_hidden = RMSNorm(load("pre_fc_norm_hidden.weight"), cfg.rms_norm_eps)
@@ -63,10 +64,11 @@ class MTPHead(nn.Module):
 
         Row t pairs the streams of position q + t with the token at q + t + 1, q = self.position(state)."""
         cfg = self.config
-        next_tokens = next_tokens.to(self.model.device)
-        embedded = F.linear(self.norm_embedding(self.model.embed(next_tokens)), self.fc_embedding)  # [T, H]
+        next_tokens = next_tokens.to(self.device)
+        embedded = self.norm_embedding(F.embedding(next_tokens, self.embed_tokens))
+        embedded = F.linear(embedded, self.fc_embedding)  # [T, H]
         hidden = self.norm_hidden(streams).unflatten(-1, (cfg.hc_count, cfg.hidden_size))
         hidden = F.linear(hidden, self.fc_hidden).flatten(-2)  # [T, hc*H]
         hidden = self.layers[step % len(self.layers)](hidden, next_tokens, state, pending=embedded)
         mixed, _ = self.final_mixer.mix(hidden)
-        return DraftOutput(logits=F.linear(mixed, self.model.lm_head), streams=hidden)
+        return DraftOutput(logits=F.linear(mixed, self.lm_head), streams=hidden)

@@ -1,0 +1,82 @@
+"""The calls the engine makes: `moe_experts` and `fp8_linear`, Triton where it runs, else reference.
+
+backend="auto" takes the Triton kernels on CUDA, and on the CPU only when they were built for the
+interpreter (TRITON_INTERPRET=1 set before this package's kernels were first imported), which is
+how the tests run them; anywhere else it takes the plain-PyTorch reference. "triton" and
+"reference" force one side. Under the interpreter the tile kernels run precision="fp32" (its
+bf16 tl.dot is wrong); on CUDA they run bf16 tensor cores.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import torch
+
+from flashpack.runtime.kernels.bank import ExpertBank
+from flashpack.runtime.kernels.reference import expert_swiglu_reference, fp8_linear_reference
+
+BACKENDS = ("auto", "triton", "reference")
+DECODE_MAX_TOKENS = 4  # up to this many tokens the matvec kernels beat the tile kernels (bench/kernels.py)
+
+
+def triton_available() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def kernels_interpreted() -> bool:
+    """Whether this process built the Triton kernels for the CPU interpreter."""
+    from flashpack.runtime.kernels import expert_decode
+
+    return type(expert_decode._gate_up_kernel).__name__ == "InterpretedFunction"
+
+
+def use_triton(device: torch.device | str, backend: str = "auto") -> bool:
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend != "auto":
+        return backend == "triton"
+    device = torch.device(device)
+    if not triton_available():
+        return False
+    return device.type == "cuda" or (device.type == "cpu" and kernels_interpreted())
+
+
+def _precision(device: torch.device) -> str:
+    return "bf16" if device.type == "cuda" else "fp32"
+
+
+def moe_experts(
+    x: torch.Tensor, bank: ExpertBank, slots: torch.Tensor, weights: torch.Tensor,
+    out: torch.Tensor | None = None, backend: str = "auto", decode_max_tokens: int = DECODE_MAX_TOKENS,
+) -> torch.Tensor:
+    """Routed SwiGLU experts. x [T, H]; slots [T, K] int (rows of `bank`); weights [T, K].
+    Returns [T, H] in x.dtype (or written into `out`):
+        out[t] = sum_k weights[t, k] * down_e(silu(gate_e x[t]) * up_e x[t]),  e = slots[t, k].
+    Up to `decode_max_tokens` tokens use the matvec kernels (float32 throughout), more the grouped
+    W4A16 kernels (bf16 operands on CUDA)."""
+    if not use_triton(x.device, backend):
+        result = expert_swiglu_reference(x, bank, slots, weights)
+        return result if out is None else out.copy_(result)
+    if x.shape[0] <= decode_max_tokens:
+        from flashpack.runtime.kernels.expert_decode import nvfp4_expert_swiglu
+
+        return nvfp4_expert_swiglu(x, bank, slots, weights, out=out)
+    from flashpack.runtime.kernels.expert_grouped import nvfp4_expert_swiglu_grouped
+
+    return nvfp4_expert_swiglu_grouped(x, bank, slots, weights, out=out, precision=_precision(x.device))
+
+
+def fp8_linear(
+    x: torch.Tensor, values: torch.Tensor, row_scale: torch.Tensor,
+    out: torch.Tensor | None = None, backend: str = "auto",
+) -> torch.Tensor:
+    """x [..., C], values float8_e4m3fn [R, C], row_scale float32 [R] -> [..., R] in x.dtype:
+    x @ (values * row_scale[:, None])^T."""
+    if not use_triton(x.device, backend):
+        result = fp8_linear_reference(x, values, row_scale)
+        return result if out is None else out.copy_(result)
+    from flashpack.runtime.kernels.fp8_linear import fp8_linear_triton
+
+    return fp8_linear_triton(x, values, row_scale, out=out, precision=_precision(x.device),
+                             matvec_max_tokens=DECODE_MAX_TOKENS)

@@ -1,0 +1,94 @@
+"""Row-scaled FP8 linear layers (--dense-fp8): y = x @ (values * row_scale[:, None])^T.
+
+values float8_e4m3fn [R, C], row_scale float32 [R], x [T, C] -> y [T, R]. Two kernels:
+
+  - `_fp8_matvec_kernel`, T x R/BLOCK_R programs, float32 FMA: for decode (T small), where the
+    matrix is read once per token and bandwidth is everything;
+  - `_fp8_matmul_kernel`, T/BLOCK_M x R/BLOCK_N tiles on tensor cores: e4m3 -> bf16 is exact, so
+    only x is rounded (to bf16); the row scale multiplies the float32 accumulator.
+
+`fp8_linear_triton` picks the matvec up to `matvec_max_tokens` tokens. precision="fp32" runs the
+tile kernel with float32 operands and IEEE dots (the only mode the triton 3.6 interpreter gets right).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _fp8_matvec_kernel(x_ptr, values_ptr, scale_ptr, y_ptr, R, C: tl.constexpr,
+                       BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    rows = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
+    row_mask = rows < R
+    cols = tl.arange(0, BLOCK_C)
+    acc = tl.zeros([BLOCK_R], dtype=tl.float32)
+    for start in range(0, C, BLOCK_C):
+        col_mask = start + cols < C
+        mask = row_mask[:, None] & col_mask[None, :]
+        v = tl.load(values_ptr + rows.to(tl.int64)[:, None] * C + (start + cols)[None, :], mask=mask, other=0)
+        xv = tl.load(x_ptr + t * C + start + cols, mask=col_mask, other=0).to(tl.float32)
+        acc += tl.sum(v.to(tl.float8e4nv, bitcast=True).to(tl.float32) * xv[None, :], axis=1)
+    y = acc * tl.load(scale_ptr + rows, mask=row_mask, other=0)
+    tl.store(y_ptr + t * R + rows, y.to(y_ptr.dtype.element_ty), mask=row_mask)
+
+
+@triton.jit
+def _fp8_matmul_kernel(x_ptr, values_ptr, scale_ptr, y_ptr, T, R, C: tl.constexpr,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT: tl.constexpr):
+    tokens = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    token_mask, row_mask = tokens < T, rows < R
+    ks = tl.arange(0, BLOCK_K)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for start in range(0, C, BLOCK_K):
+        k_mask = start + ks < C
+        xt = tl.load(x_ptr + tokens.to(tl.int64)[:, None] * C + (start + ks)[None, :],
+                     mask=token_mask[:, None] & k_mask[None, :], other=0).to(DOT)
+        v = tl.load(values_ptr + rows.to(tl.int64)[:, None] * C + (start + ks)[None, :],
+                    mask=row_mask[:, None] & k_mask[None, :], other=0)
+        w = v.to(tl.float8e4nv, bitcast=True).to(DOT)
+        acc = tl.dot(xt, tl.trans(w), acc, input_precision="ieee")
+    y = acc * tl.load(scale_ptr + rows, mask=row_mask, other=0)[None, :]
+    tl.store(y_ptr + tokens.to(tl.int64)[:, None] * R + rows[None, :], y.to(y_ptr.dtype.element_ty),
+             mask=token_mask[:, None] & row_mask[None, :])
+
+
+def fp8_linear_triton(
+    x: torch.Tensor, values: torch.Tensor, row_scale: torch.Tensor, out: torch.Tensor | None = None,
+    precision: str = "bf16", matvec_max_tokens: int = 4,
+    block_r: int = 16, block_c: int = 512, block_m: int = 64, block_n: int = 128, block_k: int = 64,
+) -> torch.Tensor:
+    """x [..., C] -> [..., R] (dtype of `out` if given, else x.dtype); values float8_e4m3fn [R, C]
+    contiguous, row_scale float32 [R]. Up to `matvec_max_tokens` rows of x use the float32 matvec
+    (precision does not apply); more use the tile kernel in `precision` ("bf16" CUDA only, or "fp32")."""
+    rows, cols = values.shape
+    if values.dtype != torch.float8_e4m3fn or x.shape[-1] != cols or row_scale.shape != (rows,):
+        raise ValueError(f"x {tuple(x.shape)}, values {values.dtype} {tuple(values.shape)}, "
+                         f"row_scale {tuple(row_scale.shape)} do not fit")
+    if precision not in ("bf16", "fp32"):
+        raise ValueError(f"precision must be 'bf16' or 'fp32', got {precision!r}")
+    x2 = x.reshape(-1, cols).contiguous()
+    tokens = x2.shape[0]
+    if out is None:
+        out = torch.empty(*x.shape[:-1], rows, dtype=x.dtype, device=x.device)
+    if tuple(out.shape) != (*x.shape[:-1], rows) or not out.is_contiguous():
+        raise ValueError(f"out must be contiguous {(*x.shape[:-1], rows)}")
+    if tokens == 0:
+        return out
+    v_bytes, scale = values.contiguous().view(torch.uint8), row_scale.float().contiguous()
+    if tokens <= matvec_max_tokens:
+        _fp8_matvec_kernel[(tokens, triton.cdiv(rows, block_r))](
+            x2, v_bytes, scale, out, rows, cols, BLOCK_R=block_r, BLOCK_C=block_c)
+        return out
+    if precision == "bf16" and x.device.type != "cuda":
+        raise ValueError("bf16 tensor-core dots need CUDA (the triton 3.6 interpreter mis-multiplies bf16 "
+                         "in tl.dot); use precision='fp32' there")
+    dot = tl.bfloat16 if precision == "bf16" else tl.float32
+    x_act = x2.to(torch.bfloat16 if precision == "bf16" else torch.float32)
+    _fp8_matmul_kernel[(triton.cdiv(tokens, block_m), triton.cdiv(rows, block_n))](
+        x_act, v_bytes, scale, out, tokens, rows, cols, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, DOT=dot)
+    return out

@@ -1,0 +1,58 @@
+"""Plain-PyTorch references for every kernel in this package: dequantise fully, then matmul.
+
+These are the specification the Triton kernels are tested against and the path the dispatcher
+takes where Triton cannot run. Everything is computed in float32; `act_dtype=torch.bfloat16`
+additionally rounds the activations where the W4A16 kernels do (x, and the SwiGLU output h before
+the down projection), so a bf16 kernel can be compared at accumulation-order tolerance.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from flashpack.layout.nvfp4 import dequantize_fp8_rows, dequantize_nvfp4
+from flashpack.runtime.kernels.bank import ExpertBank
+
+PROJECTION_INDEX = {"gate": 0, "up": 1, "down": 2}
+
+
+def dequantize_expert(bank: ExpertBank, slot: int, projection: str) -> torch.Tensor:
+    """float32 [out, in] of one projection of bank row `slot` (gate, up [I, H]; down [H, I])."""
+    return dequantize_nvfp4(
+        bank.nibbles(projection)[slot], bank.scales(projection)[slot],
+        bank.global_scales[slot, PROJECTION_INDEX[projection]],
+    )
+
+
+def _round(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    return t if dtype is None else t.to(dtype).float()
+
+
+def expert_swiglu_reference(
+    x: torch.Tensor, bank: ExpertBank, slots: torch.Tensor, weights: torch.Tensor,
+    act_dtype: torch.dtype | None = None, out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """x [T, H], slots [T, K] (bank rows), weights [T, K] -> [T, H] in out_dtype (default x.dtype):
+
+        out[t] = sum_k weights[t, k] * down_e(silu(gate_e x[t]) * up_e x[t]),  e = slots[t, k]
+
+    accumulated over k in order, in float32."""
+    xf = _round(x.float(), act_dtype)
+    out = torch.zeros(x.shape[0], bank.hidden, dtype=torch.float32, device=x.device)
+    for slot in torch.unique(slots).tolist():
+        tokens, k = torch.where(slots == slot)
+        h = xf[tokens]
+        h = F.silu(h @ dequantize_expert(bank, slot, "gate").T) * (h @ dequantize_expert(bank, slot, "up").T)
+        y = _round(h, act_dtype) @ dequantize_expert(bank, slot, "down").T
+        out.index_put_((tokens,), y * weights[tokens, k, None].float(), accumulate=True)
+    return out.to(out_dtype or x.dtype)
+
+
+def fp8_linear_reference(
+    x: torch.Tensor, values: torch.Tensor, row_scale: torch.Tensor,
+    act_dtype: torch.dtype | None = None, out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """x [..., C], values float8_e4m3fn [R, C], row_scale float32 [R] -> [..., R]: x @ (values * scale)^T."""
+    y = _round(x.float(), act_dtype) @ dequantize_fp8_rows(values, row_scale).T
+    return y.to(out_dtype or x.dtype)

@@ -1,0 +1,62 @@
+"""The engine's entry points: `moe_experts` and `fp8_linear` pick a backend and agree with the
+reference either way (the reference side needs no triton)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from kernel_cases import make_pool, relative_error, routing
+
+from flashpack.convert.nvfp4 import quantize_fp8_rows
+from flashpack.layout.records import RecordGeometry
+from flashpack.runtime.kernels import (
+    ExpertBank, expert_swiglu_reference, fp8_linear, fp8_linear_reference, moe_experts, use_triton,
+)
+
+
+def test_backend_choice():
+    assert not use_triton("cpu", "reference")
+    assert use_triton("cpu", "triton")
+    with pytest.raises(ValueError):
+        use_triton("cpu", "fast")
+
+
+def test_reference_backend_is_the_reference(make_bank, device):
+    bank = make_bank(80, 48, 3, seed=0)
+    slots, weights = routing(2, 3, 2, seed=1, device=device)
+    x = torch.randn(2, 80, generator=torch.Generator().manual_seed(2)).to(device)
+    expected = expert_swiglu_reference(x, bank, slots, weights)
+    assert torch.equal(moe_experts(x, bank, slots, weights, backend="reference"), expected)
+    out = torch.full_like(x, float("nan"))
+    assert moe_experts(x, bank, slots, weights, out=out, backend="reference") is out
+    assert torch.equal(out, expected)
+
+
+@pytest.mark.parametrize("tokens", [2, 6])
+def test_auto_backend_agrees(triton_device, make_bank, tokens):
+    """2 tokens take the matvec kernels, 6 the grouped ones (DECODE_MAX_TOKENS = 4). At the default
+    block sizes; on CUDA the grouped path runs bf16 (see test_expert_grouped for its bound)."""
+    bank = make_bank(80, 48, 3, seed=3)
+    slots, weights = routing(tokens, 3, 2, seed=4, device=triton_device)
+    x = torch.randn(tokens, 80, generator=torch.Generator().manual_seed(5)).to(triton_device)
+    tolerance = 2e-2 if triton_device.type == "cuda" and tokens > 4 else 1e-5
+    assert relative_error(moe_experts(x, bank, slots, weights), expert_swiglu_reference(x, bank, slots, weights)) <= tolerance
+
+
+def test_fp8_linear_reference_backend(device):
+    values, scale = quantize_fp8_rows(torch.randn(24, 32, generator=torch.Generator().manual_seed(0)))
+    x = torch.randn(3, 32, generator=torch.Generator().manual_seed(1))
+    expected = fp8_linear_reference(x, values, scale)
+    assert torch.equal(fp8_linear(x, values, scale, backend="reference"), expected)
+    assert relative_error(expected, x @ (values.float() * scale[:, None]).T) <= 1e-6
+
+
+def test_bank_views_the_pool_in_place():
+    geometry = RecordGeometry(80, 48)
+    pool = make_pool(80, 48, 2, seed=0)
+    bank = ExpertBank.from_pool(pool, geometry)
+    assert bank.gate_nibbles.data_ptr() == pool.data_ptr()
+    assert (bank.hidden, bank.intermediate, bank.num_experts) == (80, 48, 2)
+    one = ExpertBank.from_record(pool[1, :geometry.length], geometry)
+    assert torch.equal(one.down_scales[0].view(torch.uint8), bank.down_scales[1].view(torch.uint8))
+    assert torch.equal(one.global_scales[0], bank.global_scales[1])

@@ -47,7 +47,9 @@ class MTPHead(nn.Module):
         self.register_buffer("fc_embedding", load("fc_embedding.weight"), persistent=False)  # [H, H]
         self.register_buffer("fc_hidden", load("fc_hidden.weight"), persistent=False)  # [H, H]
         self.layers = nn.ModuleList(
-            DecoderLayer(cfg, source, fetcher, cfg.num_hidden_layers + j, f"mtp.layers.{j}.", model.rotary, dtype, device)
+            DecoderLayer(
+                cfg, source, fetcher, cfg.num_hidden_layers + j, f"mtp.layers.{j}.", model.rotary, dtype, device,
+            )
             for j in range(cfg.mtp_num_hidden_layers)
         )
         self.final_mixer = GatedResidual(cfg, source, "mtp.hyper_connection_mixer.", dtype, device, inject=False)

@@ -117,11 +117,14 @@ class StateDictExperts:
             block = model.model.layers[layer].mlp.experts
             for e in range(cfg.num_experts):
                 gate_up = block.gate_up_proj[e].detach().clone()
-                self.experts[layer, e] = ExpertWeights(gate_up[:inter], gate_up[inter:], block.down_proj[e].detach().clone())
+                down = block.down_proj[e].detach().clone()
+                self.experts[layer, e] = ExpertWeights(gate_up[:inter], gate_up[inter:], down)
         for j in range(cfg.mtp_num_hidden_layers if mtp else 0):
             for e in range(cfg.num_experts):
                 part = lambda p: mtp[f"mtp.layers.{j}.mlp.experts.{e}.{p}.weight"]  # noqa: E731
-                self.experts[cfg.num_hidden_layers + j, e] = ExpertWeights(part("gate_proj"), part("up_proj"), part("down_proj"))
+                self.experts[cfg.num_hidden_layers + j, e] = ExpertWeights(
+                    part("gate_proj"), part("up_proj"), part("down_proj"),
+                )
         self.calls: list[tuple[int, list[int]]] = []
 
     def fetch(self, layer: int, experts: list[int]) -> dict[int, ExpertWeights]:

@@ -91,7 +91,8 @@ def test_pooled_block_keys_are_incremental_and_exact(engine):
         engine(torch.tensor([token]), stepwise)
     for layer, cache in whole.attention.items():
         if layer < engine.config.num_hidden_layers:
-            assert cache.blocks == stepwise.attention[layer].blocks == len(tokens) // engine.config.indexer_compress_ratio
+            blocks = len(tokens) // engine.config.indexer_compress_ratio
+            assert cache.blocks == stepwise.attention[layer].blocks == blocks
             assert rel_err(stepwise.attention[layer].block_keys, cache.block_keys) <= 1e-5
 
 

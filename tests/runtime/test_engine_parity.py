@@ -70,13 +70,15 @@ def test_greedy_32_tokens_match_generate(bench, engine, name):
     assert _greedy(engine, prompt, 32) == generated
 
 
-def test_incremental_decode_matches_full_recompute(engine):
-    """Prefill 10 tokens, then one at a time: crosses the budget mid-decode (selection, tail, pooling)."""
+@pytest.mark.parametrize("prefill", [1, 10])
+def test_incremental_decode_matches_full_recompute(engine, prefill):
+    """Prefill, then one token at a time: crosses the budget mid-decode (selection, tail, pooling);
+    a 1-token prefill starts every conv, n-gram context and recurrent state from its initial value."""
     tokens = PROMPTS["long_72_eos"]
     full = engine(torch.tensor(tokens), engine.new_state()).logits
     state = engine.new_state()
-    pieces = [engine(torch.tensor(tokens[:10]), state).logits]
-    pieces += [engine(torch.tensor([t]), state).logits for t in tokens[10:]]
+    pieces = [engine(torch.tensor(tokens[:prefill]), state).logits]
+    pieces += [engine(torch.tensor([t]), state).logits for t in tokens[prefill:]]
     assert state.position == len(tokens)
     assert rel_err(torch.cat(pieces), full) <= TOL
 

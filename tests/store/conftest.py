@@ -41,6 +41,17 @@ def _build_fallback_pack(root: Path) -> Path:
     return convert(str(snapshot), root / "tiny.pack", progress=False)
 
 
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Tiny matrices: more torch threads only add contention (restored after each test)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="session")
 def store_pack(request, tmp_path_factory) -> Path:
     """A tiny pack, never modified (copy it with `pack_copy` to damage or rewrite it)."""
@@ -49,15 +60,21 @@ def store_pack(request, tmp_path_factory) -> Path:
     return _build_fallback_pack(tmp_path_factory.mktemp("store-pack"))
 
 
-def copy_pack(pack: Path, where: Path) -> Path:
+def _copy_pack(pack: Path, where: Path) -> Path:
     target = where / pack.name
     shutil.copytree(pack, target)
     return target
 
 
 @pytest.fixture
+def copy_pack():
+    """copy_pack(pack, directory) -> the copy's path."""
+    return _copy_pack
+
+
+@pytest.fixture
 def pack_copy(store_pack, tmp_path) -> Path:
-    return copy_pack(store_pack, tmp_path)
+    return _copy_pack(store_pack, tmp_path)
 
 
 def supports_direct_io(directory: Path) -> bool:

@@ -132,6 +132,19 @@ class StateDictExperts:
         return {e: self.experts[layer, e] for e in experts}
 
 
+class SwappedExperts:
+    """Control: serves expert e ^ 1's weights for expert e in one layer (experts 0<->1, 2<->3, ...)."""
+
+    def __init__(self, inner, layer: int):
+        self.inner, self.layer = inner, layer
+
+    def fetch(self, layer, experts):
+        if layer != self.layer:
+            return self.inner.fetch(layer, experts)
+        partners = self.inner.fetch(layer, sorted(e ^ 1 for e in experts))
+        return {e: partners[e ^ 1] for e in experts}
+
+
 def prompts() -> dict[str, list[int]]:
     """Token prompts: short, with EOS inside (PLE document boundaries), and longer than the budget."""
     gen = torch.Generator().manual_seed(7)

@@ -9,8 +9,7 @@ MoE, loaded with the MTP weights) and GatedResidual as the MTP final mixer, then
 from __future__ import annotations
 
 import torch
-from reference_model import prompts, rel_err, tiny_config
-from test_engine_parity import _SwappedExperts
+from reference_model import SwappedExperts, prompts, rel_err, tiny_config
 from transformers.models.qwen4_exp import modeling_qwen4_exp as hf
 
 TOL = 1e-5
@@ -101,7 +100,7 @@ def test_mtp_incremental_and_chained_draft_steps(bench, engine):
 def test_control_mtp_with_wrong_experts_breaks(bench, engine):
     tokens = prompts()["long_72_eos"]
     streams, state = _backbone(engine, tokens)
-    broken_experts = _SwappedExperts(bench.experts, layer=bench.weights.config.num_hidden_layers)
+    broken_experts = SwappedExperts(bench.experts, layer=bench.weights.config.num_hidden_layers)
     broken = type(bench.mtp(engine))(engine, bench.weights, broken_experts)
     logits = broken(streams[:-1], torch.tensor(tokens[1:]), state).logits
     expected, _ = ReferenceMTP(bench)(streams[:-1], torch.tensor(tokens[1:]))

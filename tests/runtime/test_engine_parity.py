@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from reference_model import EOS, prompts, rel_err
+from reference_model import EOS, SwappedExperts, prompts, rel_err
 
 TOL = 1e-5
 PROMPTS = prompts()
@@ -130,26 +130,13 @@ def test_fetch_is_one_call_per_layer_with_the_routed_union(bench, engine):
 
 # --- controls: each must break parity, or the checks above could not fail -------------------------
 
-class _SwappedExperts:
-    """Serves expert e ^ 1's weights for expert e in one layer (experts 0<->1, 2<->3, ...)."""
-
-    def __init__(self, inner, layer: int):
-        self.inner, self.layer = inner, layer
-
-    def fetch(self, layer, experts):
-        if layer != self.layer:
-            return self.inner.fetch(layer, experts)
-        partners = self.inner.fetch(layer, sorted(e ^ 1 for e in experts))
-        return {e: partners[e ^ 1] for e in experts}
-
-
 def _logits_error(bench, engine, name="long_72_eos") -> float:
     _, expected = _reference_layers(bench, PROMPTS[name])
     return rel_err(engine(torch.tensor(PROMPTS[name]), engine.new_state()).logits, expected)
 
 
 def test_control_wrong_expert_weights_break_parity(bench):
-    broken = bench.engine(experts=_SwappedExperts(bench.experts, layer=5))
+    broken = bench.engine(experts=SwappedExperts(bench.experts, layer=5))
     assert _logits_error(bench, broken) > 1e-2
 
 

@@ -1,0 +1,79 @@
+"""verify's layer-at-a-time reference is transformers' full model, bit for bit.
+
+The full `Qwen4ExpForCausalLM` is loaded whole with the same weights verify derives from the
+snapshot (dense in BF16, experts NVFP4-rounded, PLE rows FP8-rounded) and run the ordinary way:
+prefill, then one cached decode step per token. Layer-major order, lazily loaded experts and the
+PLE row gather must change nothing: every layer's output and the logits are identical.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import Qwen4ExpForCausalLM
+
+from flashpack.convert.source import SourceCheckpoint
+from flashpack.verify.expected import ExpectedWeights
+from flashpack.verify.inputs import default_sequences
+from flashpack.verify.reference import LayerwiseReference, transformers_config
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def _full_model(weights: ExpectedWeights) -> Qwen4ExpForCausalLM:
+    cfg = weights.config
+    model = Qwen4ExpForCausalLM(transformers_config(cfg.raw)).eval()
+    state = {}
+    for key, tensor in model.state_dict().items():
+        name = key.removeprefix("model.")
+        if ".mlp.experts." in name or "ngram_embedding" in name:
+            continue
+        state[key] = weights.dense(name) if tensor.is_floating_point() else weights.buffer(name)
+    model.load_state_dict(state, strict=False)
+    with torch.no_grad():
+        for layer, block in enumerate(model.model.layers):
+            for expert in range(cfg.num_experts):
+                w = weights.expert(layer, expert)
+                block.mlp.experts.gate_up_proj[expert] = torch.cat([w.gate, w.up])
+                block.mlp.experts.down_proj[expert] = w.down
+            if block.ple is not None:
+                table = block.ple.ple_embedding.ngram_embedding.weight
+                table.copy_(weights.ple_rows(cfg.ple_index(layer), torch.arange(table.shape[0])))
+    return model
+
+
+def _run_full(model, sequence) -> tuple[list[torch.Tensor], torch.Tensor]:
+    captured = [[] for _ in model.model.layers]
+    hooks = [layer.register_forward_hook(lambda _m, _a, out, chunks=chunks: chunks.append(out[0]))
+             for layer, chunks in zip(model.model.layers, captured)]
+    try:
+        with torch.no_grad():
+            cache, logits = None, []
+            for step in sequence.steps:
+                out = model(torch.tensor([step]), past_key_values=cache, use_cache=True)
+                cache = out.past_key_values
+                logits.append(out.logits[0])
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return [torch.cat(chunks) for chunks in captured], torch.cat(logits)
+
+
+def test_layerwise_reference_equals_full_transformers_model(tiny_nvfp4_snapshot):
+    snapshot = SourceCheckpoint.open(tiny_nvfp4_snapshot)
+    weights = ExpectedWeights(snapshot, dense_fp8_rows=False)
+    sequences = default_sequences(weights.config, decode_tokens=4)
+    layers: dict[int, list[torch.Tensor]] = {}
+    logits = LayerwiseReference(weights).run(sequences, lambda layer, outs: layers.__setitem__(layer, outs))
+    model = _full_model(weights)
+    for index, sequence in enumerate(sequences):
+        full_layers, full_logits = _run_full(model, sequence)
+        for layer, expected in enumerate(full_layers):
+            assert torch.equal(layers[layer][index], expected), f"{sequence.name} layer {layer}"
+        assert torch.equal(logits[index], full_logits), sequence.name

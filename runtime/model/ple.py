@@ -23,27 +23,6 @@ from flashpack.runtime.model.norms import RMSNorm
 from flashpack.runtime.state import PLEState
 from flashpack.runtime.weights import WeightSource, load_dense
 
-_MASK64 = (1 << 64) - 1
-_GAMMA = 0x9E3779B97F4A7C15
-_PRIME_1 = 10007
-
-
-def _splitmix64(value: int) -> int:
-    value = (value + _GAMMA) & _MASK64
-    value = ((value ^ (value >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    value = ((value ^ (value >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return (value ^ (value >> 31)) & _MASK64
-
-
-def layer_multipliers(cfg: TextConfig, ple_index: int) -> list[int]:
-    """Odd hash multipliers, one per n-gram position, small enough that token * m fits int64."""
-    half_bound = max(1, ((1 << 63) - 1) // max(cfg.vocab_size, 1) // 2)
-    base_seed = cfg.ngram_seed + _PRIME_1 * ple_index
-    return [
-        2 * (_splitmix64((base_seed + _GAMMA * (i + 1)) & _MASK64) % half_bound) + 1 for i in range(cfg.ngram_size)
-    ]
-
-
 def shift_within_document(tokens: torch.Tensor, shift: int, eos: int) -> torch.Tensor:
     """tokens int64 [L] -> the token `shift` back at each position, or EOS across a document start."""
     if shift == 0:
@@ -60,10 +39,10 @@ class NGramHasher:
 
     def __init__(self, cfg: TextConfig, ple_index: int):
         self.ngram_size, self.per_order, self.eos = cfg.ngram_size, cfg.heads_per_ngram, cfg.eos_token_id
-        self.multipliers = layer_multipliers(cfg, ple_index)
+        self.multipliers = cfg.ple_multipliers(ple_index)
         sizes = cfg.ple_head_vocab_sizes(ple_index)
         self.vocab_sizes = torch.tensor(sizes, dtype=torch.int64)
-        self.offsets = torch.tensor([sum(sizes[:h]) for h in range(len(sizes))], dtype=torch.int64)
+        self.offsets = torch.tensor(cfg.ple_head_offsets(ple_index), dtype=torch.int64)
 
     def rows(self, history: torch.Tensor, new: int) -> torch.Tensor:
         """history int64 [ngram_size - 1 + new] (CPU) -> row ids [new, ngram_heads] for the last `new` tokens."""

@@ -8,7 +8,6 @@ from reference_model import EOS, prompts, rel_err
 from transformers.models.qwen4_exp import modeling_qwen4_exp as hf
 
 from flashpack.runtime.model.deltanet import chunk_gated_delta_rule, recurrent_gated_delta_rule
-from flashpack.runtime.model.ple import layer_multipliers
 from flashpack.runtime.state import AttentionCache
 
 
@@ -41,7 +40,7 @@ def test_ngram_rows_match_transformers_across_eos_and_steps(bench, engine):
     layer = cfg.ple_layer_ids[0] - 1
     theirs = bench.reference.model.layers[layer].ple.ple_embedding
     mine = engine.layers[layer].ple
-    assert layer_multipliers(cfg, 0) == theirs.layer_multipliers.tolist()
+    assert cfg.ple_multipliers(0) == theirs.layer_multipliers.tolist()
     tokens = [EOS, EOS, 9, EOS, 17, 18, EOS, 20, 21, 22, 23] + prompts()["long_72_eos"]
     with torch.no_grad():
         expected = theirs(torch.tensor([tokens]), None)[0]

@@ -1,0 +1,109 @@
+"""What every request passes before a route sees it: the API key and the body size limit.
+
+A plain ASGI middleware rather than Starlette's BaseHTTPMiddleware, which would buffer streaming
+responses and hide client disconnects from the routes. It also counts responses by route and status.
+
+Keys are accepted as `Authorization: Bearer <key>` (OpenAI) or `x-api-key: <key>` (Anthropic) and
+compared in constant time; /health is open so a load balancer can probe without the key.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+
+from starlette.exceptions import HTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from flashpack.runtime.server.errors import ApiError, error_body
+from flashpack.runtime.server.metrics import Metrics
+
+OPEN_PATHS = frozenset({"/health"})
+KNOWN_ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/v1/messages", "/health", "/metrics")
+
+
+class _TooLarge(HTTPException):
+    """An HTTPException so that FastAPI's body parsing passes it on as it is (413, not 400)."""
+
+    def __init__(self, limit: int):
+        super().__init__(413, _too_large(limit).message)
+
+
+class GuardMiddleware:
+    def __init__(self, app: ASGIApp, api_key: str | None, max_request_bytes: int, metrics: Metrics):
+        self.app = app
+        self.api_key = api_key.encode() if api_key else None
+        self.max_bytes = max_request_bytes
+        self.metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        path: str = scope["path"]
+        route = next((r for r in KNOWN_ROUTES if path.startswith(r)), "other")
+        status_seen: list[int] = []
+
+        async def counting_send(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                status_seen.append(message["status"])
+            await send(message)
+
+        try:
+            error = self._refusal(scope)
+            if error is not None:
+                await _send_error(counting_send, path, error)
+                return
+            try:
+                await self.app(scope, self._limited(receive), counting_send)
+            except _TooLarge:
+                if not status_seen:
+                    await _send_error(counting_send, path, _too_large(self.max_bytes))
+        finally:
+            self.metrics.count_request(route, status_seen[0] if status_seen else 499)
+
+    def _refusal(self, scope: Scope) -> ApiError | None:
+        headers = {k.decode("latin-1").lower(): v for k, v in scope["headers"]}
+        length = headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > self.max_bytes:
+            return _too_large(self.max_bytes)
+        if self.api_key is None or scope["path"] in OPEN_PATHS:
+            return None
+        given = headers.get("x-api-key")
+        authorization = headers.get("authorization", b"")
+        if given is None and authorization[:7].lower() == b"bearer ":
+            given = authorization[7:].strip()
+        if not given:
+            return ApiError(401, "missing API key: send `Authorization: Bearer <key>` or `x-api-key: <key>`",
+                            code="invalid_api_key")
+        if not hmac.compare_digest(given, self.api_key):
+            return ApiError(401, "invalid API key", code="invalid_api_key")
+        return None
+
+    def _limited(self, receive: Receive) -> Receive:
+        """Count body bytes as they arrive: a chunked body has no content-length to check up front."""
+        received = 0
+
+        async def wrapped() -> Message:
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_bytes:
+                    raise _TooLarge(self.max_bytes)
+            return message
+
+        return wrapped
+
+
+def _too_large(limit: int) -> ApiError:
+    return ApiError(413, f"the request body exceeds the server's limit of {limit} bytes", code="request_too_large")
+
+
+async def _send_error(send: Send, path: str, error: ApiError) -> None:
+    body = json.dumps(error_body(path, error)).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    if error.status == 401:
+        headers.append((b"www-authenticate", b"Bearer"))
+    await send({"type": "http.response.start", "status": error.status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})

@@ -1,0 +1,156 @@
+"""Server metrics in the Prometheus text format (version 0.0.4).
+
+Counters and histograms are updated by the route handlers and the generation worker thread, so
+every update takes the instance's lock. Extra gauges come from an optional `stats()` provider
+(the expert store plugs in here) returning either flat numbers or one mapping per tier:
+
+    {"device": {"hits": 120, "misses": 30, "bytes_read": 4096}, "host": {...}, "evictions": 7}
+
+becomes flashpack_store_hits{tier="device"} 120 ... plus flashpack_store_hit_rate{tier="device"} 0.8
+wherever a tier reports both hits and misses, and flashpack_store_evictions 7.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import threading
+from collections import defaultdict
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+TTFT_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+_NAME_UNSAFE = re.compile(r"[^a-zA-Z0-9_]")
+
+
+@dataclass
+class Histogram:
+    buckets: tuple[float, ...]
+    counts: list[int] = field(default_factory=list)
+    total: float = 0.0
+    count: int = 0
+
+    def __post_init__(self) -> None:
+        self.counts = [0] * len(self.buckets)
+
+    def observe(self, value: float) -> None:
+        self.total += value
+        self.count += 1
+        for i, bound in enumerate(self.buckets):
+            if value <= bound:
+                self.counts[i] += 1
+
+    def lines(self, name: str) -> list[str]:
+        out = [f'{name}_bucket{{le="{bound}"}} {n}' for bound, n in zip(self.buckets, self.counts)]
+        out += [f'{name}_bucket{{le="+Inf"}} {self.count}', f"{name}_sum {self.total:.6f}", f"{name}_count {self.count}"]
+        return out
+
+
+class Metrics:
+    def __init__(self, queue_depth: Callable[[], int] = lambda: 0, stats: Callable[[], Mapping[str, Any]] | None = None):
+        self._lock = threading.Lock()
+        self._queue_depth = queue_depth
+        self._stats = stats
+        self.requests: dict[tuple[str, int], int] = defaultdict(int)  # (route, status) -> count
+        self.finishes: dict[str, int] = defaultdict(int)  # generator finish reason -> count
+        self.running = 0
+        self.prompt_tokens = 0
+        self.generated_tokens = 0
+        self.decode_tokens = 0  # tokens after the first, for the decode rate
+        self.decode_seconds = 0.0
+        self.last_decode_rate = 0.0
+        self.ttft = Histogram(TTFT_BUCKETS)
+        self.queue_wait = Histogram(TTFT_BUCKETS)
+
+    def set_queue_depth(self, queue_depth: Callable[[], int]) -> None:
+        self._queue_depth = queue_depth
+
+    def count_request(self, route: str, status: int) -> None:
+        with self._lock:
+            self.requests[(route, status)] += 1
+
+    def generation_started(self, waited_seconds: float) -> None:
+        with self._lock:
+            self.running += 1
+            self.queue_wait.observe(waited_seconds)
+
+    def generation_finished(self, prompt_tokens: int, generated: int, finish: str, timings: Mapping[str, float] | None) -> None:
+        with self._lock:
+            self.running -= 1
+            self.finishes[finish] += 1
+            self.prompt_tokens += prompt_tokens
+            self.generated_tokens += generated
+            if timings and generated:
+                self.ttft.observe(timings["first_token_seconds"])
+                decode_time = timings["total_seconds"] - timings["first_token_seconds"]
+                if generated > 1 and decode_time > 0:
+                    self.decode_tokens += generated - 1
+                    self.decode_seconds += decode_time
+                    self.last_decode_rate = (generated - 1) / decode_time
+
+    def render(self) -> str:
+        with self._lock:
+            lines = _typed("flashpack_requests_total", "counter", "HTTP requests by route and status")
+            lines += [f'flashpack_requests_total{{route="{r}",status="{s}"}} {n}' for (r, s), n in sorted(self.requests.items())]
+            lines += _typed("flashpack_generations_total", "counter", "finished generations by finish reason")
+            lines += [f'flashpack_generations_total{{finish="{f}"}} {n}' for f, n in sorted(self.finishes.items())]
+            lines += _gauge("flashpack_queue_depth", "requests waiting for the engine", self._queue_depth())
+            lines += _gauge("flashpack_requests_running", "requests generating now", self.running)
+            lines += _typed("flashpack_prompt_tokens_total", "counter", "prompt tokens processed")
+            lines += [f"flashpack_prompt_tokens_total {self.prompt_tokens}"]
+            lines += _typed("flashpack_generated_tokens_total", "counter", "tokens generated")
+            lines += [f"flashpack_generated_tokens_total {self.generated_tokens}"]
+            rate = self.decode_tokens / self.decode_seconds if self.decode_seconds else 0.0
+            lines += _gauge("flashpack_decode_tokens_per_second", "decode rate over all requests", rate)
+            lines += _gauge("flashpack_last_decode_tokens_per_second", "decode rate of the last request", self.last_decode_rate)
+            lines += _typed("flashpack_time_to_first_token_seconds", "histogram", "prefill + first token")
+            lines += self.ttft.lines("flashpack_time_to_first_token_seconds")
+            lines += _typed("flashpack_queue_wait_seconds", "histogram", "time a request waited for the engine")
+            lines += self.queue_wait.lines("flashpack_queue_wait_seconds")
+        lines += self._store_lines()
+        return "\n".join(lines) + "\n"
+
+    def _store_lines(self) -> list[str]:
+        if self._stats is None:
+            return []
+        try:
+            stats = self._stats()
+        except Exception as error:  # a broken provider must not take /metrics down
+            return [f"# flashpack_store stats unavailable: {type(error).__name__}"]
+        series: dict[str, list[str]] = defaultdict(list)
+        for key, value in stats.items():
+            if isinstance(value, Mapping):
+                tier = _NAME_UNSAFE.sub("_", str(key))
+                numbers = {k: v for k, v in value.items() if _is_number(v)}
+                if "hits" in numbers and "misses" in numbers and "hit_rate" not in numbers:
+                    lookups = numbers["hits"] + numbers["misses"]
+                    numbers["hit_rate"] = numbers["hits"] / lookups if lookups else 0.0
+                for name, number in numbers.items():
+                    series[_metric_name(name)].append(f'{_metric_name(name)}{{tier="{tier}"}} {_fmt(number)}')
+            elif _is_number(value):
+                series[_metric_name(key)].append(f"{_metric_name(key)} {_fmt(value)}")
+        lines: list[str] = []
+        for name, samples in sorted(series.items()):
+            lines += [f"# TYPE {name} gauge", *samples]
+        return lines
+
+
+def _metric_name(key: str) -> str:
+    return "flashpack_store_" + _NAME_UNSAFE.sub("_", str(key))
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _fmt(value: float) -> str:
+    return str(value) if isinstance(value, int) else f"{value:.6g}"
+
+
+def _typed(name: str, kind: str, help_text: str) -> list[str]:
+    return [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}"]
+
+
+def _gauge(name: str, help_text: str, value: float) -> list[str]:
+    return _typed(name, "gauge", help_text) + [f"{name} {_fmt(value)}"]

@@ -1,0 +1,120 @@
+"""OpenAI request bodies (chat completions, completions) as pydantic models.
+
+Unknown fields are ignored, as clients send new ones first; wrong types and out-of-range values
+fail validation and come back as a 400 in OpenAI's error shape. Extensions beyond OpenAI's API:
+`chat_template_kwargs` (`enable_thinking`, as vLLM and SGLang take it), `max_thinking_tokens`, `top_k`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+TOOL_NAME = r"^[a-zA-Z0-9_.-]{1,64}$"
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+
+
+class FunctionDefinition(_Model):
+    name: str = Field(pattern=TOOL_NAME)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(_Model):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class FunctionName(_Model):
+    name: str
+
+
+class NamedToolChoice(_Model):
+    type: Literal["function"] = "function"
+    function: FunctionName
+
+
+class JsonSchemaFormat(_Model):
+    name: str = "response"
+    description: str | None = None
+    schema_: dict[str, Any] = Field(default_factory=lambda: {"type": "object"}, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Model):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class ContentPart(_Model):
+    type: str
+    text: str | None = None
+
+
+class CalledFunction(_Model):
+    name: str
+    arguments: str | dict[str, Any] = "{}"
+
+
+class MessageToolCall(_Model):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
+class ChatMessage(_Model):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+    tool_calls: list[MessageToolCall] | None = None
+    tool_call_id: str | None = None
+    reasoning_content: str | None = None
+
+
+class StreamOptions(_Model):
+    include_usage: bool = False
+
+
+class _Sampling(_Model):
+    model: str
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, ge=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=0)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int = Field(1, ge=1, le=1, description="one choice per request")
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)  # accepted, not applied
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)  # accepted, not applied
+    user: str | None = None
+
+    def stop_strings(self) -> tuple[str, ...]:
+        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        return tuple(s for s in stops if s)
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
+    response_format: ResponseFormat | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    max_thinking_tokens: int | None = Field(None, ge=1)
+    logprobs: Literal[False] | None = None
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[str] | list[int] = Field(min_length=1)
+    max_tokens: int | None = Field(16, ge=1)
+    echo: bool = False
+    logprobs: Literal[0] | None = None
+    suffix: Literal[""] | None = None

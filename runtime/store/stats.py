@@ -40,6 +40,7 @@ class StoreStats:
     wait_seconds: float = 0.0  # time fetch/wait spent blocked on reads and copies
     prewarm_seconds: float = 0.0
     read_seconds: float = 0.0  # time reader threads spent in preadv (summed over threads)
+    read_calls: int = 0  # preadv calls (a run of contiguous records is one)
     verified_records: int = 0
     tokens: int = 0  # set by whoever knows (bench, run); divides the per-token figures
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
@@ -72,7 +73,7 @@ class StoreStats:
         with self._lock:
             self.layers.clear()
             self.wait_seconds = self.read_seconds = self.prewarm_seconds = 0.0
-            self.verified_records = self.tokens = 0
+            self.verified_records = self.tokens = self.read_calls = 0
 
     def to_dict(self) -> dict:
         total = self.total()
@@ -100,6 +101,7 @@ class StoreStats:
             },
             "wait_seconds": self.wait_seconds,
             "read_seconds": self.read_seconds,
+            "read_calls": self.read_calls,
             "prewarm_seconds": self.prewarm_seconds,
             "verified_records": self.verified_records,
             "layers": {str(layer): {f.name: getattr(c, f.name) for f in fields(c)}

@@ -293,6 +293,7 @@ class TieredStore:
             return
         finally:
             self.stats.add_time("read_seconds", time.perf_counter() - start)
+            self.stats.add_time("read_calls", 1)
         good = []
         for key, entry, host_entry in zip(keys, entries, host_entries):
             try:

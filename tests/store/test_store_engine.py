@@ -1,0 +1,123 @@
+"""The store behind the real engine: greedy output identical to the all-in-memory run at any
+budget; `profile` writes a hot set (and `--reorder` moves records) that pre-warming uses;
+`trace record` / `trace replay` report policies against Belady."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from flashpack.errors import FlashpackError
+from flashpack.layout.manifest import Manifest
+from flashpack.layout.pack import Pack
+from flashpack.runtime.generate import Generator
+from flashpack.runtime.loader import load_engine
+from flashpack.runtime.model import Qwen4ExpModel
+from flashpack.runtime.pack_source import PackExperts, PackWeights
+from flashpack.runtime.sampling import SamplingParams
+from flashpack.runtime.store import build_store, profile_pack, record_trace, replay_trace
+from flashpack.runtime.store.trace import Trace
+
+PROMPTS = ["The cache keeps hot experts close.", "Belady evicts what is needed furthest in the future."]
+
+
+class Greedy:
+    """One pack's tokenizer and prompts; a fresh engine per fetcher (the fetcher is bound at build)."""
+
+    def __init__(self, pack_root):
+        self.engine = load_engine(pack_root, dtype="float32")
+        self.pack = self.engine.pack
+        self.prompts = [self.engine.tokenizer.encode(text) for text in PROMPTS]
+
+    def run(self, fetcher, max_tokens=8) -> list[list[int]]:
+        model = Qwen4ExpModel(PackWeights(self.pack), fetcher, dtype=torch.float32, device="cpu")
+        generator = Generator(model, self.engine.tokenizer)
+        return [generator.generate(ids, SamplingParams(max_tokens=max_tokens)).token_ids for ids in self.prompts]
+
+
+@pytest.fixture(scope="module")
+def greedy(store_pack) -> Greedy:
+    return Greedy(store_pack)
+
+
+@pytest.fixture(scope="module")
+def all_in_memory(greedy) -> list[list[int]]:
+    return greedy.run(PackExperts(greedy.pack))
+
+
+@pytest.mark.parametrize("device_slots, host_slots, policy", [
+    (None, None, "lfu"), ("top_k+1", 1, "lru"), ("top_k+1", 2, "lfu"), ("top_k+2 per layer", 8, "lfu-decay"),
+])
+def test_greedy_output_identical_to_all_in_memory(greedy, all_in_memory, device_slots, host_slots, policy):
+    pack = greedy.pack
+    stride = pack.manifest.document["experts"]["record_stride"]
+    top_k = pack.manifest.config.num_experts_per_tok
+    layers = len({r.layer for r in pack.manifest.expert_records()})
+    slots = {"top_k+1": top_k + 1, "top_k+2 per layer": (top_k + 2) * layers, None: None}[device_slots]
+    with build_store(pack, vram_budget=slots and slots * stride, ram_budget=host_slots and host_slots * stride,
+                     device_reserved=0, policy=policy, poison=True) as store:
+        assert greedy.run(store) == all_in_memory
+        store.check_budgets()
+        if slots is not None:
+            assert store.device_pool.nbytes == slots * stride
+            assert store.stats.total().disk_reads > 0
+
+
+def _workload(path, prompts=PROMPTS, max_tokens=4):
+    path.write_text("\n".join(json.dumps({"prompt": p, "max_tokens": max_tokens}) for p in prompts) + "\n")
+    return path
+
+
+def test_profile_writes_a_hot_set_and_reorder_keeps_every_record(pack_copy, tmp_path):
+    before = {(r.layer, r.expert): r for r in Pack.open(pack_copy).manifest.expert_records()}
+    original = PackExperts(Pack.open(pack_copy))
+    reference = {key: original.fetch(key[0], [key[1]])[key[1]] for key in list(before)[:40]}
+    profile = profile_pack(pack_copy, _workload(tmp_path / "w.jsonl"), "chat", reorder=True, trace_out=tmp_path / "t.json")
+    manifest = Manifest.load(pack_copy)  # schema-valid after the rewrite
+    stored = manifest.hot_sets["chat"]
+    assert stored["reordered"] and stored["unit"] == "fetches" and stored["workload"]["prompts"] == len(PROMPTS)
+    assert stored["workload"]["generated_tokens"] > 0 and len(stored["workload"]["xxh64"]) == 16
+    stride = manifest.document["experts"]["record_stride"]
+    after = {(r.layer, r.expert): r for r in manifest.expert_records()}
+    for entry in stored["layers"]:
+        counts = entry["counts"]
+        assert counts == sorted(counts, reverse=True) and sum(counts) >= entry["requests"]
+        offsets = [after[entry["layer"], e].offset for e in entry["experts"]]
+        assert offsets == [rank * stride for rank in range(len(offsets))]  # hot experts first, contiguous
+    assert {k: v.xxh64 for k, v in after.items()} == {k: v.xxh64 for k, v in before.items()}
+    assert sum(profile["moved"].values()) > 0
+    pack = Pack.open(pack_copy)  # sizes still match the files list
+    reordered = PackExperts(pack)
+    for key, weights in reference.items():
+        assert torch.equal(reordered.fetch(key[0], [key[1]])[key[1]].up, weights.up)
+    # pre-warming the reordered pack reads each layer's hot set in one run
+    with build_store(pack, hot_set="chat", vram_budget=None, ram_budget=None, device_reserved=0) as store:
+        total = sum(len(entry["experts"]) for entry in stored["layers"])
+        assert store.stats.to_dict()["tiers"]["host"]["prewarmed"] == total
+        assert store.stats.read_calls == sum(1 for entry in stored["layers"] if entry["experts"])
+    with pytest.raises(FlashpackError, match="hot set name"):
+        profile_pack(pack_copy, tmp_path / "w.jsonl", "bad name")
+
+
+def test_profile_refuses_bad_workloads(pack_copy, tmp_path):
+    (tmp_path / "bad.jsonl").write_text('{"prompt": "a"}\nnot json\n')
+    with pytest.raises(FlashpackError, match="bad.jsonl:2: not JSON"):
+        profile_pack(pack_copy, tmp_path / "bad.jsonl", "x")
+    (tmp_path / "empty.jsonl").write_text("\n")
+    with pytest.raises(FlashpackError, match="has no requests"):
+        profile_pack(pack_copy, tmp_path / "empty.jsonl", "x")
+
+
+def test_trace_record_and_replay(store_pack, tmp_path):
+    trace = record_trace(store_pack, _workload(tmp_path / "w.jsonl"), tmp_path / "trace.json")
+    loaded = Trace.load(tmp_path / "trace.json")
+    assert loaded.to_dict() == trace.to_dict()
+    assert loaded.steps[0].tokens > 1 and all(s.tokens == 1 for s in loaded.steps[1:4])  # max_tokens 4
+    assert {layer for layer, _ in loaded.fetches()} <= set(loaded.layers)
+    report = replay_trace(tmp_path / "trace.json", [loaded.top_k, 2 * loaded.top_k], ["lru", "lfu"])
+    for capacity in (loaded.top_k, 2 * loaded.top_k):
+        best = report.row(capacity, "belady").total
+        assert report.row(capacity, "lru").total >= best and report.row(capacity, "lfu").total >= best
+    assert report.to_dict()["rows"][0]["bytes_per_token"] > 0

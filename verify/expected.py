@@ -47,18 +47,23 @@ class ExpectedWeights:
         """A non-float checkpoint tensor (the PLE hashing buffers), unchanged."""
         return self.snapshot.tensor(name)
 
-    def expert(self, layer: int, expert: int) -> ExpertWeights:
-        """One routed expert of decoder `layer`, NVFP4-rounded: gate, up [I, H]; down [H, I]."""
-        prefix = f"layers.{layer}.mlp.experts.{expert}."
-        return ExpertWeights(*(self._nvfp4(f"{prefix}{p}_proj.weight") for p in PROJECTIONS))
+    def expert(self, layer: int, expert: int, device: torch.device | str = "cpu") -> ExpertWeights:
+        """One routed expert of decoder `layer`, NVFP4-rounded: gate, up [I, H]; down [H, I], on `device`.
 
-    def _nvfp4(self, name: str) -> torch.Tensor:
+        Quantising (BF16 sources) runs on the CPU, where the converter ran it; decoding, exact in
+        float32 on any device, runs on `device`."""
+        prefix = f"layers.{layer}.mlp.experts.{expert}."
+        return ExpertWeights(*(self._nvfp4(f"{prefix}{p}_proj.weight", device) for p in PROJECTIONS))
+
+    def _nvfp4(self, name: str, device: torch.device | str) -> torch.Tensor:
         parts = self.snapshot.expert_parts(name)
         if isinstance(parts, NVFP4Parts):
-            return dequantize_nvfp4(parts.packed, parts.block_scale, parts.global_scale)
-        quantized = quantize_nvfp4(parts)
-        # The record trailer holds the global scale as a float32: round-trip it the same way.
-        return dequantize_nvfp4(quantized.packed, quantized.block_scale, float(quantized.global_scale))
+            packed, scales, global_scale = parts.packed, parts.block_scale, parts.global_scale
+        else:
+            quantized = quantize_nvfp4(parts)
+            # The record trailer holds the global scale as a float32: round-trip it the same way.
+            packed, scales, global_scale = quantized.packed, quantized.block_scale, float(quantized.global_scale)
+        return dequantize_nvfp4(packed.to(device), scales.to(device), global_scale)
 
     def ple_rows(self, ple_index: int, rows: torch.Tensor) -> torch.Tensor:
         """int64 [N] table row ids -> float32 [N, ple_head_dim], read row by row from the shards."""

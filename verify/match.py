@@ -18,7 +18,7 @@ from flashpack.layout.manifest import Manifest
 from flashpack.layout.model_config import TextConfig
 
 
-def open_reference(manifest: Manifest, reference: str | Path) -> SourceCheckpoint:
+def open_reference(manifest: Manifest, reference: str | Path, progress: bool = False) -> SourceCheckpoint:
     """The reference snapshot, opened and checked against the pack's recorded source."""
     revision = manifest.document["source"].get("revision")
     root, repo_id = resolve_snapshot(str(reference), revision)
@@ -31,7 +31,7 @@ def open_reference(manifest: Manifest, reference: str | Path) -> SourceCheckpoin
         raise FlashpackError(f"reference {config_path} is not valid JSON: {error}") from None
     _check_config(manifest, TextConfig.from_checkpoint_config(raw).raw, root)
     snapshot = SourceCheckpoint.open(root, repo_id)
-    _check_files(manifest, snapshot, root)
+    _check_files(manifest, snapshot, root, progress)
     return snapshot
 
 
@@ -47,14 +47,14 @@ def _check_config(manifest: Manifest, snapshot_config: dict, root: Path) -> None
     )
 
 
-def _check_files(manifest: Manifest, snapshot: SourceCheckpoint, root: Path) -> None:
+def _check_files(manifest: Manifest, snapshot: SourceCheckpoint, root: Path, progress: bool) -> None:
     recorded = {entry["name"]: entry for entry in manifest.document["source"]["files"]}
     present = {"config.json", *snapshot.files}
     if present != set(recorded):
         extra, missing = sorted(present - set(recorded)), sorted(set(recorded) - present)
         what = f"lacks {missing[0]}" if missing else f"has {extra[0]}, which the pack's source did not"
         raise FlashpackError(f"reference {root} is not the snapshot the pack was converted from: it {what}")
-    for entry in source_fingerprint(root, sorted(recorded)):
+    for entry in source_fingerprint(root, sorted(recorded), progress):
         expected = recorded[entry["name"]]
         if entry["bytes"] != expected["bytes"] or entry["xxh64"] != expected["xxh64"]:
             raise FlashpackError(

@@ -137,9 +137,9 @@ class _ExpertLoader:
         picked = torch.unique(top_k_index).tolist()
         for expert in picked:
             if expert not in self.loaded:
-                w = self.reference.weights.expert(self.layer, expert)
-                cast = lambda t: t.to(device=self.reference.device, dtype=self.reference.dtype)  # noqa: E731
-                self.loaded[expert] = (cast(torch.cat([w.gate, w.up])), cast(w.down))
+                w = self.reference.weights.expert(self.layer, expert, self.reference.device)
+                dtype = self.reference.dtype
+                self.loaded[expert] = (torch.cat([w.gate, w.up]).to(dtype), w.down.to(dtype))
         renumber = torch.full((module.config.num_experts,), -1, dtype=top_k_index.dtype, device=top_k_index.device)
         renumber[picked] = torch.arange(len(picked), dtype=top_k_index.dtype, device=top_k_index.device)
         module.num_experts = len(picked)

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -46,8 +48,16 @@ def verify_pack(
     control: str | None = None,
     json_path: Path | None = None,
     seed: int = 0,
+    progress: bool = False,
 ) -> VerifyReport:
-    """Verify `pack` against its source snapshot `reference`; `report.passed` is the verdict."""
+    """Verify `pack` against its source snapshot `reference`; `report.passed` is the verdict.
+
+    dtype: the engine's compute dtype, "float32" or "bfloat16" (the reference is always FP32).
+    prompts: texts for the pack's tokenizer (each one's last `decode_tokens` tokens are decoded
+    teacher-forced); None: random sequences sized to exercise the indexer and PLE (inputs.py).
+    control: one of controls.CONTROLS: verify a broken copy instead, which must fail.
+    progress: a progress bar while hashing the reference snapshot.
+    """
     if dtype not in DTYPES:
         raise FlashpackError(f"unsupported dtype {dtype!r}: use float32 or bfloat16")
     if control is not None and control not in CONTROLS:
@@ -56,7 +66,7 @@ def verify_pack(
         raise FlashpackError("--decode-tokens must be 0 or more")
     opened = Pack.open(pack)
     try:
-        snapshot = open_reference(opened.manifest, reference)
+        snapshot = open_reference(opened.manifest, reference, progress)
         cfg = opened.manifest.config
         sequences = (
             prompt_sequences(opened.root, prompts, decode_tokens) if prompts
@@ -81,7 +91,26 @@ def verify_pack(
     return report
 
 
+@contextmanager
+def _ieee_fp32() -> Iterator[None]:
+    """FP32 means FP32 on CUDA too: no TF32 in matmuls or cuDNN convolutions while verify runs."""
+    flags = torch.backends.cuda.matmul, torch.backends.cudnn
+    saved = [flag.allow_tf32 for flag in flags]
+    for flag in flags:
+        flag.allow_tf32 = False
+    try:
+        yield
+    finally:
+        for flag, value in zip(flags, saved):
+            flag.allow_tf32 = value
+
+
 def _verify(pack: Pack, snapshot, sequences: list[Sequence], dtype: str, device: str) -> VerifyReport:
+    with _ieee_fp32():
+        return _run_and_compare(pack, snapshot, sequences, dtype, device)
+
+
+def _run_and_compare(pack: Pack, snapshot, sequences: list[Sequence], dtype: str, device: str) -> VerifyReport:
     cfg = pack.manifest.config
     seconds: dict[str, float] = {}
     started = time.perf_counter()

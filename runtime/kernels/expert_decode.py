@@ -27,20 +27,25 @@ from flashpack.runtime.kernels.nvfp4_dequant import block_scale_f32, e2m1_low_hi
 def _nvfp4_row_block_dot(nib_ptr, scale_ptr, rows, row_mask, vec_ptr, n_in: tl.constexpr,
                          BLOCK_ROWS: tl.constexpr, BLOCK_IN: tl.constexpr):
     """float32 [BLOCK_ROWS]: rows of one NVFP4 matrix [*, n_in] (nibbles at nib_ptr, block scales at
-    scale_ptr, both already offset to the expert) times the float vector at vec_ptr, no global scale."""
-    j = tl.arange(0, BLOCK_IN // 2)
+    scale_ptr, both already offset to the expert) times the float vector at vec_ptr, no global scale.
+
+    Tiles are [rows, 16-element groups, 8 bytes]: every load is contiguous, and each group's block
+    scale multiplies the sum of its 16 products once."""
+    GROUPS: tl.constexpr = BLOCK_IN // 16
+    group = tl.arange(0, GROUPS)
     acc = tl.zeros([BLOCK_ROWS], dtype=tl.float32)
-    for start in range(0, n_in, BLOCK_IN):
-        byte = start // 2 + j
-        col_mask = byte < n_in // 2
-        mask = row_mask[:, None] & col_mask[None, :]
-        packed = tl.load(nib_ptr + rows[:, None] * (n_in // 2) + byte[None, :], mask=mask, other=0)
-        # element pair (2j, 2j+1) shares block scale (2j) // 16 = j // 8
-        scale = tl.load(scale_ptr + rows[:, None] * (n_in // 16) + (byte // 8)[None, :], mask=mask, other=0)
-        even = tl.load(vec_ptr + 2 * byte, mask=col_mask, other=0).to(tl.float32)
-        odd = tl.load(vec_ptr + 2 * byte + 1, mask=col_mask, other=0).to(tl.float32)
+    for start in tl.static_range(0, n_in, BLOCK_IN):  # unrolled: all loads in flight at once
+        g = start // 16 + group
+        g_mask = g < n_in // 16
+        mask2 = row_mask[:, None] & g_mask[None, :]
+        byte = g[:, None] * 8 + tl.arange(0, 8)[None, :]
+        packed = tl.load(nib_ptr + rows[:, None, None] * (n_in // 2) + byte[None, :, :], mask=mask2[:, :, None], other=0)
+        scale = tl.load(scale_ptr + rows[:, None] * (n_in // 16) + g[None, :], mask=mask2, other=0)
+        vec = tl.load(vec_ptr + g[:, None] * 16 + tl.arange(0, 16)[None, :], mask=g_mask[:, None], other=0)
+        even, odd = tl.split(tl.reshape(vec.to(tl.float32), (GROUPS, 8, 2)))
         low, high = e2m1_low_high(packed)
-        acc += tl.sum((low * even[None, :] + high * odd[None, :]) * block_scale_f32(scale), axis=1)
+        group_sum = tl.sum(low * even[None, :, :] + high * odd[None, :, :], axis=2)
+        acc += tl.sum(group_sum * block_scale_f32(scale), axis=1)
     return acc
 
 
@@ -79,7 +84,7 @@ def _down_sum_kernel(
     rows = tl.program_id(1) * BLOCK_O + tl.arange(0, BLOCK_O)
     row_mask = rows < H
     acc = tl.zeros([BLOCK_O], dtype=tl.float32)
-    for k in range(K):
+    for k in tl.static_range(K):
         pair = t * K + k
         e = tl.load(slots_ptr + pair).to(tl.int64)
         y = _nvfp4_row_block_dot(down_nib_ptr + e * down_nib_stride, down_scale_ptr + e * down_scale_stride,
@@ -92,7 +97,7 @@ def _down_sum_kernel(
 def nvfp4_expert_swiglu(
     x: torch.Tensor, bank: ExpertBank, slots: torch.Tensor, weights: torch.Tensor,
     out: torch.Tensor | None = None, h: torch.Tensor | None = None,
-    block_i: int = 16, block_h: int = 256, block_o: int = 16, block_down_in: int = 128,
+    block_i: int = 16, block_h: int = 256, block_o: int = 16, block_down_in: int = 128, num_warps: int = 4,
 ) -> torch.Tensor:
     """Routed SwiGLU experts for a few tokens, straight from NVFP4 records.
 
@@ -124,12 +129,12 @@ def nvfp4_expert_swiglu(
         bank.gate_nibbles, bank.up_nibbles, scale_bytes["gate"], scale_bytes["up"], gs,
         bank.gate_nibbles.stride(0), bank.up_nibbles.stride(0), bank.gate_scales.stride(0),
         bank.up_scales.stride(0), gs.stride(0),
-        hidden, inter, k, BLOCK_I=block_i, BLOCK_H=block_h,
+        hidden, inter, k, BLOCK_I=block_i, BLOCK_H=block_h, num_warps=num_warps,
     )
     _down_sum_kernel[(t, triton.cdiv(hidden, block_o))](
         h, slots2, weights2, out2,
         bank.down_nibbles, scale_bytes["down"], gs,
         bank.down_nibbles.stride(0), bank.down_scales.stride(0), gs.stride(0),
-        hidden, inter, k, BLOCK_O=block_o, BLOCK_I=block_down_in,
+        hidden, inter, k, BLOCK_O=block_o, BLOCK_I=block_down_in, num_warps=num_warps,
     )
     return out

@@ -1,7 +1,7 @@
 """Grouped NVFP4 SwiGLU experts for many tokens (prefill, batched decode): W4A16 tile GEMMs.
 
 The T * K (token, expert) pairs are sorted by bank row, and each expert's run of pairs is cut into
-tiles of BLOCK_M rows (`plan_tiles`, torch ops on the device, no host sync). Then
+tiles of BLOCK_M rows (`plan_tiles`: torch ops on the device, no host sync, graph-capturable). Then
 
     h[r]   = silu(x[tok(r)] @ gate_e^T) * (x[tok(r)] @ up_e^T)      kernel 1: tiles x I/BLOCK_N
     y[p]   = weights[p] * (h[r] @ down_e^T)                         kernel 2: tiles x H/BLOCK_N
@@ -37,7 +37,7 @@ def plan_tiles(slots: torch.Tensor, num_experts: int, block_m: int) -> tuple[tor
     flat = slots.reshape(-1).long()
     pairs = flat.numel()
     order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=num_experts)
+    counts = torch.zeros(num_experts, dtype=torch.long, device=slots.device).scatter_add_(0, flat, torch.ones_like(flat))
     ends = torch.cumsum(counts, 0)
     tiles_per = (counts + block_m - 1) // block_m
     tile_ends = torch.cumsum(tiles_per, 0)
@@ -52,14 +52,27 @@ def plan_tiles(slots: torch.Tensor, num_experts: int, block_m: int) -> tuple[tor
 
 
 @triton.jit
-def _dequant_tile(nib_ptr, scale_ptr, cols, col_mask, byte, byte_mask, n_in: tl.constexpr, DOT: tl.constexpr):
-    """Rows `cols` of an NVFP4 matrix [*, n_in], bytes `byte` -> (even, odd) [BLOCK_N, len(byte)] in DOT."""
-    mask = col_mask[:, None] & byte_mask[None, :]
-    packed = tl.load(nib_ptr + cols[:, None] * (n_in // 2) + byte[None, :], mask=mask, other=0)
-    scale = block_scale_f32(tl.load(scale_ptr + cols[:, None] * (n_in // 16) + (byte // 8)[None, :],
-                                    mask=mask, other=0))
+def _dequant_tile(nib_ptr, scale_ptr, cols, col_mask, g, g_mask, n_in: tl.constexpr,
+                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT: tl.constexpr):
+    """Rows `cols` of an NVFP4 matrix [*, n_in], 16-element groups `g` -> (even, odd) input columns,
+    each [BLOCK_N, BLOCK_K / 2] in DOT. Loads are contiguous [rows, groups, 8 bytes] tiles."""
+    mask = col_mask[:, None] & g_mask[None, :]
+    byte = g[:, None] * 8 + tl.arange(0, 8)[None, :]
+    packed = tl.load(nib_ptr + cols[:, None, None] * (n_in // 2) + byte[None, :, :], mask=mask[:, :, None], other=0)
+    scale = block_scale_f32(tl.load(scale_ptr + cols[:, None] * (n_in // 16) + g[None, :], mask=mask, other=0))
     low, high = e2m1_low_high(packed)
-    return (low * scale).to(DOT), (high * scale).to(DOT)
+    return (tl.reshape(low * scale[:, :, None], (BLOCK_N, BLOCK_K // 2)).to(DOT),
+            tl.reshape(high * scale[:, :, None], (BLOCK_N, BLOCK_K // 2)).to(DOT))
+
+
+@triton.jit
+def _even_odd(ptr, row_offsets, row_mask, start, n_in: tl.constexpr,
+              BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, DOT: tl.constexpr):
+    """[rows, BLOCK_K] activations from column `start`, loaded contiguously -> (even, odd) columns in DOT."""
+    k = start + tl.arange(0, BLOCK_K)
+    tile = tl.load(ptr + row_offsets[:, None] + k[None, :], mask=row_mask[:, None] & (k < n_in)[None, :], other=0)
+    even, odd = tl.split(tl.reshape(tile, (BLOCK_M, BLOCK_K // 2, 2)))
+    return even.to(DOT), odd.to(DOT)
 
 
 @triton.jit
@@ -86,21 +99,19 @@ def _grouped_gate_up_kernel(
     token = (tl.load(order_ptr + rows, mask=row_mask, other=0) // K).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask = cols < I
-    j = tl.arange(0, BLOCK_K // 2)
+    group = tl.arange(0, BLOCK_K // 16)
     gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for start in range(0, H, BLOCK_K):
-        byte = start // 2 + j
-        byte_mask = byte < H // 2
-        x_mask = row_mask[:, None] & byte_mask[None, :]
-        x_even = tl.load(x_ptr + token[:, None] * H + 2 * byte[None, :], mask=x_mask, other=0).to(DOT)
-        x_odd = tl.load(x_ptr + token[:, None] * H + 2 * byte[None, :] + 1, mask=x_mask, other=0).to(DOT)
+        g = start // 16 + group
+        g_mask = g < H // 16
+        x_even, x_odd = _even_odd(x_ptr, token * H, row_mask, start, H, BLOCK_M, BLOCK_K, DOT)
         g_lo, g_hi = _dequant_tile(gate_nib_ptr + e * gate_nib_stride, gate_scale_ptr + e * gate_scale_stride,
-                                   cols, col_mask, byte, byte_mask, H, DOT)
+                                   cols, col_mask, g, g_mask, H, BLOCK_N, BLOCK_K, DOT)
         gate = tl.dot(x_even, tl.trans(g_lo), gate, input_precision="ieee")
         gate = tl.dot(x_odd, tl.trans(g_hi), gate, input_precision="ieee")
         u_lo, u_hi = _dequant_tile(up_nib_ptr + e * up_nib_stride, up_scale_ptr + e * up_scale_stride,
-                                   cols, col_mask, byte, byte_mask, H, DOT)
+                                   cols, col_mask, g, g_mask, H, BLOCK_N, BLOCK_K, DOT)
         up = tl.dot(x_even, tl.trans(u_lo), up, input_precision="ieee")
         up = tl.dot(x_odd, tl.trans(u_hi), up, input_precision="ieee")
     gate = gate * tl.load(global_ptr + e * global_stride)
@@ -126,17 +137,14 @@ def _grouped_down_kernel(
     pair = tl.load(order_ptr + rows, mask=row_mask, other=0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask = cols < H
-    j = tl.arange(0, BLOCK_K // 2)
+    group = tl.arange(0, BLOCK_K // 16)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    h_rows = h_ptr + rows.to(tl.int64)[:, None] * I
     for start in range(0, I, BLOCK_K):
-        byte = start // 2 + j
-        byte_mask = byte < I // 2
-        h_mask = row_mask[:, None] & byte_mask[None, :]
-        h_even = tl.load(h_rows + 2 * byte[None, :], mask=h_mask, other=0).to(DOT)
-        h_odd = tl.load(h_rows + 2 * byte[None, :] + 1, mask=h_mask, other=0).to(DOT)
+        g = start // 16 + group
+        g_mask = g < I // 16
+        h_even, h_odd = _even_odd(h_ptr, rows.to(tl.int64) * I, row_mask, start, I, BLOCK_M, BLOCK_K, DOT)
         d_lo, d_hi = _dequant_tile(down_nib_ptr + e * down_nib_stride, down_scale_ptr + e * down_scale_stride,
-                                   cols, col_mask, byte, byte_mask, I, DOT)
+                                   cols, col_mask, g, g_mask, I, BLOCK_N, BLOCK_K, DOT)
         acc = tl.dot(h_even, tl.trans(d_lo), acc, input_precision="ieee")
         acc = tl.dot(h_odd, tl.trans(d_hi), acc, input_precision="ieee")
     w = tl.load(weights_ptr + pair, mask=row_mask, other=0).to(tl.float32) * tl.load(global_ptr + e * global_stride + 2)
@@ -146,7 +154,7 @@ def _grouped_down_kernel(
 def nvfp4_expert_swiglu_grouped(
     x: torch.Tensor, bank: ExpertBank, slots: torch.Tensor, weights: torch.Tensor,
     out: torch.Tensor | None = None, precision: str = "bf16",
-    block_m: int = 64, block_n: int = 64, block_k: int = 128,
+    block_m: int = 64, block_n: int = 64, block_k: int = 128, num_warps: int = 4, num_stages: int = 3,
 ) -> torch.Tensor:
     """Routed SwiGLU experts for many tokens, straight from NVFP4 records.
 
@@ -181,12 +189,14 @@ def nvfp4_expert_swiglu_grouped(
         bank.gate_nibbles.stride(0), bank.up_nibbles.stride(0), bank.gate_scales.stride(0),
         bank.up_scales.stride(0), gs.stride(0),
         hidden, inter, k, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, DOT=dot,
+        num_warps=num_warps, num_stages=num_stages,
     )
     _grouped_down_kernel[(max_tiles, triton.cdiv(hidden, block_n))](
         h, order, tiles, weights, y, max_tiles,
         bank.down_nibbles, scale_bytes["down"], gs,
         bank.down_nibbles.stride(0), bank.down_scales.stride(0), gs.stride(0),
         hidden, inter, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, DOT=dot,
+        num_warps=num_warps, num_stages=num_stages,
     )
     result = y.view(tokens, k, hidden).sum(dim=1)
     if out is None:

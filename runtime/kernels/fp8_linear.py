@@ -26,7 +26,7 @@ def _fp8_matvec_kernel(x_ptr, values_ptr, scale_ptr, y_ptr, R, C: tl.constexpr,
     row_mask = rows < R
     cols = tl.arange(0, BLOCK_C)
     acc = tl.zeros([BLOCK_R], dtype=tl.float32)
-    for start in range(0, C, BLOCK_C):
+    for start in tl.static_range(0, C, BLOCK_C):
         col_mask = start + cols < C
         mask = row_mask[:, None] & col_mask[None, :]
         v = tl.load(values_ptr + rows.to(tl.int64)[:, None] * C + (start + cols)[None, :], mask=mask, other=0)
@@ -61,6 +61,7 @@ def fp8_linear_triton(
     x: torch.Tensor, values: torch.Tensor, row_scale: torch.Tensor, out: torch.Tensor | None = None,
     precision: str = "bf16", matvec_max_tokens: int = 4,
     block_r: int = 16, block_c: int = 512, block_m: int = 64, block_n: int = 128, block_k: int = 64,
+    num_warps: int = 4,
 ) -> torch.Tensor:
     """x [..., C] -> [..., R] (dtype of `out` if given, else x.dtype); values float8_e4m3fn [R, C]
     contiguous, row_scale float32 [R]. Up to `matvec_max_tokens` rows of x use the float32 matvec
@@ -82,7 +83,7 @@ def fp8_linear_triton(
     v_bytes, scale = values.contiguous().view(torch.uint8), row_scale.float().contiguous()
     if tokens <= matvec_max_tokens:
         _fp8_matvec_kernel[(tokens, triton.cdiv(rows, block_r))](
-            x2, v_bytes, scale, out, rows, cols, BLOCK_R=block_r, BLOCK_C=block_c)
+            x2, v_bytes, scale, out, rows, cols, BLOCK_R=block_r, BLOCK_C=block_c, num_warps=num_warps)
         return out
     if precision == "bf16" and x.device.type != "cuda":
         raise ValueError("bf16 tensor-core dots need CUDA (the triton 3.6 interpreter mis-multiplies bf16 "
@@ -90,5 +91,6 @@ def fp8_linear_triton(
     dot = tl.bfloat16 if precision == "bf16" else tl.float32
     x_act = x2.to(torch.bfloat16 if precision == "bf16" else torch.float32)
     _fp8_matmul_kernel[(triton.cdiv(tokens, block_m), triton.cdiv(rows, block_n))](
-        x_act, v_bytes, scale, out, tokens, rows, cols, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, DOT=dot)
+        x_act, v_bytes, scale, out, tokens, rows, cols, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, DOT=dot,
+        num_warps=num_warps)
     return out

@@ -1,0 +1,402 @@
+"""Kernel benchmark on one CUDA GPU: each Triton kernel against its reference at the real dims.
+
+    python bench/kernels.py --json $OUT/kernels.json [--sweep]
+
+Needs torch + triton + CUDA; no install of flashpack (the repository root is the package, so the
+script loads it from here under the name `flashpack` when it is not importable). Real dims:
+H = 2560, I = 640, 512 experts per layer, top-10; FP8 matrix 8192 x 2560.
+
+  decode    1 token, 10 experts: matvec kernels; also 2..32 tokens, matvec vs grouped (crossover)
+  prefill   2048 tokens: grouped W4A16 kernels (bf16 tensor cores)
+  fp8       8192 x 2560 row-scaled: matvec (1 token) and tile GEMM (2048 tokens)
+
+Bytes moved count what a kernel must read and write: each selected expert's record data
+(2,764,800 bytes) once, the distinct experts once for the grouped path, plus activations and
+scratch. GB/s is set against a device-to-device copy measured in the same run (the practical
+roofline) and the 4.8 TB/s datasheet peak; TFLOP/s against a bf16 matmul measured here. "us" is
+GPU time per call: many calls on rotated inputs (a new expert set or matrix copy each, so the 60 MB
+L2 does not serve them) captured in one CUDA graph, median replay / calls; references that sync
+with the host are timed eagerly. "eager us" is one call on an idle GPU, launch overhead included,
+what an engine pays without graphs. Each Triton result is checked against the plain-PyTorch
+reference (and a float64 one) at full size; the exit status is 1 if any check fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import platform
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+HBM_PEAK_GBS = 4800.0
+H, I, EXPERTS, TOP_K = 2560, 640, 512, 10
+FP8_ROWS, FP8_COLS = 8192, 2560
+PREFILL_TOKENS = 2048
+
+
+def import_flashpack():
+    """The checkout this script sits in, as `flashpack` (pip install -e . not needed)."""
+    try:
+        import flashpack  # noqa: F401
+    except ImportError:
+        spec = importlib.util.spec_from_file_location(
+            "flashpack", ROOT / "__init__.py", submodule_search_locations=[str(ROOT)])
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["flashpack"] = module
+        spec.loader.exec_module(module)
+    import flashpack
+
+    return flashpack
+
+
+def eager_ms(fn, repeats: int, warmup: int = 2) -> float:
+    """Median of `repeats` event-timed single calls fn(i), the GPU idle before each: launch overhead
+    included, as an engine without CUDA graphs pays it."""
+    for i in range(warmup):
+        fn(i)
+    torch.cuda.synchronize()
+    times = []
+    for i in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn(warmup + i)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def graph_ms(fn, calls: int, replays: int = 7) -> float:
+    """GPU time of one call: fn(0) .. fn(calls - 1) (rotated inputs) captured in one CUDA graph, the
+    median replay divided by `calls`. No launch gaps: this is the kernel's own time."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for i in range(2):
+            fn(i)
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(calls):
+            fn(i)
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / calls)
+    del graph
+    return statistics.median(times)
+
+
+def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    return ((actual.float() - expected.float()).abs().max() / expected.float().abs().max()).item()
+
+
+class Report:
+    def __init__(self, copy_gbs: float, bf16_tflops: float):
+        self.copy_gbs, self.bf16_tflops = copy_gbs, bf16_tflops
+        self.rows: list[dict] = []
+        self.checks: list[dict] = []
+
+    def timing(self, case: str, impl: str, ms: float, bytes_moved: int, flops: int = 0, **extra) -> None:
+        """ms: GPU time of one call (graph replay) unless the impl syncs with the host (then eager)."""
+        gbs = bytes_moved / ms / 1e6
+        extra = {k: round(v, 1) if isinstance(v, float) else v for k, v in extra.items()}
+        self.rows.append({
+            "case": case, "impl": impl, "us": round(ms * 1e3, 2), "bytes": bytes_moved, "gb_s": round(gbs, 1),
+            "pct_copy": round(100 * gbs / self.copy_gbs, 1), "pct_peak": round(100 * gbs / HBM_PEAK_GBS, 1),
+            "tflop_s": round(flops / ms / 1e9, 1) if flops else None, **extra,
+        })
+
+    def check(self, case: str, error: float, tolerance: float, against: str) -> None:
+        self.checks.append({"case": case, "against": against, "rel_err": error, "tol": tolerance,
+                            "ok": bool(error <= tolerance)})
+
+    def print(self) -> None:
+        print(f"\ncopy roofline {self.copy_gbs:.0f} GB/s (datasheet {HBM_PEAK_GBS:.0f}); "
+              f"bf16 matmul {self.bf16_tflops:.0f} TFLOP/s")
+        print(f"{'case':<22}{'impl':<32}{'us':>10}{'eager us':>10}{'MB':>9}{'GB/s':>8}{'%copy':>7}{'TFLOP/s':>9}")
+        for r in sorted(self.rows, key=lambda r: r["case"].startswith("sweep")):
+            print(f"{r['case']:<22}{r['impl']:<32}{r['us']:>10.1f}{r.get('eager_us', ''):>10}{r['bytes'] / 1e6:>9.1f}"
+                  f"{r['gb_s']:>8.0f}{r['pct_copy']:>7.1f}{r['tflop_s'] or '':>9}")
+        print(f"\n{'check':<34}{'against':<26}{'rel_err':>10}{'tol':>9}  ok")
+        for c in self.checks:
+            print(f"{c['case']:<34}{c['against']:<26}{c['rel_err']:>10.2e}{c['tol']:>9.0e}  {c['ok']}")
+
+
+def measure_rooflines(device) -> tuple[float, float]:
+    src = torch.empty(1 << 30, dtype=torch.uint8, device=device).random_(0, 256)
+    dst = torch.empty_like(src)
+    copy_ms = graph_ms(lambda i: dst.copy_(src), calls=4)
+    a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
+    mm_ms = graph_ms(lambda i: a @ b, calls=4)
+    del src, dst, a, b
+    return 2 * (1 << 30) / copy_ms / 1e6, 2 * 8192**3 / mm_ms / 1e9
+
+
+def random_bank(device, seed: int = 0):
+    """512 random records in a device slot pool laid out as FORMAT.md says; weights ~ 0.02 in size."""
+    from flashpack.layout.records import RECORD_MAGIC, RecordGeometry
+    from flashpack.runtime.kernels import ExpertBank
+
+    geometry = RecordGeometry(H, I)
+    generator = torch.Generator(device).manual_seed(seed)
+    pool = torch.randint(0, 256, (EXPERTS, geometry.stride), dtype=torch.uint8, device=device, generator=generator)
+    bank = ExpertBank.from_pool(pool, geometry)
+    for projection in ("gate", "up", "down"):
+        scales = bank.scales(projection)
+        values = torch.rand(scales.shape, device=device, generator=generator) * 432 + 16
+        scales.copy_(values.to(torch.float8_e4m3fn))
+    bank.global_scales.copy_(torch.full((EXPERTS, 3), 0.02 / (2 * 232), device=device))
+    trailer = geometry.parts()[-1][1]
+    pool[:, trailer + 12:trailer + 16] = torch.tensor(list(RECORD_MAGIC), dtype=torch.uint8, device=device)
+    return bank, geometry
+
+
+def routings(tokens: int, count: int, device, seed: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    generator = torch.Generator(device).manual_seed(seed)
+    out = []
+    for _ in range(count):
+        logits = torch.randn(tokens, EXPERTS, device=device, generator=generator)
+        weights, slots = torch.topk(torch.softmax(logits, -1), TOP_K, dim=-1)
+        out.append((slots.to(torch.int32), (weights / weights.sum(-1, keepdim=True)).to(torch.bfloat16)))
+    return out
+
+
+def float64_reference(x, bank, slots, weights) -> torch.Tensor:
+    """The float32 reference's formula in float64, token by token: the referee for both."""
+    from flashpack.runtime.kernels.reference import dequantize_expert
+
+    out = torch.zeros(x.shape[0], H, dtype=torch.float64, device=x.device)
+    for t in range(x.shape[0]):
+        xt = x[t].double()
+        for k, e in enumerate(slots[t].tolist()):
+            gate, up, down = (dequantize_expert(bank, e, p).double() for p in ("gate", "up", "down"))
+            out[t] += weights[t, k].double() * (down @ (torch.nn.functional.silu(gate @ xt) * (up @ xt)))
+    return out
+
+
+def bench_decode(report: Report, bank, geometry, device, sweep: bool) -> None:
+    from flashpack.runtime.kernels.expert_decode import nvfp4_expert_swiglu
+    from flashpack.runtime.kernels.reference import dequantize_expert, expert_swiglu_reference
+
+    sets = routings(1, 64, device)
+    xs = [torch.randn(1, H, device=device, dtype=torch.bfloat16) for _ in range(8)]
+    weight_bytes = TOP_K * geometry.data_bytes
+    moved = weight_bytes + H * 2 * 2 + TOP_K * I * 4 * 2
+    run = lambda i, **kw: nvfp4_expert_swiglu(xs[i % 8], bank, *sets[i % 64], **kw)  # noqa: E731
+    report.timing("decode T=1", "triton nvfp4 matvec", graph_ms(run, 64), moved, eager_us=eager_ms(run, 20) * 1e3)
+    report.timing("decode T=1", "reference (fp32 dequant)",
+                  eager_ms(lambda i: expert_swiglu_reference(xs[i % 8], bank, *sets[i % 64]), 10), moved)
+    # What the engine does today once experts are dequantised: bf16 F.linear per expert (4x the bytes).
+    dense = {}
+    for slots, _ in sets[:16]:
+        for e in slots.flatten().tolist():
+            if e not in dense:
+                dense[e] = [dequantize_expert(bank, e, p).to(torch.bfloat16) for p in ("gate", "up", "down")]
+    lists = [slots[0].tolist() for slots, _ in sets[:16]]
+
+    def torch_bf16(i):
+        x, weights, out = xs[i % 8], sets[i % 16][1], torch.zeros(1, H, device=device, dtype=torch.bfloat16)
+        for k, e in enumerate(lists[i % 16]):
+            gate, up, down = dense[e]
+            out += torch.nn.functional.linear(
+                torch.nn.functional.silu(x @ gate.T) * (x @ up.T), down) * weights[0, k]
+        return out
+
+    report.timing("decode T=1", "torch bf16 pre-dequantised", graph_ms(torch_bf16, 16),
+                  TOP_K * 3 * H * I * 2 + moved - weight_bytes, eager_us=eager_ms(torch_bf16, 20) * 1e3)
+    for index in range(3):
+        slots, weights = sets[index]
+        x = xs[index]
+        got = nvfp4_expert_swiglu(x, bank, slots, weights, out=torch.full((1, H), float("nan"), device=device))
+        report.check(f"decode T=1 #{index}", relative_error(
+            got, expert_swiglu_reference(x, bank, slots, weights, out_dtype=torch.float32)), 1e-5, "reference fp32")
+        report.check(f"decode T=1 #{index}", relative_error(got, float64_reference(x, bank, slots, weights)),
+                     1e-5, "float64")
+    if sweep:
+        for cfg in [dict(block_i=bi, block_h=bh, block_o=bo, block_down_in=bd, num_warps=w)
+                    for bi in (8, 16, 32) for bh in (256, 512) for bo in (8, 16, 32) for bd in (128, 256)
+                    for w in (2, 4)]:
+            try:
+                report.timing("sweep decode T=1", " ".join(f"{k}={v}" for k, v in cfg.items()),
+                              graph_ms(lambda i: run(i, **cfg), 64), moved)
+            except Exception as error:  # a config the compiler rejects is data, not a failure
+                print(f"sweep {cfg}: {error!r}"[:200])
+
+
+def bench_crossover(report: Report, bank, geometry, device) -> None:
+    from flashpack.runtime.kernels.expert_decode import nvfp4_expert_swiglu
+    from flashpack.runtime.kernels.expert_grouped import nvfp4_expert_swiglu_grouped
+
+    for tokens in (2, 4, 8, 16, 32):
+        sets = routings(tokens, 32, device, seed=tokens)
+        x = torch.randn(tokens, H, device=device, dtype=torch.bfloat16)
+        distinct = statistics.mean(len(torch.unique(s)) for s, _ in sets)
+        report.timing(f"decode T={tokens}", "triton nvfp4 matvec",
+                      graph_ms(lambda i: nvfp4_expert_swiglu(x, bank, *sets[i % 32]), 32),
+                      tokens * TOP_K * geometry.data_bytes)
+        for block_m in (16, 64):
+            report.timing(f"decode T={tokens}", f"triton grouped bf16 m={block_m}",
+                          graph_ms(lambda i: nvfp4_expert_swiglu_grouped(x, bank, *sets[i % 32], block_m=block_m), 32),
+                          int(distinct * geometry.data_bytes))
+
+
+def bench_prefill(report: Report, bank, geometry, device, sweep: bool) -> None:
+    from flashpack.runtime.kernels.expert_decode import nvfp4_expert_swiglu
+    from flashpack.runtime.kernels.expert_grouped import nvfp4_expert_swiglu_grouped
+    from flashpack.runtime.kernels.reference import expert_swiglu_reference
+
+    tokens = PREFILL_TOKENS
+    sets = routings(tokens, 2, device, seed=7)
+    x = torch.randn(tokens, H, device=device, dtype=torch.bfloat16)
+    distinct = len(torch.unique(sets[0][0]))
+    pairs = tokens * TOP_K
+    moved = (distinct * geometry.data_bytes + tokens * H * 2 * 2 + pairs * I * 2 * 2 + pairs * H * 4 * 2)
+    flops = 2 * pairs * 3 * H * I
+    run = lambda i, **kw: nvfp4_expert_swiglu_grouped(x, bank, *sets[i % 2], **kw)  # noqa: E731
+    report.timing(f"prefill T={tokens}", "triton grouped bf16", graph_ms(run, 2), moved, flops,
+                  distinct_experts=distinct, eager_us=eager_ms(run, 5) * 1e3)
+    report.timing(f"prefill T={tokens}", "reference (fp32 dequant)",
+                  eager_ms(lambda i: expert_swiglu_reference(x, bank, *sets[i % 2]), 1, warmup=0), moved, flops)
+    slots, weights = sets[0]
+    got = run(0)
+    report.check(f"prefill T={tokens} bf16", relative_error(got, expert_swiglu_reference(
+        x, bank, slots, weights, act_dtype=torch.bfloat16, out_dtype=torch.float32)), 4e-3, "reference bf16 acts")
+    report.check(f"prefill T={tokens} bf16", relative_error(got, expert_swiglu_reference(
+        x, bank, slots, weights, out_dtype=torch.float32)), 2e-2, "reference fp32")
+    few = slice(0, 8)
+    exact = float64_reference(x[few], bank, slots[few], weights[few])
+    report.check(f"prefill T={tokens} bf16, 8 tokens", relative_error(got[few], exact), 2e-2, "float64")
+    checks = {
+        "grouped fp32 ieee": nvfp4_expert_swiglu_grouped(x[:256], bank, slots[:256], weights[:256], precision="fp32"),
+        "decode matvec": nvfp4_expert_swiglu(x[:256], bank, slots[:256], weights[:256], out=torch.empty(
+            256, H, device=device)),
+        "reference fp32": expert_swiglu_reference(x[:256], bank, slots[:256], weights[:256], out_dtype=torch.float32),
+    }
+    for name, value in checks.items():
+        report.check(f"T=256 {name}, 8 tokens", relative_error(value[few], exact), 1e-5, "float64")
+    if sweep:
+        for cfg in [dict(block_m=bm, block_n=bn, block_k=bk, num_warps=w)
+                    for bm in (64, 128) for bn in (64, 128) for bk in (64, 128) for w in (4, 8)]:
+            try:
+                report.timing(f"sweep prefill T={tokens}", " ".join(f"{k}={v}" for k, v in cfg.items()),
+                              graph_ms(lambda i: run(i, **cfg), 2, replays=3), moved, flops)
+            except Exception as error:
+                print(f"sweep {cfg}: {error!r}"[:200])
+
+
+def bench_fp8(report: Report, device, sweep: bool) -> None:
+    from flashpack.runtime.kernels.fp8_linear import fp8_linear_triton
+    from flashpack.runtime.kernels.reference import fp8_linear_reference
+
+    copies = 8  # 8 x 21 MB rotate past the 60 MB L2
+    mats = []
+    for _ in range(copies):
+        w = torch.randn(FP8_ROWS, FP8_COLS, device=device) * 0.02
+        scale = w.abs().amax(-1) / 448
+        mats.append(((w / scale[:, None]).to(torch.float8_e4m3fn), scale))
+    dense = [(v.float() * s[:, None]).to(torch.bfloat16) for v, s in mats]
+    matrix_bytes = FP8_ROWS * FP8_COLS + FP8_ROWS * 4
+    for tokens in (1, PREFILL_TOKENS):
+        x = torch.randn(tokens, FP8_COLS, device=device, dtype=torch.bfloat16)
+        moved = matrix_bytes + tokens * (FP8_COLS + FP8_ROWS) * 2
+        flops = 2 * tokens * FP8_ROWS * FP8_COLS
+        case = f"fp8 {FP8_ROWS}x{FP8_COLS} T={tokens}"
+        calls = 16 if tokens == 1 else 4
+        run = lambda i, **kw: fp8_linear_triton(x, *mats[i % copies], **kw)  # noqa: E731
+        report.timing(case, "triton " + ("matvec" if tokens == 1 else "gemm bf16"), graph_ms(run, calls), moved,
+                      flops, eager_us=eager_ms(run, 20) * 1e3)
+        report.timing(case, "reference (fp32 dequant)",
+                      graph_ms(lambda i: fp8_linear_reference(x, *mats[i % copies]), calls), moved, flops)
+        report.timing(case, "torch bf16 pre-dequantised",
+                      graph_ms(lambda i: torch.nn.functional.linear(x, dense[i % copies]), calls),
+                      FP8_ROWS * FP8_COLS * 2 + tokens * (FP8_COLS + FP8_ROWS) * 2, flops)
+        values, scale = mats[0]
+        got = fp8_linear_triton(x, values, scale, out=torch.full((tokens, FP8_ROWS), float("nan"), device=device))
+        if tokens == 1:
+            report.check(case, relative_error(got, fp8_linear_reference(x, values, scale, out_dtype=torch.float32)),
+                         1e-5, "reference fp32")
+        else:
+            report.check(case, relative_error(got, fp8_linear_reference(
+                x, values, scale, act_dtype=torch.bfloat16, out_dtype=torch.float32)), 1e-5, "reference bf16 acts")
+        if sweep and tokens == 1:
+            for cfg in [dict(block_r=br, block_c=bc, num_warps=w) for br in (4, 8, 16, 32)
+                        for bc in (256, 512, 1024) for w in (2, 4, 8)]:
+                report.timing("sweep " + case, " ".join(f"{k}={v}" for k, v in cfg.items()),
+                              graph_ms(lambda i: run(i, **cfg), calls), moved)
+        if sweep and tokens > 1:
+            for cfg in [dict(block_m=bm, block_n=bn, block_k=bk, num_warps=w) for bm in (64, 128)
+                        for bn in (64, 128, 256) for bk in (64, 128) for w in (4, 8)]:
+                try:
+                    report.timing("sweep " + case, " ".join(f"{k}={v}" for k, v in cfg.items()),
+                                  graph_ms(lambda i: run(i, **cfg), calls, replays=3), moved, flops)
+                except Exception as error:
+                    print(f"sweep {cfg}: {error!r}"[:200])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", type=Path, required=True)
+    parser.add_argument("--sweep", action="store_true", help="also time a grid of block sizes")
+    parser.add_argument("--only", default="decode,crossover,prefill,fp8")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("bench/kernels.py needs a CUDA GPU")
+    flashpack = import_flashpack()
+    import triton
+
+    torch.backends.cuda.matmul.allow_tf32 = False  # the fp32 references must be IEEE fp32
+    torch.set_float32_matmul_precision("highest")
+    device = torch.device("cuda")
+    started = time.time()
+    report = Report(*measure_rooflines(device))
+    bank, geometry = random_bank(device)
+    failures = []
+    for name in args.only.split(","):
+        try:
+            if name == "decode":
+                bench_decode(report, bank, geometry, device, args.sweep)
+            elif name == "crossover":
+                bench_crossover(report, bank, geometry, device)
+            elif name == "prefill":
+                bench_prefill(report, bank, geometry, device, args.sweep)
+            elif name == "fp8":
+                bench_fp8(report, device, args.sweep)
+        except Exception:
+            failures.append({"case": name, "error": traceback.format_exc()})
+            print(failures[-1]["error"], file=sys.stderr)
+    report.print()
+    document = {
+        "device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+        "python": platform.python_version(), "float32_matmul_precision": torch.get_float32_matmul_precision(), "flashpack": str(Path(flashpack.__file__).parent),
+        "copy_gb_s": round(report.copy_gbs, 1), "hbm_peak_gb_s": HBM_PEAK_GBS,
+        "bf16_matmul_tflop_s": round(report.bf16_tflops, 1), "dims": {"H": H, "I": I, "experts": EXPERTS,
+        "top_k": TOP_K, "fp8": [FP8_ROWS, FP8_COLS], "prefill_tokens": PREFILL_TOKENS},
+        "rows": report.rows, "checks": report.checks, "failures": failures,
+        "seconds": round(time.time() - started, 1),
+    }
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(document, indent=1))
+    print(f"\nwrote {args.json} in {document['seconds']} s")
+    if failures or not all(c["ok"] for c in report.checks):
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

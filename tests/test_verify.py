@@ -10,16 +10,18 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
 
+from flashpack.convert.pipeline import convert
 from flashpack.convert.synth import synthesize
 from flashpack.errors import FlashpackError
 from flashpack.layout.manifest import Manifest
+from flashpack.runtime.tokenizer import PackTokenizer
 from flashpack.verify import verify_pack
 from flashpack.verify.compare import BF16_FLOOR_FACTOR, FP32
-from flashpack.runtime.tokenizer import PackTokenizer
 from flashpack.verify.controls import CONTROLS
 from flashpack.verify.inputs import prompt_sequences
 
@@ -39,12 +41,6 @@ def fp32_report(tiny_pack, tiny_snapshot, tmp_path_factory):
     return verify_pack(tiny_pack, tiny_snapshot, json_path=json_path), json_path
 
 
-def report_pack(report):
-    from pathlib import Path
-
-    return Path(report.pack)
-
-
 def _assert_fp32_bar(report):
     assert report.passed, report.table()
     for row in report.rows:
@@ -55,10 +51,9 @@ def _assert_fp32_bar(report):
 def test_fp32_bf16_source_passes_every_layer(fp32_report):
     report, _ = fp32_report
     _assert_fp32_bar(report)
-    cfg_layers = len(report.rows) - 1
-    assert [row.name for row in report.rows] == [f"layer {i}" for i in range(cfg_layers)] + ["logits"]
+    cfg = Manifest.load(Path(report.pack)).config
+    assert [row.name for row in report.rows] == [f"layer {i}" for i in range(cfg.num_hidden_layers)] + ["logits"]
     # The default inputs run past the indexer budget and hold EOS tokens (PLE boundaries).
-    cfg = Manifest.load(report_pack(report)).config
     names = {s.name: s for s in report.sequences}
     assert len(names["past-budget"].prefill) > cfg.indexer_budget + cfg.indexer_compress_ratio
     assert cfg.eos_token_id in names["past-budget"].prefill and names["eos-first"].prefill[0] == cfg.eos_token_id
@@ -66,6 +61,12 @@ def test_fp32_bf16_source_passes_every_layer(fp32_report):
 
 def test_fp32_nvfp4_source_passes_every_layer(tiny_nvfp4_pack, tiny_nvfp4_snapshot):
     _assert_fp32_bar(verify_pack(tiny_nvfp4_pack, tiny_nvfp4_snapshot, decode_tokens=4))
+
+
+def test_fp32_dense_fp8_pack_passes(tiny_snapshot, tmp_path):
+    """--dense-fp8 packs: the reference applies the same FP8 row rounding to the eligible matrices."""
+    pack = convert(str(tiny_snapshot), tmp_path / "fp8.pack", dense_fp8=True, progress=False)
+    _assert_fp32_bar(verify_pack(pack, tiny_snapshot, decode_tokens=2))
 
 
 def test_bf16_gates_scale_from_the_measured_floor(tiny_pack, tiny_snapshot):
@@ -89,7 +90,7 @@ def test_json_report_structure(fp32_report):
     report, json_path = fp32_report
     document = json.loads(json_path.read_text())
     assert document == json.loads(json.dumps(report.to_json()))
-    assert document["passed"] is True and document["verdict"] == "PASS"
+    assert document["passed"] is report.passed and document["verdict"] == report.verdict
     assert document["dtype"] == "float32" and document["control"] is None
     assert {"kl_mean", "top1"} <= set(document["gates"])
     assert [i["name"] for i in document["inputs"]] == ["past-budget", "eos-first"]
@@ -102,7 +103,7 @@ def test_json_report_structure(fp32_report):
             assert set(phases["decode"]) == {"max_abs", "rel", "cos"}
     assert {"kl_mean", "kl_max", "top1", "positions"} <= set(document["logits"])
     assert document["logits"]["positions"] == sum(i["prefill_tokens"] + i["decode_tokens"] for i in document["inputs"])
-    assert "kind" in report.table() and "verdict: PASS" in report.table()
+    assert "kind" in report.table() and f"verdict: {report.verdict}" in report.table()
 
 
 def test_reference_from_another_seed_is_refused(tiny_pack, tmp_path):

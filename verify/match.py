@@ -39,7 +39,8 @@ def _check_config(manifest: Manifest, snapshot_config: dict, root: Path) -> None
     pack_config = manifest.document["model"]["text_config"]
     if snapshot_config == pack_config:
         return
-    differing = sorted(k for k in set(pack_config) | set(snapshot_config) if pack_config.get(k) != snapshot_config.get(k))
+    keys = set(pack_config) | set(snapshot_config)
+    differing = sorted(k for k in keys if pack_config.get(k) != snapshot_config.get(k))
     first = differing[0]
     raise FlashpackError(
         f"reference {root} is another model than the pack: its text config differs in {len(differing)} field(s), "

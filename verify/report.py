@@ -36,7 +36,9 @@ class Row:
         return {
             "name": self.name, "kind": self.kind, **self.errors.to_dict(), "tolerance": self.tolerance,
             "floor": self.floor, "passed": self.passed,
-            "sequences": {seq: {phase: e.to_dict() for phase, e in by_phase.items()} for seq, by_phase in self.phases.items()},
+            "sequences": {
+                seq: {phase: e.to_dict() for phase, e in by_phase.items()} for seq, by_phase in self.phases.items()
+            },
         }
 
 
@@ -75,7 +77,9 @@ class VerifyReport:
         lines = [
             f"flashpack verify: {self.pack} against {self.reference} ({self.dtype}, {self.device}"
             + (f", control {self.control}" if self.control else "") + ")",
-            "inputs: " + ", ".join(f"{s.name} ({len(s.prefill)} prefill + {len(s.decode)} decode)" for s in self.sequences),
+            "inputs: " + ", ".join(
+                f"{s.name} ({len(s.prefill)} prefill + {len(s.decode)} decode)" for s in self.sequences
+            ),
             "",
             f"{'':10} {'kind':22} {'max abs':>10} {'rel':>10} {'cos':>12} {'tol':>9}  ok",
         ]
@@ -111,7 +115,8 @@ class VerifyReport:
             ],
             "layers": [row.to_dict() for row in self.rows if row.kind != "logits"],
             "logits": {
-                **self.rows[-1].to_dict(), **self.logit_stats.to_dict(), "passed": self.rows[-1].passed and self.logits_ok,
+                **self.rows[-1].to_dict(), **self.logit_stats.to_dict(),
+                "passed": self.rows[-1].passed and self.logits_ok,
             },
             "seconds": self.seconds,
         }

@@ -19,7 +19,10 @@ from __future__ import annotations
 
 import hashlib
 import math
-from collections.abc import Iterator
+import os
+from collections import deque
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
@@ -37,6 +40,7 @@ NORM_STD = 0.05
 VISION_STD = 0.02
 REFERENCE_DEPTH = 8
 WRITER_SUFFIXES = ("o_proj.weight", "out_proj.weight", "down_proj.weight")
+_WORKERS = min(4, os.cpu_count() or 1)
 
 
 class BlockAdjuster(Protocol):
@@ -105,28 +109,50 @@ class ValueSource:
         if spec.role == "ple_buffer":
             yield self._ple_buffer(spec)
             return
+        adjuster = self.adjuster
+
+        def finish(row_start: int, block: torch.Tensor) -> torch.Tensor:
+            if adjuster is not None:
+                block = adjuster.adjust(spec.name, row_start, block)
+            return block.to(torch.bfloat16)
+
         distribution = text_distribution(spec.name, spec.shape, self.nominal_layers)
-        for row_start, block in self._float_blocks(spec.name, spec.shape, distribution):
-            if self.adjuster is not None:
-                block = self.adjuster.adjust(spec.name, row_start, block)
-            yield block.to(torch.bfloat16)
+        yield from self._blocks(spec.name, spec.shape, distribution, finish)
 
     def text_tensor(self, spec: TensorSpec) -> torch.Tensor:
         return torch.cat(list(self.text_blocks(spec)))
 
     def vision_blocks(self, tensor: VisionTensor) -> Iterator[torch.Tensor]:
-        for _, block in self._float_blocks(tensor.key, tensor.shape, vision_distribution(tensor)):
-            yield block.to(torch.bfloat16)
+        yield from self._blocks(tensor.key, tensor.shape, vision_distribution(tensor), lambda _, b: b.to(torch.bfloat16))
 
-    def _float_blocks(
-        self, name: str, shape: tuple[int, ...], distribution: Distribution
-    ) -> Iterator[tuple[int, torch.Tensor]]:
+    def _blocks(
+        self,
+        name: str,
+        shape: tuple[int, ...],
+        distribution: Distribution,
+        finish: Callable[[int, torch.Tensor], torch.Tensor],
+    ) -> Iterator[torch.Tensor]:
         rows, row_elements = shape[0], math.prod(shape[1:])
         rows_per_block = max(1, BLOCK_ELEMENTS // max(row_elements, 1))
-        for index, row_start in enumerate(range(0, rows, rows_per_block)):
-            block_rows = min(rows_per_block, rows - row_start)
+        starts = list(enumerate(range(0, rows, rows_per_block)))
+
+        def make(index: int, row_start: int) -> torch.Tensor:
             generator = torch.Generator().manual_seed(block_seed(self.seed, name, index))
-            yield row_start, distribution.sample((block_rows, *shape[1:]), generator)
+            block = distribution.sample((min(rows_per_block, rows - row_start), *shape[1:]), generator)
+            return finish(row_start, block)
+
+        if len(starts) == 1:
+            yield make(*starts[0])
+            return
+        # Sampling releases the GIL: a few blocks in flight use the cores while memory stays bounded.
+        with ThreadPoolExecutor(max_workers=_WORKERS) as pool:
+            pending: deque[Future[torch.Tensor]] = deque()
+            for index, row_start in starts:
+                pending.append(pool.submit(make, index, row_start))
+                if len(pending) > _WORKERS:
+                    yield pending.popleft().result()
+            while pending:
+                yield pending.popleft().result()
 
     def _ple_buffer(self, spec: TensorSpec) -> torch.Tensor:
         index = spec.ple_index

@@ -36,7 +36,7 @@ from flashpack.layout.model_config import TextConfig
 MASSIVE_ENERGY = 0.2
 MIX_GATE = 0.5  # sigmoid(0)
 NOISE_SCALE = 0.5  # router logit std per unit of normalised non-massive input (random router rows)
-PLE_ENERGY = 0.35  # residual energy per channel PLE adds, relative to the embedding's
+PLE_ENERGY = 0.45  # residual energy per channel PLE adds, relative to the embedding's
 BLOCK_ENERGY = 0.05  # added per layer at reference depth (writers shrink with depth, see init_values)
 MTP_ENERGY = 2.0  # fc_hidden (normalised streams) plus fc_embedding (normalised embedding)
 _LAYER = re.compile(r"^(mtp\.)?layers\.(\d+)\.")

@@ -9,6 +9,7 @@ copy of the pack) must fail, and a reference that is not the pack's source is re
 from __future__ import annotations
 
 import json
+import math
 import shutil
 from pathlib import Path
 
@@ -21,9 +22,10 @@ from flashpack.errors import FlashpackError
 from flashpack.layout.manifest import Manifest
 from flashpack.runtime.tokenizer import PackTokenizer
 from flashpack.verify import verify_pack
-from flashpack.verify.compare import BF16_FLOOR_FACTOR, FP32
+from flashpack.verify.compare import BF16_FLOOR_FACTOR, FP32, Errors, errors, worst
 from flashpack.verify.controls import CONTROLS
 from flashpack.verify.inputs import prompt_sequences
+from flashpack.verify.report import Row
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -160,3 +162,17 @@ def test_missing_snapshot_file_is_refused(tiny_pack, tiny_snapshot, tmp_path):
     shard.unlink()
     with pytest.raises(FlashpackError, match="missing|lacks"):
         verify_pack(tiny_pack, copy)
+
+
+def test_metrics_keep_nan_and_fail_on_it():
+    good = errors(torch.tensor([1.0, 2.0]), torch.tensor([1.0, 2.0]))
+    assert good == Errors(0.0, 0.0, 1.0)
+    bad = errors(torch.tensor([float("nan"), 2.0]), torch.tensor([1.0, 2.0]))
+    assert math.isnan(worst(good, bad).rel) and math.isnan(worst(bad, good).rel)
+    assert not Row("layer 0", "linear_attention", {"s": {"prefill": good, "decode": bad}}, 1e-5).passed
+    # chunked sums agree with the one-shot formula
+    gen = torch.Generator().manual_seed(0)
+    a, b = torch.randn(1000, generator=gen).double(), torch.randn(1000, generator=gen).double()
+    chunked = errors(a, b, chunk=7)
+    assert chunked.rel == pytest.approx(((a - b).norm() / b.norm()).item(), rel=1e-12)
+    assert chunked.cos == pytest.approx((a @ b / a.norm() / b.norm()).item(), rel=1e-12)

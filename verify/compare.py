@@ -19,6 +19,7 @@ Tolerances, against the FP32 reference fed the dequantised weights:
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
 
 import torch
@@ -56,24 +57,38 @@ class Errors:
         return asdict(self)
 
 
-def errors(ours: torch.Tensor, ref: torch.Tensor) -> Errors:
-    """Any shapes with equal numel; computed in float64."""
-    a, b = ours.double().flatten(), ref.double().flatten()
-    diff = a - b
-    ref_norm = b.norm().item()
-    rel = diff.norm().item() / ref_norm if ref_norm > 0 else float(diff.norm().item() > 0) * float("inf")
-    denominator = a.norm().item() * ref_norm
-    cos = (a @ b).item() / denominator if denominator > 0 else float(diff.abs().max().item() == 0)
-    return Errors(max_abs=diff.abs().max().item() if diff.numel() else 0.0, rel=rel, cos=cos)
+def errors(ours: torch.Tensor, ref: torch.Tensor, chunk: int = 1 << 24) -> Errors:
+    """Any shapes with equal numel; float64 sums over chunks (a real model's logits are ~0.5G values).
+    A NaN anywhere in `ours` makes every field NaN, which fails every gate."""
+    a, b = ours.flatten(), ref.flatten()
+    max_abs = diff_sq = ref_sq = ours_sq = dot = 0.0
+    for start in range(0, a.numel(), chunk):
+        x, y = a[start:start + chunk].double(), b[start:start + chunk].double()
+        diff = x - y
+        max_abs = _max([max_abs, diff.abs().max().item()])
+        diff_sq += (diff * diff).sum().item()
+        ref_sq += (y * y).sum().item()
+        ours_sq += (x * x).sum().item()
+        dot += (x * y).sum().item()
+    if math.isnan(diff_sq):
+        return Errors(math.nan, math.nan, math.nan)
+    rel = math.sqrt(diff_sq / ref_sq) if ref_sq > 0 else (0.0 if diff_sq == 0 else math.inf)
+    cos = dot / math.sqrt(ours_sq * ref_sq) if ours_sq * ref_sq > 0 else float(diff_sq == 0)
+    return Errors(max_abs=max_abs, rel=rel, cos=cos)
 
 
 def worst(*measured: Errors) -> Errors:
-    """The worst of several measurements, field by field."""
+    """The worst of several measurements, field by field (NaN is worst of all)."""
     return Errors(
-        max_abs=max(e.max_abs for e in measured),
-        rel=max(e.rel for e in measured),
-        cos=min(e.cos for e in measured),
+        max_abs=_max([e.max_abs for e in measured]),
+        rel=_max([e.rel for e in measured]),
+        cos=-_max([-e.cos for e in measured]),
     )
+
+
+def _max(values: list[float]) -> float:
+    """max() that keeps NaN (Python's max drops it or not depending on the order)."""
+    return math.nan if any(math.isnan(v) for v in values) else max(values)
 
 
 @dataclass(frozen=True)
@@ -87,11 +102,14 @@ class LogitStats:
         return asdict(self)
 
 
-def logit_stats(ours: torch.Tensor, ref: torch.Tensor) -> LogitStats:
-    """ours, ref [T, vocab] -> KL(ref || ours) per position (nats) and top-1 agreement."""
-    ref_log = torch.log_softmax(ref.double(), dim=-1)
-    ours_log = torch.log_softmax(ours.double(), dim=-1)
-    kl = (ref_log.exp() * (ref_log - ours_log)).sum(dim=-1).clamp_min(0)
+def logit_stats(ours: torch.Tensor, ref: torch.Tensor, rows: int = 64) -> LogitStats:
+    """ours, ref [T, vocab] -> KL(ref || ours) per position (nats, float64) and top-1 agreement."""
+    kl = []
+    for start in range(0, ref.shape[0], rows):
+        ref_log = torch.log_softmax(ref[start:start + rows].double(), dim=-1)
+        ours_log = torch.log_softmax(ours[start:start + rows].double(), dim=-1)
+        kl.append((ref_log.exp() * (ref_log - ours_log)).sum(dim=-1))
+    kl = torch.cat(kl)
     agree = (ours.argmax(dim=-1) == ref.argmax(dim=-1)).double()
     return LogitStats(kl.mean().item(), kl.max().item(), agree.mean().item(), ref.shape[0])
 
@@ -100,7 +118,7 @@ def merge_logit_stats(stats: list[LogitStats]) -> LogitStats:
     positions = sum(s.positions for s in stats)
     return LogitStats(
         kl_mean=sum(s.kl_mean * s.positions for s in stats) / positions,
-        kl_max=max(s.kl_max for s in stats),
+        kl_max=_max([s.kl_max for s in stats]),
         top1=sum(s.top1 * s.positions for s in stats) / positions,
         positions=positions,
     )

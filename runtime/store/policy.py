@@ -15,6 +15,7 @@ and the trace simulator use the very same objects.
 
 from __future__ import annotations
 
+import heapq
 from collections import OrderedDict
 from typing import Callable, Hashable, Iterable
 
@@ -76,12 +77,20 @@ class LFU(EvictionPolicy):
     def __init__(self) -> None:
         self._counts: dict[Key, float] = {}  # every key ever requested: history survives eviction
         self._last: dict[Key, int] = {}  # resident keys -> tick of their last request
+        self._heap: list[tuple[float, int, Key]] = []  # (count, tick, key); stale entries skipped
         self._tick = 0
 
     def _bump(self, key: Key, amount: float = 1.0) -> None:
         self._tick += 1
         self._counts[key] = self._counts.get(key, 0.0) + amount
         self._last[key] = self._tick
+        self._push(key)
+
+    def _push(self, key: Key) -> None:
+        heapq.heappush(self._heap, (self._counts[key], self._last[key], key))
+        if len(self._heap) > 4 * len(self._last) + 64:  # drop stale entries now and then
+            self._heap = [(self._counts[k], t, k) for k, t in self._last.items()]
+            heapq.heapify(self._heap)
 
     def admit(self, key: Key) -> None:
         self._bump(key)
@@ -92,17 +101,29 @@ class LFU(EvictionPolicy):
         self._last.pop(key, None)
 
     def victim(self, evictable: Callable[[Key], bool]) -> Key | None:
-        candidates = [key for key in self._last if evictable(key)]
-        if not candidates:
-            return None
-        return min(candidates, key=lambda key: (self._counts[key], self._last[key]))
+        """Least count, then least recent, among evictable residents: O(log n) amortised (the
+        few pinned keys met on the way are set aside and pushed back)."""
+        skipped, found = [], None
+        while self._heap:
+            count, tick, key = self._heap[0]
+            if self._last.get(key) != tick or self._counts.get(key) != count:
+                heapq.heappop(self._heap)  # stale: the key was requested again or left
+                continue
+            if evictable(key):
+                found = key
+                break
+            skipped.append(heapq.heappop(self._heap))
+        for entry in skipped:
+            heapq.heappush(self._heap, entry)
+        return found
 
     def seed(self, key: Key, count: float) -> None:
-        # A profile's count is a prior worth one request: enough to order the pre-warmed keys
-        # among themselves, not so much that a stale profile outlives the live workload.
+        # A profile's count is a prior worth at most one request: enough to order the pre-warmed
+        # keys among themselves, not so much that a stale profile outlives the live workload.
         self._tick += 1
         self._counts.setdefault(key, 0.0)
         self._last[key] = self._tick
+        self._push(key)
 
     def count(self, key: Key) -> float:
         return self._counts.get(key, 0.0)
@@ -124,6 +145,8 @@ class DecayingLFU(LFU):
         if self._weight > 1e100:
             self._counts = {k: v / self._weight for k, v in self._counts.items()}
             self._weight = 1.0
+            self._heap = [(self._counts[k], t, k) for k, t in self._last.items()]
+            heapq.heapify(self._heap)
         super()._bump(key, amount * self._weight)
 
 

@@ -38,6 +38,7 @@ class Residency:
         self.capacity = dict(capacities)
         self.entries: dict[Key, Entry] = {}
         self.count = {partition: 0 for partition in capacities}
+        self.pinned = {partition: 0 for partition in capacities}  # keys with pins > 0
         self.policies = {partition: policy() for partition in capacities}
         self._free = list(range(slots - 1, -1, -1))  # pop() hands out slot 0 first
 
@@ -53,7 +54,7 @@ class Residency:
 
     def unpinned(self, partition: Hashable) -> int:
         """How many keys of `partition` could be evicted now."""
-        return sum(1 for e in self.entries.values() if e.partition == partition and e.pins == 0)
+        return self.count[partition] - self.pinned[partition]
 
     def touch(self, key: Key) -> None:
         self.policies[self.entries[key].partition].touch(key)
@@ -77,6 +78,7 @@ class Residency:
         slot = self._release(evicted) if evicted is not None else self._free.pop()
         self.entries[key] = Entry(slot, partition, pins=1 if pin else 0)
         self.count[partition] += 1
+        self.pinned[partition] += 1 if pin else 0
         if seed is None:
             self.policies[partition].admit(key)
         else:
@@ -107,13 +109,14 @@ class Residency:
         raise NoRoom(f"all {self.slots} slots are pinned")
 
     def _victim_in(self, partition: Hashable) -> Key | None:
-        if self.count[partition] == 0:
+        if self.count[partition] == self.pinned[partition]:
             return None
         return self.policies[partition].victim(lambda key: self.entries[key].pins == 0)
 
     def _release(self, key: Key) -> int:
         entry = self.entries.pop(key)
         self.count[entry.partition] -= 1
+        self.pinned[entry.partition] -= 1 if entry.pins else 0
         self.policies[entry.partition].forget(key)
         return entry.slot
 
@@ -122,13 +125,16 @@ class Residency:
         self._free.append(self._release(key))
 
     def pin(self, key: Key) -> None:
-        self.entries[key].pins += 1
+        entry = self.entries[key]
+        entry.pins += 1
+        self.pinned[entry.partition] += 1 if entry.pins == 1 else 0
 
     def unpin(self, key: Key) -> None:
         entry = self.entries[key]
         if entry.pins <= 0:
             raise RuntimeError(f"{key!r} is not pinned")
         entry.pins -= 1
+        self.pinned[entry.partition] -= 1 if entry.pins == 0 else 0
 
     def move_capacity(self, donor: Hashable, receiver: Hashable, slots: int = 1) -> list[Key]:
         """Shift `slots` of capacity; evicts the donor's victims now when they are unpinned
@@ -154,4 +160,5 @@ class Residency:
         assert all(0 <= s < self.slots for s in used)
         for partition, count in self.count.items():
             assert count == sum(1 for e in self.entries.values() if e.partition == partition)
+            assert self.pinned[partition] == sum(1 for e in self.entries.values() if e.partition == partition and e.pins)
         assert sum(self.capacity.values()) == self.slots

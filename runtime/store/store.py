@@ -179,6 +179,9 @@ class TieredStore:
                 except NoRoom:
                     if handles and partial:
                         break
+                    if partial and self._try_admit_anywhere(key, prewarm, handles):
+                        index += 1
+                        continue
                     if self._inflight or self._host_loads or self._pins() > len(handles):
                         # loads in flight or other requests hold the slots: wait for a release
                         if not self._changed.wait(WAIT_TIMEOUT_S):
@@ -193,8 +196,17 @@ class TieredStore:
                 index += 1
         return handles, experts[index:]
 
+    def _try_admit_anywhere(self, key: tuple[int, int], prewarm: bool, handles: list[ExpertHandle]) -> bool:
+        """A fetch that cannot place even one expert in its layer's share (the layer's slots are
+        pinned by earlier requests, e.g. a prefetch) takes any unpinned slot rather than wait."""
+        try:
+            handles.append(self._admit(key, prewarm, limit=self.device_slots.slots))
+        except NoRoom:
+            return False
+        return True
+
     def _pins(self) -> int:
-        return sum(e.pins for e in self.device_slots.entries.values())
+        return sum(self.device_slots.pinned.values())
 
     def _unpin_all(self, handles: list[ExpertHandle]) -> None:
         for handle in handles:
@@ -202,7 +214,7 @@ class TieredStore:
             if self.device_slots.get((handle.layer, handle.expert)) is handle._entry:
                 self.device_slots.unpin((handle.layer, handle.expert))
 
-    def _admit(self, key: tuple[int, int], prewarm: bool) -> ExpertHandle:
+    def _admit(self, key: tuple[int, int], prewarm: bool, limit: int | None = None) -> ExpertHandle:
         layer, expert = key
         entry = self.device_slots.get(key)
         count = (lambda **kw: self.stats.bump(layer, **kw)) if not prewarm else (lambda **kw: None)
@@ -217,7 +229,7 @@ class TieredStore:
         host_entry = self.host_slots.get(key)
         if host_entry is None and self.host_slots.free_slots == 0 and self.host_slots.unpinned(HOST) == 0:
             raise NoRoom("every host buffer is in use")  # checked before the device slot is taken
-        slot, evicted = self.device_slots.place(key, layer, pin=True, limit=self.top_k,
+        slot, evicted = self.device_slots.place(key, layer, pin=True, limit=limit or self.top_k,
                                                 seed=1.0 if prewarm else None)
         if evicted is not None:
             self.stats.bump(evicted[0], evictions_device=1)

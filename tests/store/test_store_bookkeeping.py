@@ -238,3 +238,24 @@ def test_trace_round_trip(tmp_path):
     (tmp_path / "bad.json").write_text("{}")
     with pytest.raises(FlashpackError, match="not a flashpack trace"):
         Trace.load(tmp_path / "bad.json")
+
+
+def test_lfu_heap_agrees_with_a_plain_scan():
+    rng = random.Random(5)
+    policy, counts, last, resident, tick = LFU(), {}, {}, set(), 0
+    for _ in range(4000):
+        key = rng.randrange(40)
+        tick += 1
+        counts[key] = counts.get(key, 0) + 1
+        last[key] = tick
+        if key in resident:
+            policy.touch(key)
+        else:
+            policy.admit(key)
+            resident.add(key)
+        if len(resident) > 12:
+            pinned = set(rng.sample(sorted(resident), 3))
+            victim = policy.victim(lambda k: k not in pinned)
+            assert victim == min(resident - pinned, key=lambda k: (counts[k], last[k]))
+            policy.forget(victim)
+            resident.discard(victim)

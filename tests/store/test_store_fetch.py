@@ -237,3 +237,16 @@ def test_prewarm_from_hot_set_shows_in_stats(pack_copy):
         assert cold.stats.total().device_hits < len(fetches) * top_k
     with pytest.raises(FlashpackError, match="no hot set 'code' .*chat"):
         build_store(Pack.open(pack_copy), hot_set="code")
+
+
+def test_fetch_while_a_prefetch_holds_the_layer_share(store_pack, reference):
+    """A prefetch (request) pins a layer's whole share; a fetch of that layer for more experts
+    still completes, taking other slots, and the prefetched handles stay valid."""
+    pack = Pack.open(store_pack)
+    stride, experts, layers, top_k = _geometry(pack)
+    with _store(pack, top_k * len(layers), 4, rebalance=False) as store:
+        prefetched = store.request(layers[1], list(range(top_k)))
+        wanted = list(range(top_k, top_k + 6))
+        _assert_same(store.fetch(layers[1], wanted), reference.fetch(layers[1], wanted))
+        _assert_same(store.wait(prefetched), reference.fetch(layers[1], list(range(top_k))))
+        store.check_budgets()

@@ -97,6 +97,32 @@ def inspect(pack: Path, check: bool) -> None:
 
 @main.command()
 @click.argument("pack", type=click.Path(path_type=Path))
+@click.option("--reference", required=True, help="The source snapshot (directory or hub repo id) the pack came from.")
+@click.option("--dtype", type=click.Choice(["float32", "bfloat16"]), default="float32", show_default=True,
+              help="Our engine's compute dtype; the reference always runs FP32.")
+@click.option("--device", default="cpu", show_default=True)
+@click.option("--prompt", "prompts", multiple=True, help="Prompt text (repeatable); default: random sequences "
+              "long enough to engage the QSA indexer and PLE.")
+@click.option("--decode-tokens", type=int, default=8, show_default=True, help="Teacher-forced decode steps.")
+@click.option("--control", type=click.Choice(["swap-nibbles", "zero-experts", "shift-scales"]),
+              help="Verify a deliberately broken copy instead: it must fail.")
+@click.option("--json", "json_path", type=click.Path(path_type=Path), help="Write the full report as JSON.")
+@click.option("--seed", type=int, default=0, show_default=True)
+@_one_line_errors
+def verify(pack: Path, reference: str, dtype: str, device: str, prompts: tuple[str, ...], decode_tokens: int,
+           control: str | None, json_path: Path | None, seed: int) -> None:
+    """Compare every layer of PACK run by our engine with transformers fed the same weights."""
+    from flashpack.verify import verify_pack
+
+    report = verify_pack(pack, reference, dtype=dtype, device=device, prompts=list(prompts) or None,
+                         decode_tokens=decode_tokens, control=control, json_path=json_path, seed=seed, progress=True)
+    click.echo(report.table())
+    if not report.passed:
+        sys.exit(1)
+
+
+@main.command()
+@click.argument("pack", type=click.Path(path_type=Path))
 @click.argument("prompt")
 @click.option("--chat", is_flag=True, help="Wrap PROMPT as a user message with the pack's chat template.")
 @click.option("--think/--no-think", default=None, help="The chat template's thinking switch.")

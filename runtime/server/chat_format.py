@@ -57,7 +57,8 @@ def from_anthropic(request: anth.MessagesRequest | anth.CountTokensRequest) -> C
         blocks = [anth.TextBlock(type="text", text=message.content)] if isinstance(message.content, str) else message.content
         messages += _anthropic_turn(message.role, blocks, f"messages.{index}.content")
     tools = [
-        {"type": "function", "function": {"name": t.name, "description": t.description or "", "parameters": t.input_schema}}
+        {"type": "function", "function": {"name": t.name, **({"description": t.description} if t.description else {}),
+                                          "parameters": t.input_schema}}
         for t in request.tools or []
     ]
     return Conversation(messages, tools)

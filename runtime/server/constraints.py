@@ -107,7 +107,8 @@ class GrammarCompiler:
 
 
 def _call_schema(name: str, parameters: dict[str, Any] | None) -> dict[str, Any]:
-    arguments = parameters if parameters else {"type": "object"}
+    # A function declared without parameters takes none (as OpenAI reads it): exactly {}.
+    arguments = parameters if parameters else {"type": "object", "properties": {}, "additionalProperties": False}
     return {
         "type": "object",
         "properties": {"name": {"const": name}, "arguments": arguments},

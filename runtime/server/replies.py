@@ -8,6 +8,7 @@ Both APIs go through here; their route modules only translate fields in and even
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
@@ -177,13 +178,15 @@ async def _events(job: Job, request: Request | None) -> AsyncIterator[Generation
         async for event in job:
             yield event
         return
-    events = job.__aiter__()
+    events, checked = job.__aiter__(), time.monotonic()
     while True:
         pending = asyncio.ensure_future(events.__anext__())
         while not pending.done():
             await asyncio.wait({pending}, timeout=DISCONNECT_POLL_SECONDS)
-            if not pending.done() and await request.is_disconnected():
-                job.cancel()
+            if time.monotonic() - checked >= DISCONNECT_POLL_SECONDS:  # busy or idle, look every so often
+                checked = time.monotonic()
+                if await request.is_disconnected():
+                    job.cancel()
         try:
             yield pending.result()
         except StopAsyncIteration:

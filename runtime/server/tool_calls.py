@@ -118,6 +118,9 @@ class ReplyParser:
             return [Piece(kind, out.rstrip(rstrip))]
         keep = _partial_tag_length(self.buffer, tag)
         out, self.buffer = self.buffer[: len(self.buffer) - keep], self.buffer[len(self.buffer) - keep:]
+        if rstrip:  # newlines just before a tag are the tag's; hold them until we know what follows
+            held = len(out) - len(out.rstrip(rstrip))
+            out, self.buffer = out[: len(out) - held], out[len(out) - held:] + self.buffer
         return [Piece(kind, out)]
 
     def _call(self) -> list[Piece]:

@@ -28,6 +28,8 @@ class FakeModel:
     max_position_embeddings: int = 4096
     seconds_per_step: float = 0.0
     steps: int = 0  # forward calls so far, across all requests
+    broken: bool = False  # raise inside forward, as a failing engine would
+    never: tuple[int, ...] = ()  # ids it never says (end-of-turn ids: replies then run to max_tokens)
     config: SimpleNamespace = field(init=False)
 
     def __post_init__(self) -> None:
@@ -39,12 +41,15 @@ class FakeModel:
     def forward(self, tokens: torch.Tensor, state: _State, last_only: bool = False) -> SimpleNamespace:
         """tokens [T] -> logits [1, vocab]: a hash of (last token, position) seeds the draw."""
         self.steps += 1
+        if self.broken:
+            raise RuntimeError("the engine broke")
         if self.seconds_per_step:
             time.sleep(self.seconds_per_step)
         state.position += int(tokens.shape[0])
         state.last = int(tokens[-1])
         seed = (state.last * 1_000_003 + state.position * 7919) % (2**31)
         logits = torch.randn(1, self.vocab_size, generator=torch.Generator().manual_seed(seed))
+        logits[0, list(self.never)] = -1e4
         return SimpleNamespace(logits=logits)
 
 
@@ -61,7 +66,7 @@ class ScriptedModel(FakeModel):
         nxt = self.script[state.steps] if state.steps < len(self.script) else self.end
         state.steps += 1
         logits = torch.zeros(1, self.vocab_size)
-        logits[0, nxt] = 10.0
+        logits[0, nxt] = 50.0  # certain at any temperature
         return SimpleNamespace(logits=logits)
 
 
@@ -76,7 +81,8 @@ class FakeEngine:
 
 
 def fake_engine(tokenizer, seconds_per_step: float = 0.0, max_position_embeddings: int = 4096) -> FakeEngine:
-    model = FakeModel(len(tokenizer.tokenizer), max_position_embeddings, seconds_per_step)
+    model = FakeModel(len(tokenizer.tokenizer), max_position_embeddings, seconds_per_step,
+                      never=tuple(tokenizer.stop_token_ids))
     return FakeEngine(model, tokenizer, Generator(model, tokenizer))
 
 

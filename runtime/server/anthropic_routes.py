@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import APIRouter, Request
+from starlette.concurrency import run_in_threadpool
 
 from flashpack.runtime.server.anthropic_schemas import CountTokensRequest, MessagesRequest
 from flashpack.runtime.server.chat_format import from_anthropic
@@ -33,7 +34,8 @@ async def messages(body: MessagesRequest, request: Request):
     ctx.check_model(body.model)
     conversation = from_anthropic(body)
     sampling = Sampling(body.max_tokens, body.temperature, body.top_p, body.top_k, None, tuple(body.stop_sequences or ()))
-    plan = plan_chat(ctx, conversation, _options(body, set(conversation.tool_parameters())), sampling)
+    options = _options(body, set(conversation.tool_parameters()))
+    plan = await run_in_threadpool(plan_chat, ctx, conversation, options, sampling)
     reply = run_reply(ctx, plan, None if body.stream else request)
     message = {"id": f"msg_{uuid.uuid4().hex[:24]}", "type": "message", "role": "assistant", "model": body.model}
     show_thinking = body.thinking is None or body.thinking.display != "omitted"

@@ -9,6 +9,7 @@ in one request is a 500 for that request only.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 from contextlib import asynccontextmanager
@@ -36,6 +37,7 @@ def create_app(engine: Any, settings: ServerSettings | None = None) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
+        await asyncio.to_thread(ctx.grammars.warm)  # the vocabulary view for grammars: ~1 s once
         ctx.scheduler.start()
         try:
             yield
@@ -114,5 +116,4 @@ def serve(
         default_max_tokens=default_max_tokens,
     )
     app = create_app(engine, settings)
-    app.state.flashpack.grammars.warm()
     uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)

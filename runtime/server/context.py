@@ -12,7 +12,7 @@ from flashpack.runtime.server.constraints import GrammarCompiler
 from flashpack.runtime.server.errors import ApiError
 from flashpack.runtime.server.metrics import Metrics
 from flashpack.runtime.server.scheduler import Scheduler
-from flashpack.runtime.server.settings import ServerSettings
+from flashpack.runtime.server.settings import ServerSettings, StatsProvider
 
 
 @dataclass
@@ -52,10 +52,13 @@ def context_of(request: Request) -> ServerContext:
     return request.app.state.flashpack
 
 
-def _engine_stats(engine: Any):
-    """The engine's own `stats()` (the expert store's counters), where it has one."""
-    for owner in (engine, getattr(engine, "store", None), getattr(engine, "model", None)):
+def _engine_stats(engine: Any) -> StatsProvider | None:
+    """The engine's store counters, where it exposes them: a callable `stats()`, or a `stats` object
+    with `to_dict()` (runtime.store.StoreStats), on the engine or on its `store` or `fetcher`."""
+    for owner in (engine, getattr(engine, "store", None), getattr(engine, "fetcher", None)):
         stats = getattr(owner, "stats", None)
+        if callable(getattr(stats, "to_dict", None)):
+            return stats.to_dict
         if callable(stats):
             return stats
     return None

@@ -1,13 +1,16 @@
 """Server metrics in the Prometheus text format (version 0.0.4).
 
 Counters and histograms are updated by the route handlers and the generation worker thread, so
-every update takes the instance's lock. Extra gauges come from an optional `stats()` provider
-(the expert store plugs in here) returning either flat numbers or one mapping per tier:
+every update takes the instance's lock. Extra gauges come from an optional `stats()` provider (the
+expert store's `StoreStats.to_dict`), read at each scrape:
 
-    {"device": {"hits": 120, "misses": 30, "bytes_read": 4096}, "host": {...}, "evictions": 7}
+    {"tiers": {"device": {"hits": 120, "misses": 30}, "host": {...}}, "requests": 150,
+     "per_token": {"disk_reads": 0.4}, "layers": {...}}
 
-becomes flashpack_store_hits{tier="device"} 120 ... plus flashpack_store_hit_rate{tier="device"} 0.8
-wherever a tier reports both hits and misses, and flashpack_store_evictions 7.
+becomes flashpack_store_hits{tier="device"} 120, flashpack_store_misses{tier="device"} 30,
+flashpack_store_hit_rate{tier="device"} 0.8 (wherever a tier has hits and misses),
+flashpack_store_requests 150 and flashpack_store_per_token_disk_reads 0.4; per-layer counters are
+left out. Without a "tiers" key, each mapping-valued entry is taken as a tier.
 """
 
 from __future__ import annotations
@@ -115,21 +118,29 @@ class Metrics:
         if self._stats is None:
             return []
         try:
-            stats = self._stats()
+            stats = dict(self._stats())
         except Exception as error:  # a broken provider must not take /metrics down
             return [f"# flashpack_store stats unavailable: {type(error).__name__}"]
         series: dict[str, list[str]] = defaultdict(list)
+        tiers = stats.pop("tiers", None)
+        if not isinstance(tiers, Mapping):  # the flat form: every mapping is a tier
+            tiers = {k: v for k, v in stats.items() if isinstance(v, Mapping)}
+            stats = {k: v for k, v in stats.items() if k not in tiers}
+        for tier, values in tiers.items():
+            numbers = {k: v for k, v in values.items() if _is_number(v)}
+            if "hits" in numbers and "misses" in numbers and "hit_rate" not in numbers:
+                lookups = numbers["hits"] + numbers["misses"]
+                numbers["hit_rate"] = numbers["hits"] / lookups if lookups else 0.0
+            label = _NAME_UNSAFE.sub("_", str(tier))
+            for name, number in numbers.items():
+                series[_metric_name(name)].append(f'{_metric_name(name)}{{tier="{label}"}} {_fmt(number)}')
         for key, value in stats.items():
-            if isinstance(value, Mapping):
-                tier = _NAME_UNSAFE.sub("_", str(key))
-                numbers = {k: v for k, v in value.items() if _is_number(v)}
-                if "hits" in numbers and "misses" in numbers and "hit_rate" not in numbers:
-                    lookups = numbers["hits"] + numbers["misses"]
-                    numbers["hit_rate"] = numbers["hits"] / lookups if lookups else 0.0
-                for name, number in numbers.items():
-                    series[_metric_name(name)].append(f'{_metric_name(name)}{{tier="{tier}"}} {_fmt(number)}')
-            elif _is_number(value):
-                series[_metric_name(key)].append(f"{_metric_name(key)} {_fmt(value)}")
+            if key == "layers":
+                continue  # per-layer counters: too many series for a scrape; the bench reports them
+            flat = {f"{key}_{k}": v for k, v in value.items()} if isinstance(value, Mapping) else {key: value}
+            for name, number in flat.items():
+                if _is_number(number):
+                    series[_metric_name(name)].append(f"{_metric_name(name)} {_fmt(number)}")
         lines: list[str] = []
         for name, samples in sorted(series.items()):
             lines += [f"# TYPE {name} gauge", *samples]

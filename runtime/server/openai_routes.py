@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import APIRouter, Request
+from starlette.concurrency import run_in_threadpool
 
 from flashpack.runtime.server.chat_format import from_openai
 from flashpack.runtime.server.context import ServerContext, context_of
@@ -43,7 +44,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     ctx = context_of(request)
     ctx.check_model(body.model)
     conversation = from_openai(body)
-    plan = plan_chat(ctx, conversation, _chat_options(body, set(conversation.tool_parameters())), _sampling(body))
+    options = _chat_options(body, set(conversation.tool_parameters()))
+    plan = await run_in_threadpool(plan_chat, ctx, conversation, options, _sampling(body))
     reply = run_reply(ctx, plan, None if body.stream else request)
     meta = _meta("chatcmpl", ctx)
     if body.stream:
@@ -75,7 +77,7 @@ async def completions(body: CompletionRequest, request: Request):
         if len(prompt) != 1:
             raise ApiError(400, "one prompt per request is supported", param="prompt")
         prompt = prompt[0]
-    plan = plan_completion(ctx, prompt, _sampling(body))
+    plan = await run_in_threadpool(plan_completion, ctx, prompt, _sampling(body))
     reply = run_reply(ctx, plan, None if body.stream else request)
     echo = _prompt_text(ctx, plan) if body.echo else ""
     meta = _meta("cmpl", ctx)

@@ -134,6 +134,19 @@ def test_tool_results_and_calls_reach_the_template_from_both_apis(tiny_tokenizer
     assert "<tool_response>\nnoon\n</tool_response>" in prompts[0] and "Be exact." in prompts[0]
 
 
+def test_metrics_read_the_expert_stores_stats():
+    from flashpack.runtime.store.stats import StoreStats
+
+    stats = StoreStats()
+    stats.bump(0, requests=10, device_hits=6, host_hits=3, disk_reads=1, bytes_disk_to_host=4096)
+    stats.tokens = 2
+    text = Metrics(stats=stats.to_dict).render()
+    assert 'flashpack_store_hit_rate{tier="device"} 0.6' in text
+    assert 'flashpack_store_hit_rate{tier="host"} 0.75' in text  # 3 of the 4 device misses
+    assert 'flashpack_store_bytes_to_host{tier="disk"} 4096' in text
+    assert "flashpack_store_per_token_disk_reads 0.5" in text and "flashpack_store_requests 10" in text
+
+
 def test_metrics_survive_a_broken_stats_provider():
     def broken():
         raise OSError("store gone")
@@ -158,3 +171,23 @@ def test_error_bodies_have_each_apis_shape():
     assert error_body("/v1/messages", error) == {"type": "error", "error": {"type": "not_found_error",
                                                                             "message": "no such model"}}
     assert json.dumps(error_body("/v1/messages/count_tokens", ApiError(529, "busy")))
+
+
+def test_serve_binds_loopback_and_takes_the_key_from_the_environment(monkeypatch, tiny_tokenizer):
+    import uvicorn
+
+    import flashpack.runtime.loader
+    from fake_engine import fake_engine
+    from flashpack.runtime.server import serve
+
+    ran = {}
+    monkeypatch.setattr(flashpack.runtime.loader, "load_engine", lambda pack, device, dtype: fake_engine(tiny_tokenizer))
+    monkeypatch.setattr(uvicorn, "run", lambda app, host, port, **kwargs: ran.update(app=app, host=host, port=port))
+    monkeypatch.setenv("FLASHPACK_API_KEY", "from-env")
+    serve("/packs/tiny.pack")
+    settings = ran["app"].state.flashpack.settings
+    assert (ran["host"], ran["port"], settings.api_key, settings.model_name) == ("127.0.0.1", 8000, "from-env", "tiny.pack")
+    serve("/packs/tiny.pack", api_key="given", model_name="qwen", host="0.0.0.0", port=9000, max_queue=3)
+    settings = ran["app"].state.flashpack.settings
+    assert (ran["host"], ran["port"], settings.api_key, settings.model_name, settings.max_queue) == (
+        "0.0.0.0", 9000, "given", "qwen", 3)

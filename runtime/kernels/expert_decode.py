@@ -34,7 +34,7 @@ def _nvfp4_row_block_dot(nib_ptr, scale_ptr, rows, row_mask, vec_ptr, n_in: tl.c
     GROUPS: tl.constexpr = BLOCK_IN // 16
     group = tl.arange(0, GROUPS)
     acc = tl.zeros([BLOCK_ROWS], dtype=tl.float32)
-    for start in tl.static_range(0, n_in, BLOCK_IN):  # unrolled: all loads in flight at once
+    for start in range(0, n_in, BLOCK_IN):
         g = start // 16 + group
         g_mask = g < n_in // 16
         mask2 = row_mask[:, None] & g_mask[None, :]
@@ -84,7 +84,7 @@ def _down_sum_kernel(
     rows = tl.program_id(1) * BLOCK_O + tl.arange(0, BLOCK_O)
     row_mask = rows < H
     acc = tl.zeros([BLOCK_O], dtype=tl.float32)
-    for k in tl.static_range(K):
+    for k in range(K):
         pair = t * K + k
         e = tl.load(slots_ptr + pair).to(tl.int64)
         y = _nvfp4_row_block_dot(down_nib_ptr + e * down_nib_stride, down_scale_ptr + e * down_scale_stride,

@@ -26,7 +26,7 @@ def _fp8_matvec_kernel(x_ptr, values_ptr, scale_ptr, y_ptr, R, C: tl.constexpr,
     row_mask = rows < R
     cols = tl.arange(0, BLOCK_C)
     acc = tl.zeros([BLOCK_R], dtype=tl.float32)
-    for start in tl.static_range(0, C, BLOCK_C):
+    for start in range(0, C, BLOCK_C):
         col_mask = start + cols < C
         mask = row_mask[:, None] & col_mask[None, :]
         v = tl.load(values_ptr + rows.to(tl.int64)[:, None] * C + (start + cols)[None, :], mask=mask, other=0)

@@ -2,9 +2,10 @@
 
 Tolerances, max abs error / max |reference|:
   - precision="fp32" (IEEE dots; the interpreter's only mode): <= 1e-5 vs the float32 reference.
-  - precision="bf16" (CUDA): <= 4e-3 vs the reference rounding x and h to bf16 where the kernel
-    does (a few h elements land on the neighbouring bf16 value, 2^-8 relative each), and <= 2e-2
-    vs the pure float32 reference (x and h carry 2^-9 relative rounding into every product).
+  - precision="bf16" (CUDA), float32 out: <= 1e-3 vs the reference rounding x and h to bf16 where
+    the kernel does (summation order, and the odd h element rounding to the other bf16 neighbour,
+    2^-8 of that element), and <= 1e-2 vs the pure float32 reference (x and h carry 2^-9 relative
+    rounding into every product). A bf16 out adds its own 2^-8.
 """
 
 from __future__ import annotations
@@ -71,7 +72,8 @@ def test_swapped_nibbles_control(triton_device, make_bank):
 def test_bf16_matches_reference(make_bank, hidden, inter, experts, tokens, top_k):
     bank, slots, weights, x = _case(make_bank, torch.device("cuda"), hidden, inter, experts, tokens, top_k)
     x = x.bfloat16()
-    out = _run(x, bank, slots, weights, precision="bf16")
+    out = _run(x, bank, slots, weights, precision="bf16", out=nan_like(x.shape, torch.float32, "cuda"))
     emulated = expert_swiglu_reference(x, bank, slots, weights, act_dtype=torch.bfloat16, out_dtype=torch.float32)
-    assert relative_error(out, emulated) <= 4e-3
-    assert relative_error(out, expert_swiglu_reference(x, bank, slots, weights, out_dtype=torch.float32)) <= 2e-2
+    assert torch.isfinite(out).all()
+    assert relative_error(out, emulated) <= 1e-3
+    assert relative_error(out, expert_swiglu_reference(x, bank, slots, weights, out_dtype=torch.float32)) <= 1e-2

@@ -71,12 +71,27 @@ class BlockIndexer(nn.Module):
         visible = (positions + 1) // self.ratio  # complete blocks per query
         seen = torch.arange(most, device=device)[None, :] < visible[:, None]  # [T, most]
         scores = self.block_scores(queries, cache.block_keys[:most]).masked_fill(~seen, float("-inf"))
-        top = scores.topk(self.block_topk, dim=-1).indices
-        chosen = torch.zeros_like(seen).scatter(1, top, True) & seen
+        chosen = torch.zeros_like(seen).scatter(1, self._top_blocks(scores, visible), True) & seen
         chosen |= seen & (visible[:, None] <= self.block_topk)  # under the budget: every block
         keep = (chosen | ~seen).repeat_interleave(self.ratio, dim=1)  # unseen blocks: tail or future
         mask[:, : most * self.ratio] &= keep
         return mask
+
+    def _top_blocks(self, scores: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+        """Top blocks per query row of scores [T, most]; ties at the cut are broken as transformers does.
+
+        relu makes exact ties (0.0) common. A batched top-k over the padded rows orders tied blocks
+        differently from the reference's top-k over each query's own visible scores, so rows whose
+        k-th and (k+1)-th scores tie are redone that way; other rows select the same set either way.
+        """
+        k = self.block_topk
+        top = scores.topk(min(k + 1, scores.shape[1]), dim=-1)
+        indices = top.indices[:, :k].clone()
+        if top.values.shape[1] > k:
+            tied = (top.values[:, k - 1] == top.values[:, k]) & (visible > k)
+            for row in torch.nonzero(tied).flatten().tolist():
+                indices[row] = scores[row, : int(visible[row])].topk(k, dim=0).indices
+        return indices
 
     def select_indices(self, query: torch.Tensor, position: int, cache: AttentionCache) -> torch.Tensor | None:
         """One query [1, heads, d] at `position`: int64 key indices to attend, or None for all 0..position."""

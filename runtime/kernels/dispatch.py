@@ -17,7 +17,8 @@ from flashpack.runtime.kernels.bank import ExpertBank
 from flashpack.runtime.kernels.reference import expert_swiglu_reference, fp8_linear_reference
 
 BACKENDS = ("auto", "triton", "reference")
-DECODE_MAX_TOKENS = 4  # up to this many tokens the matvec kernels beat the tile kernels (bench/kernels.py)
+FP8_MATVEC_MAX_TOKENS = 4
+DECODE_MAX_TOKENS = 16  # up to here the matvec kernels beat the grouped ones on an H200 (bench/kernels.py)
 
 
 def triton_available() -> bool:
@@ -64,7 +65,10 @@ def moe_experts(
         return nvfp4_expert_swiglu(x, bank, slots, weights, out=out)
     from flashpack.runtime.kernels.expert_grouped import nvfp4_expert_swiglu_grouped
 
-    return nvfp4_expert_swiglu_grouped(x, bank, slots, weights, out=out, precision=_precision(x.device))
+    # Tiles of 16 rows when experts get few tokens each (batched decode), 64 for prompts.
+    block_m = 16 if slots.numel() < 16 * bank.num_experts else 64
+    return nvfp4_expert_swiglu_grouped(x, bank, slots, weights, out=out, precision=_precision(x.device),
+                                       block_m=block_m)
 
 
 def fp8_linear(
@@ -79,4 +83,4 @@ def fp8_linear(
     from flashpack.runtime.kernels.fp8_linear import fp8_linear_triton
 
     return fp8_linear_triton(x, values, row_scale, out=out, precision=_precision(x.device),
-                             matvec_max_tokens=DECODE_MAX_TOKENS)
+                             matvec_max_tokens=FP8_MATVEC_MAX_TOKENS)

@@ -2,13 +2,16 @@
 
 For T tokens, each with K routed experts (pairs p = t * K + k, bank row slots[t, k]):
 
-    h[p]   = silu(gate_e x[t]) * up_e x[t]                          (kernel 1, grid P x I/BLOCK_I)
-    out[t] = sum_k weights[t, k] * down_e h[t * K + k]              (kernel 2, grid T x H/BLOCK_O)
+    h[p]       = silu(gate_e x[t]) * up_e x[t]                      (kernel 1, grid P x I/BLOCK_I)
+    partial[p] = weights[t, k] * down_e h[p]                        (kernel 2, grid P x H/BLOCK_O)
+    out[t]     = sum_k partial[t * K + k]                           (kernel 3, a fixed-order sum)
 
-Kernel 1 streams the gate and up rows of one expert side by side (the same x chunk serves both);
-kernel 2 walks a block of output rows through the K experts in order, so the weighted sum needs no
-atomics and is deterministic. H, I and K are compile-time constants (one build per model), which
-also keeps loop bounds plain ints under the interpreter (triton 3.6 + numpy 2.4, triton#9171). Everything accumulates in float32; h stays float32. Each weight and
+Kernel 1 streams the gate and up rows of one expert side by side (the same x chunk serves both).
+Each program's loop over the input is unrolled so all its loads are in flight together: at batch 1
+the kernels are bound by memory latency as much as by bandwidth, so kernel 2 spreads over experts
+too rather than walking them in turn. The sum over experts is a separate pass, not atomics, so the
+result is deterministic. H, I and K are compile-time constants (one build per model), which also
+keeps loop bounds plain ints under the interpreter (triton 3.6 + numpy 2.4, triton#9171). Everything accumulates in float32; h stays float32. Each weight and
 scale byte of a selected expert is read from memory once per token: this is the batch-1 path, the
 grouped kernel (expert_grouped.py) takes over when tokens share experts.
 """
@@ -34,7 +37,7 @@ def _nvfp4_row_block_dot(nib_ptr, scale_ptr, rows, row_mask, vec_ptr, n_in: tl.c
     GROUPS: tl.constexpr = BLOCK_IN // 16
     group = tl.arange(0, GROUPS)
     acc = tl.zeros([BLOCK_ROWS], dtype=tl.float32)
-    for start in range(0, n_in, BLOCK_IN):
+    for start in tl.static_range(0, n_in, BLOCK_IN):  # unrolled, so every chunk's loads are in flight at once
         g = start // 16 + group
         g_mask = g < n_in // 16
         mask2 = row_mask[:, None] & g_mask[None, :]
@@ -73,38 +76,47 @@ def _gate_up_kernel(
 
 
 @triton.jit
-def _down_sum_kernel(
-    h_ptr, slots_ptr, weights_ptr, out_ptr,
+def _down_kernel(
+    h_ptr, slots_ptr, weights_ptr, partial_ptr,
     down_nib_ptr, down_scale_ptr, global_ptr,
     down_nib_stride, down_scale_stride, global_stride,
-    H: tl.constexpr, I: tl.constexpr, K: tl.constexpr,
+    H: tl.constexpr, I: tl.constexpr,
     BLOCK_O: tl.constexpr, BLOCK_I: tl.constexpr,
 ):
-    t = tl.program_id(0)
+    pair = tl.program_id(0)
     rows = tl.program_id(1) * BLOCK_O + tl.arange(0, BLOCK_O)
     row_mask = rows < H
-    acc = tl.zeros([BLOCK_O], dtype=tl.float32)
-    for k in range(K):
-        pair = t * K + k
-        e = tl.load(slots_ptr + pair).to(tl.int64)
-        y = _nvfp4_row_block_dot(down_nib_ptr + e * down_nib_stride, down_scale_ptr + e * down_scale_stride,
-                                 rows, row_mask, h_ptr + pair.to(tl.int64) * I, I, BLOCK_O, BLOCK_I)
-        w = tl.load(weights_ptr + pair).to(tl.float32) * tl.load(global_ptr + e * global_stride + 2)
-        acc += y * w
-    tl.store(out_ptr + t.to(tl.int64) * H + rows, acc.to(out_ptr.dtype.element_ty), mask=row_mask)
+    e = tl.load(slots_ptr + pair).to(tl.int64)
+    y = _nvfp4_row_block_dot(down_nib_ptr + e * down_nib_stride, down_scale_ptr + e * down_scale_stride,
+                             rows, row_mask, h_ptr + pair.to(tl.int64) * I, I, BLOCK_O, BLOCK_I)
+    w = tl.load(weights_ptr + pair).to(tl.float32) * tl.load(global_ptr + e * global_stride + 2)
+    tl.store(partial_ptr + pair.to(tl.int64) * H + rows, y * w, mask=row_mask)
+
+
+@triton.jit
+def _sum_experts_kernel(partial_ptr, out_ptr, H: tl.constexpr, K: tl.constexpr,
+                        K_POW2: tl.constexpr, BLOCK: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ks = tl.arange(0, K_POW2)
+    mask = (ks < K)[:, None] & (cols < H)[None, :]
+    partial = tl.load(partial_ptr + (t * K + ks)[:, None] * H + cols[None, :], mask=mask, other=0)
+    tl.store(out_ptr + t * H + cols, tl.sum(partial, axis=0).to(out_ptr.dtype.element_ty), mask=cols < H)
 
 
 def nvfp4_expert_swiglu(
     x: torch.Tensor, bank: ExpertBank, slots: torch.Tensor, weights: torch.Tensor,
     out: torch.Tensor | None = None, h: torch.Tensor | None = None,
-    block_i: int = 16, block_h: int = 256, block_o: int = 16, block_down_in: int = 128, num_warps: int = 4,
+    block_i: int = 8, block_h: int = 512, block_o: int = 16, block_down_in: int = 128, num_warps: int = 4,
 ) -> torch.Tensor:
     """Routed SwiGLU experts for a few tokens, straight from NVFP4 records.
 
     x [T, H] (or [H]) bf16/fp16/fp32; slots [T, K] (or [K]) int, rows of `bank`; weights [T, K]
     routing weights. Returns out [T, H] (or [H]), dtype of `out` if given, else x.dtype:
     out[t] = sum_k weights[t, k] * down_e(silu(gate_e x[t]) * up_e x[t]), e = slots[t, k].
-    `out` and `h` (float32 [T*K, I] scratch) may be passed preallocated, e.g. for CUDA graphs.
+    `out` and `h` (float32 [T*K, I] scratch) may be passed preallocated; a float32 [T*K, H] scratch
+    for the per-expert outputs is allocated here (graph-capturable, like every step).
+    Defaults: the best of a block-size sweep on an H200 at H=2560, I=640, K=10 (bench/kernels.py).
     Block sizes must be powers of two; block_h and block_down_in at least 16."""
     squeeze = x.dim() == 1
     x2, slots2, weights2 = (x[None], slots.reshape(1, -1), weights.reshape(1, -1)) if squeeze else (x, slots, weights)
@@ -131,10 +143,13 @@ def nvfp4_expert_swiglu(
         bank.up_scales.stride(0), gs.stride(0),
         hidden, inter, k, BLOCK_I=block_i, BLOCK_H=block_h, num_warps=num_warps,
     )
-    _down_sum_kernel[(t, triton.cdiv(hidden, block_o))](
-        h, slots2, weights2, out2,
+    partial = torch.empty(t * k, hidden, dtype=torch.float32, device=x.device)
+    _down_kernel[(t * k, triton.cdiv(hidden, block_o))](
+        h, slots2, weights2, partial,
         bank.down_nibbles, scale_bytes["down"], gs,
         bank.down_nibbles.stride(0), bank.down_scales.stride(0), gs.stride(0),
-        hidden, inter, k, BLOCK_O=block_o, BLOCK_I=block_down_in, num_warps=num_warps,
+        hidden, inter, BLOCK_O=block_o, BLOCK_I=block_down_in, num_warps=num_warps,
     )
+    _sum_experts_kernel[(t, triton.cdiv(hidden, 1024))](
+        partial, out2, hidden, k, K_POW2=triton.next_power_of_2(k), BLOCK=1024)
     return out

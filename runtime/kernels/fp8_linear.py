@@ -60,12 +60,14 @@ def _fp8_matmul_kernel(x_ptr, values_ptr, scale_ptr, y_ptr, T, R, C: tl.constexp
 def fp8_linear_triton(
     x: torch.Tensor, values: torch.Tensor, row_scale: torch.Tensor, out: torch.Tensor | None = None,
     precision: str = "bf16", matvec_max_tokens: int = 4,
-    block_r: int = 16, block_c: int = 512, block_m: int = 64, block_n: int = 128, block_k: int = 64,
-    num_warps: int = 4,
+    block_r: int = 16, block_c: int = 512, block_m: int = 128, block_n: int = 128, block_k: int = 64,
+    num_warps: int | None = None,
 ) -> torch.Tensor:
     """x [..., C] -> [..., R] (dtype of `out` if given, else x.dtype); values float8_e4m3fn [R, C]
     contiguous, row_scale float32 [R]. Up to `matvec_max_tokens` rows of x use the float32 matvec
-    (precision does not apply); more use the tile kernel in `precision` ("bf16" CUDA only, or "fp32")."""
+    (precision does not apply); more use the tile kernel in `precision` ("bf16" CUDA only, or "fp32").
+    Defaults: the fastest of a sweep on an H200 at 8192 x 2560 (8.1 us matvec, 229 us at 2048 tokens).
+    num_warps defaults to 8 for the matvec and 4 for the tile kernel."""
     rows, cols = values.shape
     if values.dtype != torch.float8_e4m3fn or x.shape[-1] != cols or row_scale.shape != (rows,):
         raise ValueError(f"x {tuple(x.shape)}, values {values.dtype} {tuple(values.shape)}, "
@@ -83,7 +85,7 @@ def fp8_linear_triton(
     v_bytes, scale = values.contiguous().view(torch.uint8), row_scale.float().contiguous()
     if tokens <= matvec_max_tokens:
         _fp8_matvec_kernel[(tokens, triton.cdiv(rows, block_r))](
-            x2, v_bytes, scale, out, rows, cols, BLOCK_R=block_r, BLOCK_C=block_c, num_warps=num_warps)
+            x2, v_bytes, scale, out, rows, cols, BLOCK_R=block_r, BLOCK_C=block_c, num_warps=num_warps or 8)
         return out
     if precision == "bf16" and x.device.type != "cuda":
         raise ValueError("bf16 tensor-core dots need CUDA (the triton 3.6 interpreter mis-multiplies bf16 "
@@ -92,5 +94,5 @@ def fp8_linear_triton(
     x_act = x2.to(torch.bfloat16 if precision == "bf16" else torch.float32)
     _fp8_matmul_kernel[(triton.cdiv(tokens, block_m), triton.cdiv(rows, block_n))](
         x_act, v_bytes, scale, out, tokens, rows, cols, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, DOT=dot,
-        num_warps=num_warps)
+        num_warps=num_warps or 4)
     return out

@@ -25,7 +25,7 @@ class ServerContext:
     started: float = field(default_factory=time.time)
 
     @classmethod
-    def build(cls, engine: Any, settings: ServerSettings) -> "ServerContext":
+    def build(cls, engine: Any, settings: ServerSettings) -> ServerContext:
         tokenizer = engine.tokenizer
         stats = settings.stats or _engine_stats(engine)
         metrics = Metrics(stats=stats)

@@ -45,13 +45,14 @@ class Histogram:
                 self.counts[i] += 1
 
     def lines(self, name: str) -> list[str]:
-        out = [f'{name}_bucket{{le="{bound}"}} {n}' for bound, n in zip(self.buckets, self.counts)]
-        out += [f'{name}_bucket{{le="+Inf"}} {self.count}', f"{name}_sum {self.total:.6f}", f"{name}_count {self.count}"]
-        return out
+        out = [f'{name}_bucket{{le="{bound}"}} {n}' for bound, n in zip(self.buckets, self.counts, strict=True)]
+        out.append(f'{name}_bucket{{le="+Inf"}} {self.count}')
+        return out + [f"{name}_sum {self.total:.6f}", f"{name}_count {self.count}"]
 
 
 class Metrics:
-    def __init__(self, queue_depth: Callable[[], int] = lambda: 0, stats: Callable[[], Mapping[str, Any]] | None = None):
+    def __init__(self, queue_depth: Callable[[], int] = lambda: 0,
+                 stats: Callable[[], Mapping[str, Any]] | None = None):
         self._lock = threading.Lock()
         self._queue_depth = queue_depth
         self._stats = stats
@@ -78,7 +79,9 @@ class Metrics:
             self.running += 1
             self.queue_wait.observe(waited_seconds)
 
-    def generation_finished(self, prompt_tokens: int, generated: int, finish: str, timings: Mapping[str, float] | None) -> None:
+    def generation_finished(
+        self, prompt_tokens: int, generated: int, finish: str, timings: Mapping[str, float] | None,
+    ) -> None:
         with self._lock:
             self.running -= 1
             self.finishes[finish] += 1
@@ -95,7 +98,8 @@ class Metrics:
     def render(self) -> str:
         with self._lock:
             lines = _typed("flashpack_requests_total", "counter", "HTTP requests by route and status")
-            lines += [f'flashpack_requests_total{{route="{r}",status="{s}"}} {n}' for (r, s), n in sorted(self.requests.items())]
+            lines += [f'flashpack_requests_total{{route="{route}",status="{status}"}} {n}'
+                      for (route, status), n in sorted(self.requests.items())]
             lines += _typed("flashpack_generations_total", "counter", "finished generations by finish reason")
             lines += [f'flashpack_generations_total{{finish="{f}"}} {n}' for f, n in sorted(self.finishes.items())]
             lines += _gauge("flashpack_queue_depth", "requests waiting for the engine", self._queue_depth())
@@ -106,7 +110,8 @@ class Metrics:
             lines += [f"flashpack_generated_tokens_total {self.generated_tokens}"]
             rate = self.decode_tokens / self.decode_seconds if self.decode_seconds else 0.0
             lines += _gauge("flashpack_decode_tokens_per_second", "decode rate over all requests", rate)
-            lines += _gauge("flashpack_last_decode_tokens_per_second", "decode rate of the last request", self.last_decode_rate)
+            lines += _gauge("flashpack_last_decode_tokens_per_second", "decode rate of the last request",
+                            self.last_decode_rate)
             lines += _typed("flashpack_time_to_first_token_seconds", "histogram", "prefill + first token")
             lines += self.ttft.lines("flashpack_time_to_first_token_seconds")
             lines += _typed("flashpack_queue_wait_seconds", "histogram", "time a request waited for the engine")

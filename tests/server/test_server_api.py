@@ -14,7 +14,7 @@ import anthropic
 import jsonschema
 import openai
 import pytest
-from conftest import KEY, MODEL, serving
+from server_harness import KEY, MODEL, serving
 
 from flashpack.runtime.sampling import SamplingParams
 from flashpack.runtime.server import ServerSettings

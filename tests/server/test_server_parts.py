@@ -177,7 +177,7 @@ def test_serve_binds_loopback_and_takes_the_key_from_the_environment(monkeypatch
     import uvicorn
 
     import flashpack.runtime.loader
-    from fake_engine import fake_engine
+    from server_fakes import fake_engine
     from flashpack.runtime.server import serve
 
     ran = {}

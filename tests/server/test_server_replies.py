@@ -6,8 +6,8 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import KEY, MODEL, serving
-from fake_engine import scripted_engine
+from server_harness import KEY, MODEL, serving
+from server_fakes import scripted_engine
 
 from flashpack.runtime.server import ServerSettings
 

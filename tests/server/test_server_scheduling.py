@@ -9,8 +9,8 @@ import time
 import anthropic
 import openai
 import pytest
-from conftest import KEY, MODEL, serving
-from fake_engine import fake_engine
+from server_harness import KEY, MODEL, serving
+from server_fakes import fake_engine
 
 from flashpack.runtime.server import ServerSettings
 

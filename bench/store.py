@@ -31,7 +31,7 @@ from flashpack.layout.pack import Pack
 from flashpack.runtime.store import build_store
 from flashpack.runtime.store.hotset import hot_set_from_trace
 from flashpack.runtime.store.reader import RecordReader, aligned_empty
-from flashpack.runtime.store.simulate import replay
+from flashpack.runtime.store.simulate import replay, simulate_policy
 from flashpack.runtime.store.stats import LayerCounters
 from flashpack.runtime.store.workload import run_workload
 
@@ -59,18 +59,13 @@ def _workload(path: Path, prompts: list[str], max_tokens: int) -> Path:
 
 
 def replay_through_store(store, trace) -> dict:
-    """Every fetch of the trace through the store (request + wait for the bytes; no dequantising:
-    this measures the tiers). Counters split into prefill and decode steps."""
+    """Every fetch of the trace through the store (`load`: the bytes, no dequantising: this
+    measures the tiers). Counters split into prefill and decode steps."""
     split = {"prefill": LayerCounters(), "decode": LayerCounters()}
     for step in trace.steps:
         before = store.stats.total()
         for layer, experts in step.fetches:
-            remaining = list(experts)
-            while remaining:
-                handles, remaining = store._request(layer, remaining, partial=True)
-                for handle in handles:
-                    handle.wait()
-                    handle.release()
+            store.load(layer, list(experts))
         after = store.stats.total()
         bucket = split["decode" if step.tokens == 1 else "prefill"]
         for f in fields(LayerCounters):
@@ -100,30 +95,54 @@ def _drop_cache(path: Path) -> None:
         os.close(fd)
 
 
-def read_speed(pack: Pack, threads: int, direct: bool, records: int = 2000) -> dict:
-    """GB/s reading `records` random records, each into its own aligned buffer slot."""
-    entries = pack.manifest.expert_records()
-    rng = random.Random(0)
-    picked = [entries[rng.randrange(len(entries))] for _ in range(min(records, 4 * len(entries)))]
-    stride = pack.manifest.document["experts"]["record_stride"]
-    files = sorted({e.file for e in entries})
+def read_speed(root: Path, records: list[tuple[str, int]], stride: int, threads: int, direct: bool) -> dict:
+    """GB/s reading every (file, offset) record once, in the given (shuffled) order, cold cache."""
+    files = sorted({file for file, _ in records})
     for file in files:
-        _drop_cache(pack.root / file)
-    reader = RecordReader(pack.root, files, direct=direct)
+        _drop_cache(root / file)
+    reader = RecordReader(root, files, direct=direct)
     buffers = [aligned_empty(stride) for _ in range(threads)]
-    chunks = [picked[i::threads] for i in range(threads)]
+    chunks = [records[i::threads] for i in range(threads)]
 
     def work(index: int) -> None:
-        for entry in chunks[index]:
-            reader.read(entry.file, entry.offset, [buffers[index]], entry.length)
+        for file, offset in chunks[index]:
+            reader.read(file, offset, [buffers[index]], stride)
 
     start = time.perf_counter()
     with ThreadPoolExecutor(threads) as pool:
         list(pool.map(work, range(threads)))
     seconds = time.perf_counter() - start
     reader.close()
-    return {"threads": threads, "direct": reader.direct, "records": len(picked), "record_bytes": stride,
-            "seconds": seconds, "GBps": len(picked) * stride / seconds / 1e9, "fallback": reader.fallback_reason}
+    return {"threads": threads, "direct": reader.direct, "records": len(records), "record_bytes": stride,
+            "seconds": seconds, "GBps": len(records) * stride / seconds / 1e9, "fallback": reader.fallback_reason}
+
+
+def io_table(label: str, root: Path, records: list[tuple[str, int]], stride: int, results: list) -> None:
+    print(f"\n## {label}: {len(records)} records of {stride} bytes, each read once, random order, cold cache\n")
+    print("| threads | O_DIRECT GB/s | buffered GB/s |")
+    print("| --- | --- | --- |")
+    for threads in (1, 4, 16):
+        direct = read_speed(root, records, stride, threads, True)
+        buffered = read_speed(root, records, stride, threads, False)
+        for row in (direct, buffered):
+            row["label"] = label
+        results += [direct, buffered]
+        print(f"| {threads} | {direct['GBps']:.3f} | {buffered['GBps']:.3f} |")
+
+
+def real_size_file(directory: Path, megabytes: int) -> tuple[Path, list[tuple[str, int]], int]:
+    """A scratch file of real-model-sized records (2,764,816 bytes, stride 676 pages)."""
+    stride = 676 * 4096
+    count = max(1, megabytes * (1 << 20) // stride)
+    path = directory / "records.bin"
+    block = os.urandom(stride)
+    with open(path, "wb") as handle:
+        for _ in range(count):
+            handle.write(block)
+        os.fsync(handle.fileno())
+    order = list(range(count))
+    random.Random(0).shuffle(order)
+    return path, [(path.name, i * stride) for i in order], stride
 
 
 def main() -> None:
@@ -132,8 +151,10 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--capacities", default="", help="slots per layer to replay, comma-separated")
-    parser.add_argument("--io-records", type=int, default=2000)
+    parser.add_argument("--io-file-mb", type=int, default=1024,
+                        help="also time a scratch file of real-size records beside the pack (0: skip)")
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--trace-out", type=Path, help="also write the test workload's routing trace here")
     args = parser.parse_args()
     torch.set_num_threads(1)  # tiny matmuls: extra threads only contend (25x slower on a busy 2-core VM)
     pack = Pack.open(args.pack)
@@ -150,6 +171,8 @@ def main() -> None:
         trace = run_workload(args.pack, _workload(tmp / "t.jsonl", TEST_PROMPTS, args.max_tokens),
                              max_tokens=args.max_tokens, device=args.device)
         results["trace_seconds"] = time.perf_counter() - start
+    if args.trace_out:
+        trace.save(args.trace_out)
     layers = trace.layers
     results["decode_tokens"] = trace.tokens(decode_only=True)
     capacities = [int(c) for c in args.capacities.split(",") if c] or sorted(
@@ -158,6 +181,17 @@ def main() -> None:
     results["replay"] = report.to_dict()
     print("## policies vs Belady (decode misses per token, all layers)\n")
     print(report.table())
+    decode = list(trace.fetches(decode_only=True))
+    tokens = trace.tokens(decode_only=True)
+    results["rebalancing"] = []
+    print("\n## LFU: even split vs rebalanced (ghost-hit and hit-rate signals), misses per decode token\n")
+    print("| slots/layer | even | ghost | hit-rate |\n| --- | --- | --- | --- |")
+    for capacity in capacities:
+        row = {"capacity": capacity}
+        for name, adaptive, signal in (("even", False, "ghost"), ("ghost", True, "ghost"), ("hit-rate", True, "hit-rate")):
+            row[name] = sum(simulate_policy(decode, layers, capacity, "lfu", adaptive, floor=top_k, signal=signal).values()) / tokens
+        results["rebalancing"].append(row)
+        print(f"| {capacity} | {row['even']:.2f} | {row['ghost']:.2f} | {row['hit-rate']:.2f} |")
 
     profile = hot_set_from_trace(profile_trace)
     ranked = {e["layer"]: e["experts"] for e in profile["layers"]}
@@ -187,14 +221,13 @@ def main() -> None:
                   f"{row['device_hit_rate']:.3f} |")
 
     results["io"] = []
-    print("\n## record reads, cold page cache\n")
-    print("| threads | O_DIRECT GB/s | buffered GB/s |")
-    print("| --- | --- | --- |")
-    for threads in (1, 4, 16):
-        direct = read_speed(pack, threads, True, args.io_records)
-        buffered = read_speed(pack, threads, False, args.io_records)
-        results["io"] += [direct, buffered]
-        print(f"| {threads} | {direct['GBps']:.3f} | {buffered['GBps']:.3f} |")
+    entries = [(e.file, e.offset) for e in pack.manifest.expert_records()]
+    random.Random(0).shuffle(entries)
+    io_table("pack records", pack.root, entries, stride, results["io"])
+    if args.io_file_mb:
+        with tempfile.TemporaryDirectory(dir=args.pack.parent) as scratch:
+            path, records, real_stride = real_size_file(Path(scratch), args.io_file_mb)
+            io_table("real-size records", path.parent, records, real_stride, results["io"])
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(results, indent=1))

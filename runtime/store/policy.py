@@ -43,8 +43,9 @@ class EvictionPolicy:
         """The resident key to evict among those `evictable` accepts, or None."""
         raise NotImplementedError
 
-    def seed(self, key: Key, count: float) -> None:
-        """`key` was placed without a request (pre-warming); `count` is its profile weight."""
+    def seed(self, key: Key, weight: float) -> None:
+        """`key` was placed without a request (pre-warming). `weight` in [0, 1] is its popularity
+        in the profile (1: the layer's hottest); callers seed coldest first."""
         self.admit(key)
 
 
@@ -66,8 +67,8 @@ class LRU(EvictionPolicy):
     def victim(self, evictable: Callable[[Key], bool]) -> Key | None:
         return next((key for key in self._order if evictable(key)), None)
 
-    def seed(self, key: Key, count: float) -> None:
-        # Pre-warmed keys go in coldest-first order, so the hottest is the most recent.
+    def seed(self, key: Key, weight: float) -> None:
+        # Pre-warmed keys come coldest first, so the hottest is the most recent.
         self.admit(key)
 
 
@@ -117,11 +118,11 @@ class LFU(EvictionPolicy):
             heapq.heappush(self._heap, entry)
         return found
 
-    def seed(self, key: Key, count: float) -> None:
-        # A profile's count is a prior worth at most one request: enough to order the pre-warmed
-        # keys among themselves, not so much that a stale profile outlives the live workload.
+    def seed(self, key: Key, weight: float) -> None:
+        # A profile is a prior worth less than one request: it orders the pre-warmed keys among
+        # themselves, and the first live request outweighs it, so a stale profile fades at once.
         self._tick += 1
-        self._counts.setdefault(key, 0.0)
+        self._counts[key] = max(self._counts.get(key, 0.0), 0.5 * min(max(weight, 0.0), 1.0))
         self._last[key] = self._tick
         self._push(key)
 

@@ -19,10 +19,21 @@ if TYPE_CHECKING:
 MAX_RUN = 64  # records per preadv
 
 
+def profile_weights(ranked: dict[int, list[int]], counts: dict[int, list[int]] | None) -> dict[tuple[int, int], float]:
+    """Each ranked expert's popularity relative to its layer's hottest, in (0, 1]."""
+    weights = {}
+    for layer, experts in ranked.items():
+        layer_counts = (counts or {}).get(layer) or [len(experts) - rank for rank in range(len(experts))]
+        top = max(layer_counts[:1] or [1])
+        for expert, count in zip(experts, layer_counts):
+            weights[(layer, expert)] = count / top
+    return weights
+
+
 def plan_prewarm(
     ranked: dict[int, list[int]], counts: dict[int, list[int]] | None, device_capacity: dict[int, int], host_slots: int,
 ) -> tuple[dict[int, list[int]], list[tuple[int, int]]]:
-    """(device targets per layer, host targets hottest first). Plain Python."""
+    """(device targets per layer hottest first, host targets hottest first). Plain Python."""
     device = {layer: list(experts[:device_capacity.get(layer, 0)]) for layer, experts in ranked.items()}
     first = [(layer, e) for layer, experts in device.items() for e in experts]
     rest = []
@@ -39,13 +50,16 @@ def prewarm_store(store: "TieredStore", ranked: dict[int, list[int]], counts: di
     start = time.perf_counter()
     ranked = {layer: experts for layer, experts in ranked.items() if layer in store.device_slots.capacity}
     device, host = plan_prewarm(ranked, counts, store.device_slots.capacity, store.host_slots.slots)
-    loads = _prewarm_host(store, host)
+    weights = profile_weights(ranked, counts)
+    loads = _prewarm_host(store, host, weights)
     wait_futures(loads)
     placed_device = 0
     for layer, experts in device.items():
-        remaining = [e for e in experts if (layer, e) not in store.device_slots]
+        # coldest first: LRU order and LFU ties then keep the hottest longest
+        remaining = [e for e in reversed(experts) if (layer, e) not in store.device_slots]
+        seeds = {e: weights.get((layer, e), 0.0) for e in remaining}
         while remaining:
-            handles, remaining = store._request(layer, remaining, partial=True, prewarm=True)
+            handles, remaining = store._request(layer, remaining, partial=True, prewarm=seeds)
             for handle in handles:
                 try:
                     handle.wait()
@@ -58,7 +72,7 @@ def prewarm_store(store: "TieredStore", ranked: dict[int, list[int]], counts: di
     return {"device": placed_device, "host": len(loads)}
 
 
-def _prewarm_host(store: "TieredStore", keys: list[tuple[int, int]]):
+def _prewarm_host(store: "TieredStore", keys: list[tuple[int, int]], weights: dict[tuple[int, int], float]):
     """Place `keys` in the host cache (coldest first, so LRU keeps the hottest longest) and
     submit their reads in contiguous runs; returns the loads' futures."""
     from concurrent.futures import Future
@@ -68,7 +82,7 @@ def _prewarm_host(store: "TieredStore", keys: list[tuple[int, int]]):
         for key in reversed(keys):
             if key in store.host_slots:
                 continue
-            store._place_host(key, seed=1.0)
+            store._place_host(key, seed=weights.get(key, 0.0))
             store._host_loads[key] = Future()
             store.stats.bump(key[0], prewarmed_host=1)
             placed.append(key)

@@ -10,6 +10,7 @@ that is over its capacity evicts from it first, so shares converge back.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Callable, Hashable
 
@@ -31,7 +32,9 @@ class Entry:
 
 
 class Residency:
-    def __init__(self, slots: int, capacities: dict[Hashable, int], policy: Callable[[], EvictionPolicy]):
+    def __init__(
+        self, slots: int, capacities: dict[Hashable, int], policy: Callable[[], EvictionPolicy], ghost_size: int = 0,
+    ):
         if sum(capacities.values()) != slots:
             raise ValueError(f"partition capacities sum to {sum(capacities.values())}, the pool has {slots} slots")
         self.slots = slots
@@ -41,6 +44,11 @@ class Residency:
         self.pinned = {partition: 0 for partition in capacities}  # keys with pins > 0
         self.policies = {partition: policy() for partition in capacities}
         self._free = list(range(slots - 1, -1, -1))  # pop() hands out slot 0 first
+        # ghosts: the last `ghost_size` keys each partition evicted; a placement of one is a
+        # ghost hit, a miss that that much more room would have turned into a hit
+        self.ghost_size = ghost_size
+        self._ghosts: dict[Hashable, OrderedDict] = {partition: OrderedDict() for partition in capacities}
+        self.ghost_hits = {partition: 0 for partition in capacities}
 
     def __contains__(self, key: Key) -> bool:
         return key in self.entries
@@ -75,7 +83,9 @@ class Residency:
         evicted = None
         if not (self._free and self.count[partition] < self.capacity[partition]):
             evicted = self._choose_victim(partition, limit)
-        slot = self._release(evicted) if evicted is not None else self._free.pop()
+        if self.ghost_size and self._ghosts[partition].pop(key, False) is None:
+            self.ghost_hits[partition] += 1  # counted before this placement's eviction adds a ghost
+        slot = self._evict(evicted) if evicted is not None else self._free.pop()
         self.entries[key] = Entry(slot, partition, pins=1 if pin else 0)
         self.count[partition] += 1
         self.pinned[partition] += 1 if pin else 0
@@ -107,6 +117,16 @@ class Residency:
             if victim is not None:
                 return victim
         raise NoRoom(f"all {self.slots} slots are pinned")
+
+    def _evict(self, key: Key) -> int:
+        partition = self.entries[key].partition
+        slot = self._release(key)
+        if self.ghost_size:
+            ghosts = self._ghosts[partition]
+            ghosts[key] = None
+            if len(ghosts) > self.ghost_size:
+                ghosts.popitem(last=False)
+        return slot
 
     def _victim_in(self, partition: Hashable) -> Key | None:
         if self.count[partition] == self.pinned[partition]:
@@ -148,7 +168,7 @@ class Residency:
             victim = self._victim_in(donor)
             if victim is None:
                 break
-            self.drop(victim)
+            self._free.append(self._evict(victim))
             evicted.append(victim)
         return evicted
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Iterable
 
+from flashpack.runtime.store import capacity as _capacity
 from flashpack.runtime.store.capacity import Rebalancer, even_split
 from flashpack.runtime.store.policy import make_policy, policy_names
 from flashpack.runtime.store.residency import NoRoom, Residency
@@ -27,10 +28,13 @@ _NEVER = float("inf")
 
 def simulate_policy(
     fetches: list[Fetch], layers: list[int], capacity: int, policy: str, adaptive: bool = False, floor: int = 1,
+    signal: str = "ghost",
 ) -> dict[int, int]:
     """Misses per layer of `policy` with `capacity` slots per layer (shared and rebalanced if adaptive)."""
-    pool = Residency(capacity * len(layers), even_split(layers, capacity * len(layers)), lambda: make_policy(policy))
-    rebalancer = Rebalancer(floor=min(floor, capacity), window=4 * len(layers)) if adaptive else None
+    rebalancer = Rebalancer(floor=min(floor, capacity), window=_capacity.REBALANCE_WINDOW * len(layers),
+                            signal=signal) if adaptive else None
+    pool = Residency(capacity * len(layers), even_split(layers, capacity * len(layers)), lambda: make_policy(policy),
+                     ghost_size=_capacity.GHOST_SIZE if adaptive else 0)
     misses = {layer: 0 for layer in layers}
     for layer, experts in fetches:
         keep = len(experts) <= pool.capacity[layer]
@@ -59,7 +63,9 @@ def simulate_policy(
         for held in pinned:
             pool.unpin(held)
         if rebalancer is not None:
-            rebalancer.record(layer, hits, len(experts))
+            ghosts, pool.ghost_hits[layer] = pool.ghost_hits[layer], 0
+            if keep:  # decode-sized requests only, as the store does
+                rebalancer.record(layer, hits, len(experts), ghosts)
             if rebalancer.due():
                 move = rebalancer.decide(pool.capacity)
                 if move:

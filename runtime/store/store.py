@@ -29,7 +29,7 @@ from flashpack.layout.pack import Pack
 from flashpack.layout.records import PROJECTIONS, decode_record, record_hash
 from flashpack.runtime.experts import ExpertWeights
 from flashpack.runtime.store.budget import StorePlan
-from flashpack.runtime.store.capacity import Rebalancer, even_split, weighted_split
+from flashpack.runtime.store.capacity import GHOST_SIZE, REBALANCE_WINDOW, Rebalancer, even_split, weighted_split
 from flashpack.runtime.store.policy import DEFAULT_POLICY, make_policy
 from flashpack.runtime.store.reader import RecordReader
 from flashpack.runtime.store.residency import Entry, NoRoom, Residency
@@ -96,10 +96,10 @@ class TieredStore:
         self.device_pool = SlotPool(plan.device_slots, self.stride, self.device, poison=poison)
         self.host_pool = SlotPool(plan.host_slots, self.stride, "cpu", host=True, pin=cuda, poison=poison)
         self.device_slots = Residency(plan.device_slots, even_split(self.layers, plan.device_slots),
-                                      lambda: make_policy(policy))
+                                      lambda: make_policy(policy), ghost_size=GHOST_SIZE if rebalance else 0)
         self.host_slots = Residency(plan.host_slots, {HOST: plan.host_slots}, lambda: make_policy(host_policy or policy))
         floor = min(self.top_k, plan.device_slots // len(self.layers))
-        self.rebalancer = Rebalancer(floor=floor, window=32 * len(self.layers)) if rebalance else None
+        self.rebalancer = Rebalancer(floor=floor, window=REBALANCE_WINDOW * len(self.layers)) if rebalance else None
         self.reader = RecordReader(pack.root, sorted({r.file for r in records}), direct=direct_io)
         self._readers = ThreadPoolExecutor(reader_threads, thread_name_prefix="flashpack-read")
         self._copier = ThreadPoolExecutor(1, thread_name_prefix="flashpack-copy")
@@ -117,14 +117,52 @@ class TieredStore:
     def fetch(self, layer: int, experts: list[int]) -> dict[int, ExpertWeights]:
         """Dequantised weights of `experts` of `layer` (on the store's device)."""
         fetched: dict[int, ExpertWeights] = {}
+        self._in_chunks(layer, experts, lambda handles: fetched.update(self.wait(handles)))
+        return fetched
+
+    def load(self, layer: int, experts: list[int]) -> None:
+        """Make `experts` resident on the device and wait for them, without dequantising (what
+        fetch moves, for benchmarks and warm-up); counted like fetch."""
+        self._in_chunks(layer, experts, self._wait_raw)
+
+    def _in_chunks(self, layer: int, experts: list[int], consume) -> None:
+        """Request what the layer can hold, consume it (which releases), repeat.
+
+        A request larger than the layer's share (a prefill) takes its hits first, then streams
+        its misses a few at a time: pinning a whole share's worth of cold experts at once would
+        evict the layer's hot set, which decoding needs right after."""
         remaining = list(experts)
         before = self.stats.layer(layer).device_hits
+        streaming = len(remaining) > self.device_slots.capacity[layer]
+        if streaming:
+            remaining.sort(key=lambda e: (layer, e) not in self.device_slots)  # resident first (a hint)
+        misses = max(1, min(self.top_k, self.device_slots.capacity[layer] // 2)) if streaming else None
         while remaining:
-            handles, remaining = self._request(layer, remaining, partial=True)
-            fetched.update(self.wait(handles))
+            handles, remaining = self._request(layer, remaining, partial=True, max_misses=misses)
+            consume(handles)
         if self.rebalancer is not None:
-            self._rebalance(layer, self.stats.layer(layer).device_hits - before, len(experts))
-        return fetched
+            # decode-sized requests only: a prefill streams every expert through the layer's
+            # slots, and its misses and ghost hits say nothing about the room decoding needs
+            if len(experts) <= max(self.top_k, self.device_slots.capacity[layer]):
+                self._rebalance(layer, self.stats.layer(layer).device_hits - before, len(experts))
+            else:
+                with self._lock:
+                    self.device_slots.ghost_hits[layer] = 0
+
+    def _wait_raw(self, handles: list[ExpertHandle]) -> None:
+        start, failure = time.perf_counter(), None
+        try:
+            for handle in handles:
+                try:
+                    handle.wait()
+                except FlashpackError as error:
+                    failure = failure or error
+        finally:
+            self.stats.add_time("wait_seconds", time.perf_counter() - start)
+            for handle in handles:
+                handle.release()
+        if failure is not None:
+            raise failure
 
     # ---- asynchronous API -------------------------------------------------------------------
 
@@ -164,16 +202,25 @@ class TieredStore:
 
     # ---- placing requests (under the lock) --------------------------------------------------
 
-    def _request(self, layer: int, experts: list[int], partial: bool, prewarm: bool = False):
+    def _request(
+        self, layer: int, experts: list[int], partial: bool, prewarm: dict[int, float] | None = None,
+        max_misses: int | None = None,
+    ):
         """Handles for a prefix of `experts` (all of them unless `partial` and the layer's slots
-        run out), and the experts left over."""
+        run out, or `max_misses` experts not on the device were admitted), and the experts left
+        over. `prewarm` ({expert: profile weight}) places them as pre-warming does: not counted
+        as requests, policies seeded with the weights."""
         if self._closed:
             raise FlashpackError("the expert store is closed")
         handles: list[ExpertHandle] = []
         with self._changed:
-            index = 0
+            index = admitted = 0
             while index < len(experts):
                 key = (layer, experts[index])
+                if max_misses is not None and key not in self.device_slots:
+                    if admitted >= max_misses:
+                        break
+                    admitted += 1
                 try:
                     handles.append(self._admit(key, prewarm))
                 except NoRoom:
@@ -196,7 +243,7 @@ class TieredStore:
                 index += 1
         return handles, experts[index:]
 
-    def _try_admit_anywhere(self, key: tuple[int, int], prewarm: bool, handles: list[ExpertHandle]) -> bool:
+    def _try_admit_anywhere(self, key: tuple[int, int], prewarm, handles: list[ExpertHandle]) -> bool:
         """A fetch that cannot place even one expert in its layer's share (the layer's slots are
         pinned by earlier requests, e.g. a prefetch) takes any unpinned slot rather than wait."""
         try:
@@ -214,10 +261,11 @@ class TieredStore:
             if self.device_slots.get((handle.layer, handle.expert)) is handle._entry:
                 self.device_slots.unpin((handle.layer, handle.expert))
 
-    def _admit(self, key: tuple[int, int], prewarm: bool, limit: int | None = None) -> ExpertHandle:
+    def _admit(self, key: tuple[int, int], prewarm: dict[int, float] | None, limit: int | None = None) -> ExpertHandle:
         layer, expert = key
         entry = self.device_slots.get(key)
-        count = (lambda **kw: self.stats.bump(layer, **kw)) if not prewarm else (lambda **kw: None)
+        count = (lambda **kw: self.stats.bump(layer, **kw)) if prewarm is None else (lambda **kw: None)
+        seed = None if prewarm is None else prewarm.get(expert, 0.0)
         if entry is not None:
             self.device_slots.touch(key)
             self.device_slots.pin(key)
@@ -229,8 +277,7 @@ class TieredStore:
         host_entry = self.host_slots.get(key)
         if host_entry is None and self.host_slots.free_slots == 0 and self.host_slots.unpinned(HOST) == 0:
             raise NoRoom("every host buffer is in use")  # checked before the device slot is taken
-        slot, evicted = self.device_slots.place(key, layer, pin=True, limit=limit or self.top_k,
-                                                seed=1.0 if prewarm else None)
+        slot, evicted = self.device_slots.place(key, layer, pin=True, limit=limit or self.top_k, seed=seed)
         if evicted is not None:
             self.stats.bump(evicted[0], evictions_device=1)
         entry = self.device_slots.get(key)
@@ -239,25 +286,25 @@ class TieredStore:
         if host_entry is not None:
             self.host_slots.touch(key)
             self.host_slots.pin(key)
-            if prewarm:
+            if prewarm is not None:
                 self.stats.bump(layer, prewarmed_device=1)
             count(requests=1, host_hits=1)
             source = "host"
             if host_entry.ready:
-                self._copier.submit(self._copy_job, key, host_entry, slot, future, None, prewarm)
+                self._copier.submit(self._copy_job, key, host_entry, slot, future, None, prewarm is not None)
             else:  # its read is in flight (pre-warming the host tier): copy when it lands
                 self._host_loads[key].add_done_callback(
-                    lambda load: self._copier.submit(self._copy_job, key, host_entry, slot, future, load, prewarm)
+                    lambda load: self._copier.submit(self._copy_job, key, host_entry, slot, future, load, prewarm is not None)
                 )
         else:
-            host_slot = self._place_host(key, seed=1.0 if prewarm else None)
+            host_slot = self._place_host(key, seed=seed)
             host_entry = self.host_slots.get(key)
-            if prewarm:
+            if prewarm is not None:
                 self.stats.bump(layer, prewarmed_device=1, prewarmed_host=1)
             count(requests=1, disk_reads=1)
             source = "disk"
             self._host_loads[key] = Future()
-            self._readers.submit(self._read_job, [key], (slot, future), prewarm)
+            self._readers.submit(self._read_job, [key], (slot, future), prewarm is not None)
         return ExpertHandle(layer, expert, slot, source, self, entry, future)
 
     def _place_host(self, key: tuple[int, int], seed: float | None = None) -> int:
@@ -407,10 +454,11 @@ class TieredStore:
     # ---- capacity, pre-warming, lifecycle ---------------------------------------------------
 
     def _rebalance(self, layer: int, hits: int, requests: int) -> None:
-        self.rebalancer.record(layer, hits, requests)
-        if not self.rebalancer.due():
-            return
         with self._changed:
+            ghosts, self.device_slots.ghost_hits[layer] = self.device_slots.ghost_hits[layer], 0
+            self.rebalancer.record(layer, hits, requests, ghosts)
+            if not self.rebalancer.due():
+                return
             move = self.rebalancer.decide(self.device_slots.capacity)
             if move is not None:
                 for key in self.device_slots.move_capacity(*move):

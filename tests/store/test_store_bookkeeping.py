@@ -151,8 +151,8 @@ def test_residency_limit_lets_a_layer_hold_top_k_in_a_tiny_pool():
     pool.check()
 
 
-def test_rebalancer_moves_capacity_to_the_layer_that_misses():
-    rebalancer = Rebalancer(floor=1, window=6, min_gap=0.1)
+def test_rebalancer_hit_rate_signal_moves_capacity_to_the_layer_that_misses():
+    rebalancer = Rebalancer(floor=1, window=6, signal="hit-rate", min_gap=0.1)
     for _ in range(2):
         rebalancer.record(0, 10, 10)
         rebalancer.record(1, 1, 10)
@@ -162,6 +162,26 @@ def test_rebalancer_moves_capacity_to_the_layer_that_misses():
     assert rebalancer.due()
     assert rebalancer.decide({0: 3, 1: 3}) == (0, 1, 1)
     assert rebalancer.decide({0: 1, 1: 5}) is None  # the donor is at its floor (and no new data)
+
+
+def test_rebalancer_ghost_signal_moves_capacity_to_the_layer_more_room_would_help():
+    rebalancer = Rebalancer(floor=1, window=2)
+    rebalancer.record(0, hits=2, requests=10, ghost_hits=0)  # misses a lot, but more room would not help
+    rebalancer.record(1, hits=8, requests=10, ghost_hits=2)  # few misses, each a recently evicted key
+    assert rebalancer.decide({0: 3, 1: 3}) == (0, 1, 1)
+    with pytest.raises(ValueError):
+        Rebalancer(floor=1, signal="vibes")
+
+
+def test_ghost_hits_count_misses_on_recently_evicted_keys():
+    pool = Residency(2, {0: 2}, LRU, ghost_size=1)
+    for expert in (1, 2, 3):  # 3 evicts 1: ghosts [1]
+        pool.place((0, expert), 0, pin=False)
+    pool.place((0, 1), 0, pin=False)  # a ghost hit; evicts 2: ghosts [2]
+    assert pool.ghost_hits[0] == 1
+    pool.place((0, 4), 0, pin=False)  # evicts 3: ghosts [3] (2 forgotten, the list holds one)
+    pool.place((0, 2), 0, pin=False)  # not a ghost any more
+    assert pool.ghost_hits[0] == 1
 
 
 def test_weighted_split_respects_floor_and_total():

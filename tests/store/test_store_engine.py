@@ -23,6 +23,9 @@ from flashpack.runtime.store.trace import Trace
 PROMPTS = ["The cache keeps hot experts close.", "Belady evicts what is needed furthest in the future."]
 
 
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
 class Greedy:
     """One pack's tokenizer and prompts; a fresh engine per fetcher (the fetcher is bound at build)."""
 
@@ -31,8 +34,8 @@ class Greedy:
         self.pack = self.engine.pack
         self.prompts = [self.engine.tokenizer.encode(text) for text in PROMPTS]
 
-    def run(self, fetcher, max_tokens=8) -> list[list[int]]:
-        model = Qwen4ExpModel(PackWeights(self.pack), fetcher, dtype=torch.float32, device="cpu")
+    def run(self, fetcher, max_tokens=8, device="cpu") -> list[list[int]]:
+        model = Qwen4ExpModel(PackWeights(self.pack), fetcher, dtype=torch.float32, device=device)
         generator = Generator(model, self.engine.tokenizer)
         return [generator.generate(ids, SamplingParams(max_tokens=max_tokens)).token_ids for ids in self.prompts]
 
@@ -43,22 +46,23 @@ def greedy(store_pack) -> Greedy:
 
 
 @pytest.fixture(scope="module")
-def all_in_memory(greedy) -> list[list[int]]:
-    return greedy.run(PackExperts(greedy.pack))
+def all_in_memory(greedy) -> dict[str, list[list[int]]]:
+    return {device: greedy.run(PackExperts(greedy.pack), device=device) for device in DEVICES}
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("device_slots, host_slots, policy", [
     (None, None, "lfu"), ("top_k+1", 1, "lru"), ("top_k+1", 2, "lfu"), ("top_k+2 per layer", 8, "lfu-decay"),
 ])
-def test_greedy_output_identical_to_all_in_memory(greedy, all_in_memory, device_slots, host_slots, policy):
+def test_greedy_output_identical_to_all_in_memory(greedy, all_in_memory, device_slots, host_slots, policy, device):
     pack = greedy.pack
     stride = pack.manifest.document["experts"]["record_stride"]
     top_k = pack.manifest.config.num_experts_per_tok
     layers = len({r.layer for r in pack.manifest.expert_records()})
     slots = {"top_k+1": top_k + 1, "top_k+2 per layer": (top_k + 2) * layers, None: None}[device_slots]
     with build_store(pack, vram_budget=slots and slots * stride, ram_budget=host_slots and host_slots * stride,
-                     device_reserved=0, policy=policy, poison=True) as store:
-        assert greedy.run(store) == all_in_memory
+                     device_reserved=0, policy=policy, poison=True, device=device) as store:
+        assert greedy.run(store, device=device) == all_in_memory[device]
         store.check_budgets()
         if slots is not None:
             assert store.device_pool.nbytes == slots * stride

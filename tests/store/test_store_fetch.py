@@ -20,6 +20,11 @@ from flashpack.runtime.store.hotset import hot_set_from_trace, save_hot_set
 from flashpack.runtime.store.trace import Trace
 
 
+def store_devices() -> list[str]:
+    """cpu always (CI); cuda too where there is one (the GPU machine)."""
+    return ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
 def _geometry(pack: Pack) -> tuple[int, int, list[int], int]:
     cfg = pack.manifest.config
     layers = sorted({r.layer for r in pack.manifest.expert_records()})
@@ -37,7 +42,7 @@ def _assert_same(got, want):
     for expert in want:
         for projection in ("gate", "up", "down"):
             a, b = getattr(got[expert], projection), getattr(want[expert], projection)
-            assert a.dtype == b.dtype and torch.equal(a, b), (expert, projection)
+            assert a.dtype == b.dtype and torch.equal(a.cpu(), b), (expert, projection)
 
 
 def _random_requests(rng, layers, experts, top_k, count):
@@ -64,21 +69,25 @@ def reference(store_pack) -> CachedReference:
     return CachedReference(Pack.open(store_pack))
 
 
+@pytest.mark.parametrize("device", store_devices())
 @pytest.mark.parametrize("policy, device_share, host_slots", [
     ("lfu", 1.0, 1), ("lru", 1.25, 3), ("lfu-decay", 2.0, 64), ("lfu", None, None),
 ])
-def test_bit_identical_to_pack_experts_at_any_budget(store_pack, reference, policy, device_share, host_slots):
+def test_bit_identical_to_pack_experts_at_any_budget(store_pack, reference, policy, device_share, host_slots, device):
     pack = Pack.open(store_pack)
     stride, experts, layers, top_k = _geometry(pack)
     if device_share is None:  # unlimited: everything fits
-        store = build_store(pack, device_reserved=0, policy=policy, poison=True)
+        store = build_store(pack, device_reserved=0, policy=policy, poison=True, device=device)
     else:  # down to top_k slots for the whole pool (a little more than one token's experts of a layer)
-        store = _store(pack, int(top_k * device_share) + (device_share > 1), host_slots, policy=policy)
+        store = _store(pack, int(top_k * device_share) + (device_share > 1), host_slots, policy=policy,
+                       device=device)
     assert isinstance(store, ExpertFetcher)
     rng = random.Random(hash((policy, device_share)) & 0xFFFF)
     with store:
         for layer, wanted in _random_requests(rng, layers, experts, top_k, 80):
-            _assert_same(store.fetch(layer, wanted), reference.fetch(layer, wanted))
+            fetched = store.fetch(layer, wanted)
+            assert all(w.gate.device.type == device for w in fetched.values())
+            _assert_same(fetched, reference.fetch(layer, wanted))
             store.check_budgets()
         if device_share is not None:
             assert store.device_pool.nbytes <= store.plan.device_slots * stride
@@ -190,7 +199,8 @@ def test_async_requests_hits_are_ready_and_duplicates_join(store_pack, reference
         assert all(e.pins == 0 for e in store.device_slots.entries.values())
 
 
-def test_concurrent_fetches_from_threads(store_pack, reference):
+@pytest.mark.parametrize("device", store_devices())
+def test_concurrent_fetches_from_threads(store_pack, reference, device):
     pack = Pack.open(store_pack)
     stride, experts, layers, top_k = _geometry(pack)
     errors = []
@@ -203,7 +213,7 @@ def test_concurrent_fetches_from_threads(store_pack, reference):
         except BaseException as error:  # noqa: BLE001 - reported below
             errors.append(error)
 
-    with _store(pack, 3 * top_k, 6) as store:
+    with _store(pack, 3 * top_k, 6, device=device) as store:
         threads = [threading.Thread(target=worker, args=(seed,)) for seed in range(3)]
         for thread in threads:
             thread.start()

@@ -161,5 +161,41 @@ def run(pack: Path, prompt: str, chat: bool, think: bool | None, max_tokens: int
             )
 
 
+@main.command()
+@click.argument("pack", type=click.Path(path_type=Path))
+@click.option("--host", default="127.0.0.1", show_default=True, help="Loopback unless you say otherwise.")
+@click.option("--port", type=int, default=8000, show_default=True)
+@click.option("--api-key", envvar="FLASHPACK_API_KEY", help="Required on every route but /health (or $FLASHPACK_API_KEY).")
+@click.option("--device", default="cpu", show_default=True)
+@click.option("--dtype", default="auto", show_default=True)
+@click.option("--model-name", help="The model id clients use (default: the pack's folder name).")
+@click.option("--max-request-bytes", type=int, default=16 * 2**20, show_default=True)
+@click.option("--max-queue", type=int, default=16, show_default=True, help="Waiting requests before a 429.")
+@click.option("--max-context", type=int, help="Prompt + completion token limit (default: the model's).")
+@click.option("--default-max-tokens", type=int, help="max_tokens when a request gives none.")
+@click.option("--log-level", default="info", show_default=True)
+@_one_line_errors
+def serve(pack: Path, host: str, port: int, api_key: str | None, device: str, dtype: str, model_name: str | None,
+          max_request_bytes: int, max_queue: int, max_context: int | None, default_max_tokens: int | None,
+          log_level: str) -> None:
+    """Serve PACK over OpenAI- and Anthropic-compatible HTTP APIs."""
+    from flashpack.runtime.server import serve as run_server
+
+    run_server(pack, host=host, port=port, api_key=api_key, device=device, dtype=dtype, model_name=model_name,
+               max_request_bytes=max_request_bytes, max_queue=max_queue, max_context=max_context,
+               default_max_tokens=default_max_tokens, log_level=log_level)
+
+
+@main.command()
+@click.option("--workdir", type=click.Path(path_type=Path), default=Path("flashpack-demo"), show_default=True)
+@click.option("--keep", is_flag=True, help="Keep the generated snapshot and pack.")
+@_one_line_errors
+def demo(workdir: Path, keep: bool) -> None:
+    """The main job on a tiny generated model: synth, convert, inspect, verify, run, serve."""
+    from flashpack.demo import run_demo
+
+    run_demo(workdir, keep=keep)
+
+
 if __name__ == "__main__":
     main()

@@ -29,6 +29,15 @@ FORMS = ("qwen4_exp", "qwen4_exp_text")
 DTYPES = {"BF16": torch.bfloat16, "U8": torch.uint8, "F8_E4M3": torch.float8_e4m3fn, "F32": torch.float32, "I64": torch.int64}
 
 
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Tiny matrices: more threads only add contention (restored after each test)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="module")
 def snapshots(tiny_snapshot, tiny_nvfp4_snapshot, tmp_path_factory) -> dict[tuple[str, str], Path]:
     folder = tmp_path_factory.mktemp("synth")

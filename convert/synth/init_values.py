@@ -32,7 +32,7 @@ from flashpack.convert.checkpoint_spec import TensorSpec
 from flashpack.convert.synth.vision import VisionTensor
 from flashpack.layout.model_config import TextConfig
 
-BLOCK_ELEMENTS = 1 << 22  # 16 MB of float32 per block bounds memory for the 1.3 GB embedding
+BLOCK_ELEMENTS = 1 << 20  # 4 MB of float32 per block bounds memory for the 1.3 GB embedding
 EMBED_STD = 1.0
 PLE_STD = 1.0
 LOGIT_GAIN = 4.0
@@ -41,6 +41,7 @@ VISION_STD = 0.02
 REFERENCE_DEPTH = 8
 WRITER_SUFFIXES = ("o_proj.weight", "out_proj.weight", "down_proj.weight")
 _WORKERS = min(4, os.cpu_count() or 1)
+_PARALLEL_MIN_BLOCKS = 8
 
 
 class BlockAdjuster(Protocol):
@@ -141,8 +142,9 @@ class ValueSource:
             block = distribution.sample((min(rows_per_block, rows - row_start), *shape[1:]), generator)
             return finish(row_start, block)
 
-        if len(starts) == 1:
-            yield make(*starts[0])
+        if len(starts) < _PARALLEL_MIN_BLOCKS:  # small tensors are parallel across tensors instead
+            for index, row_start in starts:
+                yield make(index, row_start)
             return
         # Sampling releases the GIL: a few blocks in flight use the cores while memory stays bounded.
         with ThreadPoolExecutor(max_workers=_WORKERS) as pool:

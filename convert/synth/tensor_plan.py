@@ -7,7 +7,10 @@ the chosen format. Nothing is computed until the shard writer asks for a tensor'
 
 from __future__ import annotations
 
+import threading
+from collections import OrderedDict
 from collections.abc import Iterator
+from concurrent.futures import Future
 
 import torch
 
@@ -15,28 +18,45 @@ from flashpack.convert.checkpoint_spec import TensorSpec, checkpoint_key, iter_s
 from flashpack.convert.synth.init_values import ValueSource
 from flashpack.convert.synth.nvfp4_experts import expert_key, quantize_expert, quantized_entries
 from flashpack.convert.synth.presets import SynthPlan
-from flashpack.convert.synth.shard_writer import DiskTensor
+from flashpack.convert.synth.shard_writer import DiskTensor, release_free_memory
 from flashpack.convert.synth.vision import iter_vision_tensors
 
 
 class ExpertQuantizer:
-    """Quantises one expert's three projections together, the first time any of them is asked for.
+    """Quantises one expert's three projections together, once, for its twelve on-disk tensors.
 
-    The writer requests an expert's twelve tensors back to back, so one cached expert suffices.
+    The writer asks for them in order on its own thread (they are not prefetched, see
+    shard_writer), so one cached expert suffices; the lock and future only make that safe if a
+    caller does use threads.
     """
+
+    _KEEP = 2
 
     def __init__(self, values: ValueSource, specs_by_expert: dict[tuple[int, int], list[TensorSpec]]):
         self._values = values
         self._specs = specs_by_expert
-        self._cached_key: tuple[int, int] | None = None
-        self._cached: dict[str, dict[str, torch.Tensor]] = {}
+        self._lock = threading.Lock()
+        self._experts: OrderedDict[tuple[int, int], Future] = OrderedDict()
 
     def tensor(self, spec: TensorSpec, suffix: str) -> torch.Tensor:
         key = (spec.layer, spec.expert)
-        if key != self._cached_key:
-            weights = {s.projection: self._values.text_tensor(s).float() for s in self._specs[key]}
-            self._cached, self._cached_key = quantize_expert(weights), key
-        return self._cached[spec.projection][suffix]
+        with self._lock:
+            future = self._experts.get(key)
+            owner = future is None
+            if owner:
+                future = self._experts[key] = Future()
+                while len(self._experts) > self._KEEP:
+                    self._experts.popitem(last=False)
+        if owner:
+            try:
+                weights = {s.projection: self._values.text_tensor(s).float() for s in self._specs[key]}
+                future.set_result(quantize_expert(weights))
+                del weights
+                release_free_memory()
+            except BaseException as error:
+                future.set_exception(error)
+                raise
+        return future.result()[spec.projection][suffix]
 
 
 def disk_tensors(plan: SynthPlan, values: ValueSource) -> list[DiskTensor]:
@@ -57,7 +77,7 @@ def disk_tensors(plan: SynthPlan, values: ValueSource) -> list[DiskTensor]:
             for entry in quantized_entries(spec):
                 tensors.append(DiskTensor(
                     checkpoint_key(expert_key(spec, entry.suffix), form), entry.dtype, entry.shape,
-                    _one(quantizer, spec, entry.suffix),
+                    _one(quantizer, spec, entry.suffix), prefetch=False,
                 ))
             continue
         dtype = torch.int64 if spec.role == "ple_buffer" else torch.bfloat16

@@ -25,6 +25,7 @@ PRETOKENIZE_REGEX = (
     r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
 )
 _PACKAGE = "flashpack.convert.synth"
+_BPE_OPTIONS = dict(unk_token=None, continuing_subword_prefix="", end_of_word_suffix="", fuse_unk=False, byte_fallback=False)
 
 
 def chat_template() -> str:
@@ -32,13 +33,6 @@ def chat_template() -> str:
 
 
 def build_tokenizer(tokens: TokenIds) -> Tokenizer:
-    tokenizer = Tokenizer(models.BPE(unk_token=None, continuing_subword_prefix="", end_of_word_suffix="", fuse_unk=False, byte_fallback=False))
-    tokenizer.normalizer = normalizers.NFC()
-    tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated", invert=False),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-    ])
-    tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=tokens.base,
         min_frequency=2,
@@ -46,8 +40,11 @@ def build_tokenizer(tokens: TokenIds) -> Tokenizer:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         special_tokens=[],
     )
-    tokenizer.train_from_iterator(_corpus(), trainer=trainer)
-    tokenizer = _fill_vocabulary(tokenizer, tokens.base)
+    trained = _qwen_pipeline(models.BPE(**_BPE_OPTIONS))
+    trained.train_from_iterator(_corpus(), trainer=trainer)
+    vocab, merges = _filled(trained, tokens.base)
+    tokenizer = _qwen_pipeline(models.BPE(vocab=vocab, merges=merges, **_BPE_OPTIONS))
+    del vocab, merges  # a 248k vocabulary costs ~100 MB of Python objects; keep the peak low
     tokenizer.add_tokens([
         AddedToken(text, special=text not in NOT_SKIPPED_ON_DECODE, normalized=False) for text in tokens.all_specials()
     ])
@@ -90,26 +87,32 @@ def _corpus() -> list[str]:
     return json.loads((resources.files(_PACKAGE) / "corpus.json").read_text())["texts"]
 
 
-def _fill_vocabulary(tokenizer: Tokenizer, size: int) -> Tokenizer:
-    """Append merges of existing token pairs, in id order, until the BPE has `size` tokens."""
-    state = json.loads(tokenizer.to_str())
-    vocab: dict[str, int] = state["model"]["vocab"]
-    merges: list = state["model"]["merges"]
-    missing = size - len(vocab)
-    if missing <= 0:
-        return tokenizer
-    as_strings = bool(merges) and isinstance(merges[0], str)
+def _qwen_pipeline(model: models.BPE) -> Tokenizer:
+    tokenizer = Tokenizer(model)
+    tokenizer.normalizer = normalizers.NFC()
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
+    tokenizer.decoder = decoders.ByteLevel()
+    return tokenizer
+
+
+def _filled(trained: Tokenizer, size: int) -> tuple[dict[str, int], list[tuple[str, str]]]:
+    """The trained vocabulary and merges, extended with merges of existing token pairs (in id
+    order) until the BPE has `size` tokens."""
+    state = json.loads(trained.to_str())["model"]
+    vocab: dict[str, int] = state["vocab"]
+    merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in state["merges"]]
     pieces = sorted(vocab, key=vocab.__getitem__)
     for left in pieces:
+        if len(vocab) >= size:
+            break
         for right in pieces:
-            if missing == 0:
+            if len(vocab) >= size:
                 break
             merged = left + right
-            if merged in vocab:
-                continue
-            vocab[merged] = len(vocab)
-            merges.append(f"{left} {right}" if as_strings else [left, right])
-            missing -= 1
-        if missing == 0:
-            break
-    return Tokenizer.from_str(json.dumps(state))
+            if merged not in vocab:
+                vocab[merged] = len(vocab)
+                merges.append((left, right))
+    return vocab, merges

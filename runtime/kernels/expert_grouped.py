@@ -37,7 +37,8 @@ def plan_tiles(slots: torch.Tensor, num_experts: int, block_m: int) -> tuple[tor
     flat = slots.reshape(-1).long()
     pairs = flat.numel()
     order = torch.argsort(flat, stable=True)
-    counts = torch.zeros(num_experts, dtype=torch.long, device=slots.device).scatter_add_(0, flat, torch.ones_like(flat))
+    counts = torch.zeros(num_experts, dtype=torch.long, device=slots.device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))  # bincount would sync with the host
     ends = torch.cumsum(counts, 0)
     tiles_per = (counts + block_m - 1) // block_m
     tile_ends = torch.cumsum(tiles_per, 0)
@@ -58,7 +59,8 @@ def _dequant_tile(nib_ptr, scale_ptr, cols, col_mask, g, g_mask, n_in: tl.conste
     each [BLOCK_N, BLOCK_K / 2] in DOT. Loads are contiguous [rows, groups, 8 bytes] tiles."""
     mask = col_mask[:, None] & g_mask[None, :]
     byte = g[:, None] * 8 + tl.arange(0, 8)[None, :]
-    packed = tl.load(nib_ptr + cols[:, None, None] * (n_in // 2) + byte[None, :, :], mask=mask[:, :, None], other=0)
+    packed = tl.load(nib_ptr + cols[:, None, None] * (n_in // 2) + byte[None, :, :],
+                     mask=mask[:, :, None], other=0)
     scale = block_scale_f32(tl.load(scale_ptr + cols[:, None] * (n_in // 16) + g[None, :], mask=mask, other=0))
     low, high = e2m1_low_high(packed)
     return (tl.reshape(low * scale[:, :, None], (BLOCK_N, BLOCK_K // 2)).to(DOT),

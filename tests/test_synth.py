@@ -11,8 +11,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors import safe_open
-
 from flashpack.convert.checkpoint_spec import checkpoint_key, iter_specs
 from flashpack.convert.nvfp4 import nvfp4_error_bound
 from flashpack.convert.synth import synthesize
@@ -24,9 +22,16 @@ from flashpack.convert.synth.vision import iter_vision_tensors
 from flashpack.errors import FlashpackError
 from flashpack.layout.model_config import TextConfig
 from flashpack.layout.nvfp4 import dequantize_nvfp4
+from safetensors import safe_open
 
 FORMS = ("qwen4_exp", "qwen4_exp_text")
-DTYPES = {"BF16": torch.bfloat16, "U8": torch.uint8, "F8_E4M3": torch.float8_e4m3fn, "F32": torch.float32, "I64": torch.int64}
+DTYPES = {
+    "BF16": torch.bfloat16,
+    "U8": torch.uint8,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F32": torch.float32,
+    "I64": torch.int64,
+}
 
 
 @pytest.fixture(autouse=True)
@@ -167,7 +172,11 @@ def test_loads_in_transformers_and_runs_past_the_indexer_budget(snapshots, form)
 def test_nvfp4_experts_dequantise_to_the_bf16_values(snapshots, form):
     quantized, original = snapshots[(form, "nvfp4")], snapshots[(form, "bf16")]
     cfg = text_config(quantized)
-    for name in ("layers.0.mlp.experts.3.up_proj", "layers.7.mlp.experts.31.down_proj", f"mtp.layers.0.mlp.experts.0.gate_proj"):
+    for name in (
+        "layers.0.mlp.experts.3.up_proj",
+        "layers.7.mlp.experts.31.down_proj",
+        "mtp.layers.0.mlp.experts.0.gate_proj",
+    ):
         key = checkpoint_key(name + ".weight", form)
         packed = load_tensor(quantized, key)
         scale = load_tensor(quantized, key + "_scale")
@@ -216,22 +225,40 @@ def test_tokenizer_loads_and_renders_tools_and_thinking(snapshots, form):
     assert text["eos_token_id"] == ids("<|endoftext|>") and tokenizer.eos_token_id == ids("<|im_end|>")
     assert set(generation["eos_token_id"]) == {ids("<|im_end|>"), ids("<|endoftext|>")}
     if form == "qwen4_exp":
-        assert config["image_token_id"] == ids("<|image_pad|>") and config["vision_start_token_id"] == ids("<|vision_start|>")
-    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
+        assert config["image_token_id"] == ids("<|image_pad|>") and config["vision_start_token_id"] == ids(
+            "<|vision_start|>"
+        )
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": "get_weather",
+                "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+            },
+        }
+    ]
     messages = [
         {"role": "system", "content": "Be brief."},
         {"role": "user", "content": "Weather in Paris?"},
-        {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [{"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}],
+        },
         {"role": "tool", "content": '{"celsius": 21}'},
     ]
-    rendered = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True, enable_thinking=False)
+    rendered = tokenizer.apply_chat_template(
+        messages, tools=tools, tokenize=False, add_generation_prompt=True, enable_thinking=False
+    )
     assert rendered.startswith("<|im_start|>system\nBe brief.\n\n# Tools") and '"name": "get_weather"' in rendered
     assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call><|im_end|>' in rendered
     assert '<|im_start|>user\n<tool_response>\n{"celsius": 21}\n</tool_response><|im_end|>' in rendered
     assert rendered.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
     thinking = tokenizer.apply_chat_template(messages[:2], tokenize=False, add_generation_prompt=True)
     assert thinking.endswith("<|im_start|>assistant\n")
-    encoded = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, return_dict=True)["input_ids"]
+    encoded = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, return_dict=True)[
+        "input_ids"
+    ]
     assert ids("<tool_call>") in encoded and max(encoded) < text["vocab_size"]
     assert tokenizer.decode(tokenizer("def f(x): return x + 1").input_ids) == "def f(x): return x + 1"
 
@@ -289,7 +316,9 @@ def test_presets_have_the_promised_shape():
     tiny = resolve_plan(SynthOptions("tiny")).cfg
     assert tiny.num_hidden_layers >= 8 and tiny.ple_layer_ids == (1,) and tiny.indexer_budget < 40
     assert sum(tiny.mrope_section) * 2 == tiny.rotary_dim <= tiny.indexer_head_dim
-    assert resolve_plan(SynthOptions("full")).router_skew == 1.0 and resolve_plan(SynthOptions("tiny")).router_skew == 0.0
+    assert (
+        resolve_plan(SynthOptions("full")).router_skew == 1.0 and resolve_plan(SynthOptions("tiny")).router_skew == 0.0
+    )
     cut = resolve_plan(SynthOptions("full", layers=6)).cfg
     assert cut.layer_types == full.layer_types[:6] and cut.ple_layer_ids == (1,)
 
@@ -297,14 +326,14 @@ def test_presets_have_the_promised_shape():
 @pytest.mark.parametrize(
     "options, message",
     [
-        (dict(preset="huge"), "unknown preset"),
-        (dict(preset="tiny", format="fp8"), "unknown format"),
-        (dict(preset="tiny", layers=0), "--layers"),
-        (dict(preset="tiny", layers=9), "--layers"),
-        (dict(preset="tiny", experts=2), "--experts"),
-        (dict(preset="tiny", ple_rows_per_head=1), "--ple-rows-per-head"),
-        (dict(preset="tiny", router_skew=-1.0), "router skew"),
-        (dict(preset="tiny", shard_mb=0), "shard size"),
+        ({"preset": "huge"}, "unknown preset"),
+        ({"preset": "tiny", "format": "fp8"}, "unknown format"),
+        ({"preset": "tiny", "layers": 0}, "--layers"),
+        ({"preset": "tiny", "layers": 9}, "--layers"),
+        ({"preset": "tiny", "experts": 2}, "--experts"),
+        ({"preset": "tiny", "ple_rows_per_head": 1}, "--ple-rows-per-head"),
+        ({"preset": "tiny", "router_skew": -1.0}, "router skew"),
+        ({"preset": "tiny", "shard_mb": 0}, "shard size"),
     ],
 )
 def test_bad_options_are_user_errors(options, message):

@@ -27,7 +27,6 @@ from dataclasses import dataclass
 from typing import Literal, Protocol
 
 import torch
-
 from flashpack.convert.checkpoint_spec import TensorSpec
 from flashpack.convert.synth.vision import VisionTensor
 from flashpack.layout.model_config import TextConfig
@@ -124,7 +123,9 @@ class ValueSource:
         return torch.cat(list(self.text_blocks(spec)))
 
     def vision_blocks(self, tensor: VisionTensor) -> Iterator[torch.Tensor]:
-        yield from self._blocks(tensor.key, tensor.shape, vision_distribution(tensor), lambda _, b: b.to(torch.bfloat16))
+        yield from self._blocks(
+            tensor.key, tensor.shape, vision_distribution(tensor), lambda _, b: b.to(torch.bfloat16)
+        )
 
     def _blocks(
         self,

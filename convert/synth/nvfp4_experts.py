@@ -12,7 +12,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-
 from flashpack.convert.checkpoint_spec import TensorSpec, expert_shapes
 from flashpack.convert.nvfp4 import E2M1_MAX, quantize_nvfp4
 from flashpack.layout.model_config import TextConfig
@@ -99,7 +98,12 @@ def quant_configs(excluded: list[str]) -> tuple[dict, dict]:
             "exclude_modules": excluded,
         },
     }
-    in_config = {"quant_method": "modelopt", "quant_algo": QUANT_ALGO, "group_size": NVFP4_BLOCK, "exclude_modules": excluded}
+    in_config = {
+        "quant_method": "modelopt",
+        "quant_algo": QUANT_ALGO,
+        "group_size": NVFP4_BLOCK,
+        "exclude_modules": excluded,
+    }
     return hf_quant, in_config
 
 

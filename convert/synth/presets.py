@@ -142,7 +142,9 @@ def _shrink_ple(text: dict[str, Any], rows_per_head: int | None) -> bool:
     if not text.get("ple_layer_ids"):
         raise FlashpackError("--ple-rows-per-head needs a preset with PLE layers")
     if not 2 <= rows_per_head <= int(text["ngram_vocab_size_base"]):
-        raise FlashpackError(f"--ple-rows-per-head must be between 2 and {text['ngram_vocab_size_base']}, got {rows_per_head}")
+        raise FlashpackError(
+            f"--ple-rows-per-head must be between 2 and {text['ngram_vocab_size_base']}, got {rows_per_head}"
+        )
     text["ngram_vocab_size_base"] = rows_per_head
     return True
 

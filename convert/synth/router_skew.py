@@ -28,7 +28,6 @@ import re
 from dataclasses import dataclass
 
 import torch
-
 from flashpack.convert.synth.init_values import EMBED_STD, WRITER_SUFFIXES, block_seed
 from flashpack.convert.synth.routing_law import PopularityLaw, fit_law
 from flashpack.layout.model_config import TextConfig
@@ -40,6 +39,10 @@ PLE_ENERGY = 0.45  # residual energy per channel PLE adds, relative to the embed
 BLOCK_ENERGY = 0.05  # added per layer at reference depth (writers shrink with depth, see init_values)
 MTP_ENERGY = 2.0  # fc_hidden (normalised streams) plus fc_embedding (normalised embedding)
 _LAYER = re.compile(r"^(mtp\.)?layers\.(\d+)\.")
+# Rows that would write the massive channel into the residual: zeroed so it stays exact.
+_CHANNEL_WRITERS = (*WRITER_SUFFIXES, "ple.value_proj.weight")
+# Per-stream weights (hc_count x hidden) zeroed on the channel: norm gain 1 + 0, mix gate sigmoid(0).
+_STREAM_PASSTHROUGH = ("mlp_hyper_connection.hc_norm.weight", "mlp_hyper_connection.input_mix_weight_up.weight")
 
 
 @dataclass(frozen=True)
@@ -56,7 +59,7 @@ class RouterSkew:
     law: PopularityLaw
 
     @classmethod
-    def build(cls, cfg: TextConfig, strength: float, seed: int, nominal_layers: int) -> "RouterSkew":
+    def build(cls, cfg: TextConfig, strength: float, seed: int, nominal_layers: int) -> RouterSkew:
         hidden = cfg.hidden_size
         massive = EMBED_STD * math.sqrt(MASSIVE_ENERGY / (1 - MASSIVE_ENERGY) * (hidden - 1))
         # The fit assumes the noise scale of a mid-depth layer; others differ by a few per cent.
@@ -83,7 +86,9 @@ class RouterSkew:
 
     def mtp_gain(self) -> float:
         """fc_hidden's channel-c gain: gives the MTP streams a massive channel of the backbone's share."""
-        final_rms = math.sqrt((self.massive**2 + (self.hidden - 1) * self.rest_energy(self.nominal_layers)) / self.hidden)
+        final_rms = math.sqrt(
+            (self.massive**2 + (self.hidden - 1) * self.rest_energy(self.nominal_layers)) / self.hidden
+        )
         target = math.sqrt(MASSIVE_ENERGY / (1 - MASSIVE_ENERGY) * (self.hidden - 1) * MTP_ENERGY)
         return target * final_rms / self.massive
 
@@ -104,12 +109,10 @@ class RouterSkew:
         stream_rows = [r for r in stream_rows if 0 <= r < rows]
         if name == "embed_tokens.weight":
             block[:, c] = self.massive
-        elif name.endswith(WRITER_SUFFIXES) or name.endswith("ple.value_proj.weight") or name == "mtp.fc_embedding.weight":
+        elif name.endswith(_CHANNEL_WRITERS) or name == "mtp.fc_embedding.weight":
             if 0 <= local < rows:
                 block[local] = 0
-        elif name.endswith(("mlp_hyper_connection.hc_norm.weight", "mlp_hyper_connection.input_mix_weight_up.weight")):
-            block[stream_rows] = 0
-        elif name == "mtp.pre_fc_norm_hidden.weight":
+        elif name.endswith(_STREAM_PASSTHROUGH) or name == "mtp.pre_fc_norm_hidden.weight":
             block[stream_rows] = 0
         elif name == "mtp.fc_hidden.weight" and 0 <= local < rows:
             block[local] = 0

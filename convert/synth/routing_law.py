@@ -54,16 +54,14 @@ def mass_curve(mass: torch.Tensor, fractions: tuple[float, ...] = TARGET_FRACTIO
     curve = []
     for fraction in fractions:
         position = fraction * mass.numel()
-        low = min(int(math.floor(position)), mass.numel())
+        low = min(math.floor(position), mass.numel())
         high = min(low + 1, mass.numel())
         share = cumulative[low] + (cumulative[high] - cumulative[low]) * (position - low)
         curve.append(float(share))
     return curve
 
 
-def simulate_curve(
-    law: PopularityLaw, num_experts: int, top_k: int, tau: float, noise: torch.Tensor
-) -> list[float]:
+def simulate_curve(law: PopularityLaw, num_experts: int, top_k: int, tau: float, noise: torch.Tensor) -> list[float]:
     """Expected measured curve for `noise` [T, E] of standard normals (reused across calls)."""
     logits = tau * (law.biases(num_experts) + noise)
     return mass_curve(routing_mass(logits, top_k))
@@ -83,11 +81,15 @@ def fit_law(num_experts: int, top_k: int, tau: float, seed: int = 0) -> Populari
     current = residuals(params)
     damping, step = 1e-3, 1e-2
     for _ in range(_FIT_ITERATIONS):
-        jacobian = torch.stack([(residuals(params + step * unit) - current) / step for unit in torch.eye(2, dtype=torch.float64)], dim=1)
+        jacobian = torch.stack(
+            [(residuals(params + step * unit) - current) / step for unit in torch.eye(2, dtype=torch.float64)], dim=1
+        )
         normal = jacobian.T @ jacobian
         gradient = jacobian.T @ current
         while damping < 1e6:
-            candidate = (params - torch.linalg.solve(normal + damping * torch.eye(2, dtype=torch.float64), gradient)).clamp(min=0)
+            candidate = (
+                params - torch.linalg.solve(normal + damping * torch.eye(2, dtype=torch.float64), gradient)
+            ).clamp(min=0)
             trial = residuals(candidate)
             if trial.square().sum() < current.square().sum():
                 params, current, damping = candidate, trial, damping / 10

@@ -146,7 +146,9 @@ def _write_tensor(out, tensor: DiskTensor, blocks: Iterator) -> None:
     written = 0
     for block in blocks:
         if block.dtype != tensor.dtype or (block.dim() and tuple(block.shape[1:]) != tensor.shape[1:]):
-            raise ValueError(f"{tensor.key}: block {block.dtype}{list(block.shape)} does not fit {tensor.dtype}{list(tensor.shape)}")
+            raise ValueError(
+                f"{tensor.key}: block {block.dtype}{list(block.shape)} does not fit {tensor.dtype}{list(tensor.shape)}"
+            )
         data = block.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
         out.write(data)
         written += data.nbytes

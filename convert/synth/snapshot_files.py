@@ -98,7 +98,9 @@ def readme(plan: SynthPlan, record: dict[str, Any], total_bytes: int, shards: in
         )
     if record.get("routing"):
         routing = record["routing"]
-        lines.append(f"- massive channel {routing['channel']} (value {routing['massive_value']:.3f}); popularity law {routing['law']}")
+        lines.append(
+            f"- massive channel {routing['channel']} (value {routing['massive_value']:.3f}); popularity law {routing['law']}"
+        )
     lines.append("")
     return "\n".join(lines)
 

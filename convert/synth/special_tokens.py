@@ -42,7 +42,9 @@ QWEN_SPECIALS = (
     "</think>",
 )
 # Tool and thinking markers are plain text to the chat template: they must not be stripped on decode.
-NOT_SKIPPED_ON_DECODE = frozenset({"<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<think>", "</think>"})
+NOT_SKIPPED_ON_DECODE = frozenset(
+    {"<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<think>", "</think>"}
+)
 # A BPE over 256 bytes needs room for at least a few merges before the specials.
 _MIN_REGULAR_TOKENS = 512
 

@@ -11,11 +11,21 @@ import shutil
 from pathlib import Path
 
 from flashpack.convert.synth.init_values import ValueSource
-from flashpack.convert.synth.nvfp4_experts import check_expert_shapes, exclude_modules, quant_configs
+from flashpack.convert.synth.nvfp4_experts import (
+    check_expert_shapes,
+    exclude_modules,
+    quant_configs,
+)
 from flashpack.convert.synth.presets import SynthOptions, SynthPlan, resolve_plan
 from flashpack.convert.synth.router_skew import RouterSkew
 from flashpack.convert.synth.shard_writer import write_sharded
-from flashpack.convert.synth.snapshot_files import config_json, generation_config, readme, synth_record, write_json
+from flashpack.convert.synth.snapshot_files import (
+    config_json,
+    generation_config,
+    readme,
+    synth_record,
+    write_json,
+)
 from flashpack.convert.synth.tensor_plan import disk_tensors
 from flashpack.convert.synth.tokenizer import write_tokenizer
 from flashpack.errors import FlashpackError
@@ -56,8 +66,15 @@ def synthesize(
     shard_mb: safetensors shard size in MB; None: the preset's default.
     """
     options = SynthOptions(
-        preset=preset, format=format, seed=seed, layers=layers, experts=experts, router_skew=router_skew,
-        text_only=text_only, ple_rows_per_head=ple_rows_per_head, shard_mb=shard_mb,
+        preset=preset,
+        format=format,
+        seed=seed,
+        layers=layers,
+        experts=experts,
+        router_skew=router_skew,
+        text_only=text_only,
+        ple_rows_per_head=ple_rows_per_head,
+        shard_mb=shard_mb,
     )
     plan = resolve_plan(options)
     out = Path(out)
@@ -98,7 +115,9 @@ def _prepare_output(out: Path, force: bool) -> None:
         raise FlashpackError(f"{out} already exists; pass --force to overwrite it")
     foreign = [e.name for e in entries if e.name not in _SNAPSHOT_FILES and not e.name.endswith(".safetensors")]
     if foreign:
-        raise FlashpackError(f"refusing to overwrite {out}: it holds files a snapshot does not ({', '.join(sorted(foreign)[:3])})")
+        raise FlashpackError(
+            f"refusing to overwrite {out}: it holds files a snapshot does not ({', '.join(sorted(foreign)[:3])})"
+        )
 
 
 def _write_quant_config(folder: Path, plan: SynthPlan) -> dict | None:

@@ -13,10 +13,13 @@ from collections.abc import Iterator
 from concurrent.futures import Future
 
 import torch
-
 from flashpack.convert.checkpoint_spec import TensorSpec, checkpoint_key, iter_specs
 from flashpack.convert.synth.init_values import ValueSource
-from flashpack.convert.synth.nvfp4_experts import expert_key, quantize_expert, quantized_entries
+from flashpack.convert.synth.nvfp4_experts import (
+    expert_key,
+    quantize_expert,
+    quantized_entries,
+)
 from flashpack.convert.synth.presets import SynthPlan
 from flashpack.convert.synth.shard_writer import DiskTensor, release_free_memory
 from flashpack.convert.synth.vision import iter_vision_tensors
@@ -75,19 +78,28 @@ def disk_tensors(plan: SynthPlan, values: ValueSource) -> list[DiskTensor]:
     for spec in specs:
         if quantizer is not None and spec.role == "expert":
             for entry in quantized_entries(spec):
-                tensors.append(DiskTensor(
-                    checkpoint_key(expert_key(spec, entry.suffix), form), entry.dtype, entry.shape,
-                    _one(quantizer, spec, entry.suffix), prefetch=False,
-                ))
+                tensors.append(
+                    DiskTensor(
+                        checkpoint_key(expert_key(spec, entry.suffix), form),
+                        entry.dtype,
+                        entry.shape,
+                        _one(quantizer, spec, entry.suffix),
+                        prefetch=False,
+                    )
+                )
             continue
         dtype = torch.int64 if spec.role == "ple_buffer" else torch.bfloat16
         tensors.append(DiskTensor(checkpoint_key(spec.name, form), dtype, spec.shape, _text_blocks(values, spec)))
     if plan.vision_config is not None:
         for vision_tensor in iter_vision_tensors(plan.vision_config):
-            tensors.append(DiskTensor(
-                vision_tensor.key, torch.bfloat16, vision_tensor.shape,
-                lambda t=vision_tensor: values.vision_blocks(t),
-            ))
+            tensors.append(
+                DiskTensor(
+                    vision_tensor.key,
+                    torch.bfloat16,
+                    vision_tensor.shape,
+                    lambda t=vision_tensor: values.vision_blocks(t),
+                )
+            )
     return tensors
 
 

@@ -16,16 +16,28 @@ import json
 from importlib import resources
 from pathlib import Path
 
-from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
-
 from flashpack.convert.synth.special_tokens import NOT_SKIPPED_ON_DECODE, TokenIds
+from tokenizers import (
+    AddedToken,
+    Regex,
+    Tokenizer,
+    decoders,
+    models,
+    normalizers,
+    pre_tokenizers,
+    trainers,
+)
 
 # The split transformers' Qwen3.5 tokenizer uses: contractions, letter runs, single digits, punctuation runs.
-PRETOKENIZE_REGEX = (
-    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
-)
+PRETOKENIZE_REGEX = r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
 _PACKAGE = "flashpack.convert.synth"
-_BPE_OPTIONS = dict(unk_token=None, continuing_subword_prefix="", end_of_word_suffix="", fuse_unk=False, byte_fallback=False)
+_BPE_OPTIONS = {
+    "unk_token": None,
+    "continuing_subword_prefix": "",
+    "end_of_word_suffix": "",
+    "fuse_unk": False,
+    "byte_fallback": False,
+}
 
 
 def chat_template() -> str:
@@ -45,9 +57,12 @@ def build_tokenizer(tokens: TokenIds) -> Tokenizer:
     vocab, merges = _filled(trained, tokens.base)
     tokenizer = _qwen_pipeline(models.BPE(vocab=vocab, merges=merges, **_BPE_OPTIONS))
     del vocab, merges  # a 248k vocabulary costs ~100 MB of Python objects; keep the peak low
-    tokenizer.add_tokens([
-        AddedToken(text, special=text not in NOT_SKIPPED_ON_DECODE, normalized=False) for text in tokens.all_specials()
-    ])
+    tokenizer.add_tokens(
+        [
+            AddedToken(text, special=text not in NOT_SKIPPED_ON_DECODE, normalized=False)
+            for text in tokens.all_specials()
+        ]
+    )
     if tokenizer.get_vocab_size(with_added_tokens=True) != tokens.vocab_size:
         raise AssertionError("tokenizer length differs from vocab_size")  # a bug here, not a user error
     return tokenizer
@@ -90,10 +105,12 @@ def _corpus() -> list[str]:
 def _qwen_pipeline(model: models.BPE) -> Tokenizer:
     tokenizer = Tokenizer(model)
     tokenizer.normalizer = normalizers.NFC()
-    tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated", invert=False),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-    ])
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
     tokenizer.decoder = decoders.ByteLevel()
     return tokenizer
 

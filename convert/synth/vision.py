@@ -28,7 +28,9 @@ def iter_vision_tensors(vision: dict[str, Any]) -> Iterator[VisionTensor]:
     patch, temporal = int(vision["patch_size"]), int(vision["temporal_patch_size"])
     merged = hidden * int(vision["spatial_merge_size"]) ** 2
     p = VISION_PREFIX
-    yield VisionTensor(p + "patch_embed.proj.weight", (hidden, int(vision["in_channels"]), temporal, patch, patch), "weight")
+    yield VisionTensor(
+        p + "patch_embed.proj.weight", (hidden, int(vision["in_channels"]), temporal, patch, patch), "weight"
+    )
     yield VisionTensor(p + "patch_embed.proj.bias", (hidden,), "bias")
     yield VisionTensor(p + "pos_embed.weight", (int(vision["num_position_embeddings"]), hidden), "weight")
     for block in range(int(vision["depth"])):

@@ -87,6 +87,29 @@ def replay_through_store(store, trace) -> dict:
     }
 
 
+def copy_speed(pack: Pack, device: str) -> dict:
+    """Host-cache hits only: every record is in pinned RAM, the device pool holds one layer's
+    top_k, so each request is one host->device copy through the store's copy thread/stream."""
+    cfg = pack.manifest.config
+    stride = pack.manifest.document["experts"]["record_stride"]
+    records = pack.manifest.expert_records()
+    layers = sorted({r.layer for r in records})
+    store = build_store(pack, vram_budget=cfg.num_experts_per_tok * stride, ram_budget=None, device=device,
+                        device_reserved=0, rebalance=False)
+    store.prewarm({layer: [r.expert for r in records if r.layer == layer] for layer in layers})
+    store.stats.reset()
+    start = time.perf_counter()
+    for layer in layers:
+        experts = sorted({r.expert for r in records if r.layer == layer})
+        for first in range(0, len(experts), cfg.num_experts_per_tok):
+            store.load(layer, experts[first:first + cfg.num_experts_per_tok])
+    seconds = time.perf_counter() - start
+    total = store.stats.total()
+    store.close()
+    return {"device": device, "copies": total.host_hits, "bytes": total.bytes_host_to_device, "seconds": seconds,
+            "GBps": total.bytes_host_to_device / seconds / 1e9, "disk_reads": total.disk_reads}
+
+
 def _drop_cache(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -155,6 +178,7 @@ def main() -> None:
                         help="also time a scratch file of real-size records beside the pack (0: skip)")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--trace-out", type=Path, help="also write the test workload's routing trace here")
+    parser.add_argument("--only-io", action="store_true", help="just the copy and read-speed sections")
     args = parser.parse_args()
     torch.set_num_threads(1)  # tiny matmuls: extra threads only contend (25x slower on a busy 2-core VM)
     pack = Pack.open(args.pack)
@@ -163,6 +187,18 @@ def main() -> None:
     stride = pack.manifest.document["experts"]["record_stride"]
     results: dict = {"pack": str(args.pack), "machine": platform.node(), "device": args.device,
                      "num_experts": experts, "top_k": top_k, "record_stride": stride}
+    if not args.only_io:
+        routing_sections(args, pack, results)
+    io_sections(args, pack, results)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(results, indent=1))
+
+
+def routing_sections(args, pack: Pack, results: dict) -> None:
+    cfg = pack.manifest.config
+    top_k, experts = cfg.num_experts_per_tok, cfg.num_experts
+    stride = pack.manifest.document["experts"]["record_stride"]
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         start = time.perf_counter()
@@ -188,8 +224,10 @@ def main() -> None:
     print("| slots/layer | even | ghost | hit-rate |\n| --- | --- | --- | --- |")
     for capacity in capacities:
         row = {"capacity": capacity}
-        for name, adaptive, signal in (("even", False, "ghost"), ("ghost", True, "ghost"), ("hit-rate", True, "hit-rate")):
-            row[name] = sum(simulate_policy(decode, layers, capacity, "lfu", adaptive, floor=top_k, signal=signal).values()) / tokens
+        for name, adaptive, signal in (("even", False, "ghost"), ("ghost", True, "ghost"),
+                                       ("hit-rate", True, "hit-rate")):
+            misses = simulate_policy(decode, layers, capacity, "lfu", adaptive, floor=top_k, signal=signal)
+            row[name] = sum(misses.values()) / tokens
         results["rebalancing"].append(row)
         print(f"| {capacity} | {row['even']:.2f} | {row['ghost']:.2f} | {row['hit-rate']:.2f} |")
 
@@ -217,9 +255,18 @@ def main() -> None:
             results["store"].append(row)
             print(f"| {device_per_layer} | {host_per_layer} | {'yes' if warm else 'no'} | "
                   f"{row['device_misses_per_token']:.2f} | {row['disk_reads_per_token']:.2f} | "
-                  f"{row['bytes_host_to_device_per_token'] / 1e6:.2f} | {row['bytes_disk_to_host_per_token'] / 1e6:.2f} | "
+                  f"{row['bytes_host_to_device_per_token'] / 1e6:.2f} | "
+                  f"{row['bytes_disk_to_host_per_token'] / 1e6:.2f} | "
                   f"{row['device_hit_rate']:.3f} |")
 
+
+
+def io_sections(args, pack: Pack, results: dict) -> None:
+    stride = pack.manifest.document["experts"]["record_stride"]
+    results["copy"] = copy_speed(pack, args.device)
+    copy = results["copy"]
+    print(f"\n## host->device copies through the store ({args.device}): {copy['copies']} records, "
+          f"{copy['GBps']:.2f} GB/s ({copy['seconds'] / max(copy['copies'], 1) * 1e6:.0f} us each)")
     results["io"] = []
     entries = [(e.file, e.offset) for e in pack.manifest.expert_records()]
     random.Random(0).shuffle(entries)
@@ -228,9 +275,6 @@ def main() -> None:
         with tempfile.TemporaryDirectory(dir=args.pack.parent) as scratch:
             path, records, real_stride = real_size_file(Path(scratch), args.io_file_mb)
             io_table("real-size records", path.parent, records, real_stride, results["io"])
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(results, indent=1))
 
 
 if __name__ == "__main__":

@@ -32,7 +32,10 @@ def resident_device_bytes(
     dtype "auto" is the engine's: BF16 on a GPU, FP32 on a CPU."""
     if dtype == "auto":
         dtype = "bfloat16" if torch.device(device).type == "cuda" else "float32"
-    width = torch.empty((), dtype=dtype).element_size() if isinstance(dtype, torch.dtype) else _DTYPE_BYTES.get(dtype, 2)
+    if isinstance(dtype, torch.dtype):
+        width = torch.empty((), dtype=dtype).element_size()
+    else:
+        width = _DTYPE_BYTES.get(dtype, 2)
     tensors = manifest.dense_tensors()
     scales = {t.row_scale for t in tensors.values() if t.row_scale}
     dense = sum(math.prod(t.shape) * width for name, t in tensors.items() if name not in scales)

@@ -22,20 +22,6 @@ def even_split(layers: list[int], slots: int) -> dict[int, int]:
     return {layer: base + (1 if index < extra else 0) for index, layer in enumerate(layers)}
 
 
-def weighted_split(layers: list[int], slots: int, weights: dict[int, float], floor: int) -> dict[int, int]:
-    """`slots` in proportion to `weights` (e.g. experts a hot set needs per layer), each >= floor."""
-    floor = min(floor, slots // len(layers))
-    spare = slots - floor * len(layers)
-    total = sum(max(weights.get(layer, 0.0), 0.0) for layer in layers)
-    if total <= 0:
-        return even_split(layers, slots)
-    shares = {layer: floor + int(spare * max(weights.get(layer, 0.0), 0.0) / total) for layer in layers}
-    left = slots - sum(shares.values())
-    for layer in sorted(layers, key=lambda l: -weights.get(l, 0.0))[:left]:
-        shares[layer] += 1
-    return shares
-
-
 @dataclass
 class Rebalancer:
     """Moves `step` slots per decision between layers.

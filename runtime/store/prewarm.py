@@ -46,7 +46,9 @@ def plan_prewarm(
     return device, host
 
 
-def prewarm_store(store: "TieredStore", ranked: dict[int, list[int]], counts: dict[int, list[int]] | None = None) -> dict[str, int]:
+def prewarm_store(
+    store: "TieredStore", ranked: dict[int, list[int]], counts: dict[int, list[int]] | None = None,
+) -> dict[str, int]:
     start = time.perf_counter()
     ranked = {layer: experts for layer, experts in ranked.items() if layer in store.device_slots.capacity}
     device, host = plan_prewarm(ranked, counts, store.device_slots.capacity, store.host_slots.slots)

@@ -180,5 +180,6 @@ class Residency:
         assert all(0 <= s < self.slots for s in used)
         for partition, count in self.count.items():
             assert count == sum(1 for e in self.entries.values() if e.partition == partition)
-            assert self.pinned[partition] == sum(1 for e in self.entries.values() if e.partition == partition and e.pins)
+            pinned = sum(1 for e in self.entries.values() if e.partition == partition and e.pins)
+            assert self.pinned[partition] == pinned
         assert sum(self.capacity.values()) == self.slots

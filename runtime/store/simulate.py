@@ -133,7 +133,7 @@ class ReplayRow:
         per_token = self.total / self.tokens if self.tokens else 0.0
         return {"capacity": self.capacity, "policy": self.policy, "misses": self.total,
                 "misses_per_token": per_token, "bytes_per_token": per_token * self.record_stride,
-                "misses_per_layer": {str(l): m for l, m in sorted(self.misses.items())}}
+                "misses_per_layer": {str(layer): m for layer, m in sorted(self.misses.items())}}
 
 
 @dataclass

@@ -26,15 +26,16 @@ import torch
 
 from flashpack.errors import FlashpackError
 from flashpack.layout.pack import Pack
-from flashpack.layout.records import PROJECTIONS, decode_record, record_hash
+from flashpack.layout.records import PROJECTIONS, decode_record
 from flashpack.runtime.experts import ExpertWeights
 from flashpack.runtime.store.budget import StorePlan
-from flashpack.runtime.store.capacity import GHOST_SIZE, REBALANCE_WINDOW, Rebalancer, even_split, weighted_split
+from flashpack.runtime.store.capacity import GHOST_SIZE, REBALANCE_WINDOW, Rebalancer, even_split
 from flashpack.runtime.store.policy import DEFAULT_POLICY, make_policy
 from flashpack.runtime.store.reader import RecordReader
 from flashpack.runtime.store.residency import Entry, NoRoom, Residency
 from flashpack.runtime.store.stats import StoreStats
 from flashpack.runtime.store.tiers import SlotPool
+from flashpack.runtime.store.transfers import TransferJobs
 
 HOST = 0  # the host cache's single partition
 WAIT_TIMEOUT_S = 600.0
@@ -68,7 +69,7 @@ class ExpertHandle:
             self._store._release(self)
 
 
-class TieredStore:
+class TieredStore(TransferJobs):
     def __init__(
         self,
         pack: Pack,
@@ -97,7 +98,8 @@ class TieredStore:
         self.host_pool = SlotPool(plan.host_slots, self.stride, "cpu", host=True, pin=cuda, poison=poison)
         self.device_slots = Residency(plan.device_slots, even_split(self.layers, plan.device_slots),
                                       lambda: make_policy(policy), ghost_size=GHOST_SIZE if rebalance else 0)
-        self.host_slots = Residency(plan.host_slots, {HOST: plan.host_slots}, lambda: make_policy(host_policy or policy))
+        self.host_slots = Residency(plan.host_slots, {HOST: plan.host_slots},
+                                    lambda: make_policy(host_policy or policy))
         floor = min(self.top_k, plan.device_slots // len(self.layers))
         self.rebalancer = Rebalancer(floor=floor, window=REBALANCE_WINDOW * len(self.layers)) if rebalance else None
         self.reader = RecordReader(pack.root, sorted({r.file for r in records}), direct=direct_io)
@@ -293,11 +295,11 @@ class TieredStore:
             if host_entry.ready:
                 self._copier.submit(self._copy_job, key, host_entry, slot, future, None, prewarm is not None)
             else:  # its read is in flight (pre-warming the host tier): copy when it lands
-                self._host_loads[key].add_done_callback(
-                    lambda load: self._copier.submit(self._copy_job, key, host_entry, slot, future, load, prewarm is not None)
-                )
+                copy = lambda load: self._copier.submit(  # noqa: E731
+                    self._copy_job, key, host_entry, slot, future, load, prewarm is not None)
+                self._host_loads[key].add_done_callback(copy)
         else:
-            host_slot = self._place_host(key, seed=seed)
+            self._place_host(key, seed=seed)
             host_entry = self.host_slots.get(key)
             if prewarm is not None:
                 self.stats.bump(layer, prewarmed_device=1, prewarmed_host=1)
@@ -326,131 +328,6 @@ class TieredStore:
                     self._slot_free_events[handle.slot] = event
             self._changed.notify_all()
 
-    # ---- moving bytes (reader and copy threads) ---------------------------------------------
-
-    def _read_job(
-        self, keys: list[tuple[int, int]], then: tuple[int, Future] | None = None, prewarm: bool = False,
-    ) -> None:
-        """Read the records of `keys` (contiguous on disk when several) into their host slots,
-        check each, publish the good ones; then copy the first to device slot `then` if given."""
-        with self._lock:
-            host_entries = [self.host_slots.get(key) for key in keys]
-        entries = [self.pack.record_entry(*key) for key in keys]
-        start = time.perf_counter()
-        try:
-            self.reader.read(entries[0].file, entries[0].offset, [self.host_pool.slot(h.slot) for h in host_entries],
-                             need=(len(keys) - 1) * self.stride + entries[-1].length)
-        except OSError as error:
-            more = f" (and {len(keys) - 1} more records)" if len(keys) > 1 else ""
-            failure = FlashpackError(
-                f"reading layer {keys[0][0]} expert {keys[0][1]}{more} from {entries[0].file} "
-                f"at offset {entries[0].offset} failed: {error.strerror or error}"
-            )
-            self._fail_host(keys, failure)
-            if then is not None:
-                self._fail_device(keys[0], failure)
-            return
-        finally:
-            self.stats.add_time("read_seconds", time.perf_counter() - start)
-            self.stats.add_time("read_calls", 1)
-        good = []
-        for key, entry, host_entry in zip(keys, entries, host_entries):
-            try:
-                self._check(key, entry, self.host_pool.slot(host_entry.slot))
-            except BaseException as error:
-                self._fail_host([key], error)
-                if then is not None:
-                    self._fail_device(key, error)
-                continue
-            self.stats.bump(key[0], **{"prewarm_bytes_disk_to_host" if prewarm else "bytes_disk_to_host": self.stride})
-            good.append(key)
-        self._publish_host(good, unpin=good if then is None else good[1:])
-        if then is not None and good and good[0] == keys[0]:
-            self._copy_job(keys[0], host_entries[0], *then, None, prewarm)
-
-    def _check(self, key: tuple[int, int], entry, buffer: torch.Tensor) -> None:
-        if not self.verify_records:
-            return
-        with self._lock:
-            if key in self._verified:
-                return
-        if record_hash(memoryview(buffer.numpy())[:entry.length]) != entry.xxh64:
-            raise FlashpackError(
-                f"corrupt expert record: layer {key[0]} expert {key[1]} fails its xxh64 check "
-                f"({entry.file} @ {entry.offset})"
-            )
-        with self._lock:
-            self._verified.add(key)
-            self.stats.verified_records += 1
-
-    def _copy_job(
-        self, key: tuple[int, int], host_entry: Entry, device_slot: int, future: Future, load: Future | None = None,
-        prewarm: bool = False,
-    ) -> None:
-        """Host slot -> device slot on the copy stream; publish the device entry once it landed.
-        `load` is the host read this copy waited for, when there was one."""
-        try:
-            if load is not None and load.exception() is not None:
-                raise load.exception()
-            source, target = self.host_pool.slot(host_entry.slot), self.device_pool.slot(device_slot)
-            if self._copy_stream is None:
-                target.copy_(source)
-            else:
-                with torch.cuda.stream(self._copy_stream):
-                    freed = self._slot_free_events.pop(device_slot, None)
-                    if freed is not None:  # the compute that last read this slot must finish first
-                        self._copy_stream.wait_event(freed)
-                    target.copy_(source, non_blocking=True)
-                    done = torch.cuda.Event()
-                    done.record(self._copy_stream)
-                done.synchronize()
-            self.stats.bump(key[0], **{"prewarm_bytes_host_to_device" if prewarm else "bytes_host_to_device": self.stride})
-        except BaseException as error:
-            with self._changed:
-                if self.host_slots.get(key) is host_entry:
-                    self.host_slots.unpin(key)
-            self._fail_device(key, error)
-            return
-        with self._changed:
-            if self.host_slots.get(key) is host_entry:
-                self.host_slots.unpin(key)
-            self.device_slots.get(key).ready = True
-            self._inflight.pop(key, None)
-            self._changed.notify_all()
-        future.set_result(device_slot)
-
-    def _publish_host(self, keys: list[tuple[int, int]], unpin: list[tuple[int, int]]) -> None:
-        """Mark `keys` ready in the host cache; unpin those no copy waits for."""
-        with self._changed:
-            for key in unpin:
-                self.host_slots.unpin(key)
-            for key in keys:
-                self.host_slots.get(key).ready = True
-                load = self._host_loads.pop(key, None)
-                if load is not None:
-                    load.set_result(None)
-            self._changed.notify_all()
-
-    def _fail_host(self, keys: list[tuple[int, int]], error: BaseException) -> None:
-        with self._changed:
-            for key in keys:
-                if self.host_slots.get(key) is not None:
-                    self.host_slots.drop(key)
-                load = self._host_loads.pop(key, None)
-                if load is not None:
-                    load.set_exception(_as_flashpack(error))
-                self.stats.bump(key[0], failed=1)
-            self._changed.notify_all()
-
-    def _fail_device(self, key: tuple[int, int], error: BaseException) -> None:
-        with self._changed:
-            if self.device_slots.get(key) is not None:
-                self.device_slots.drop(key)
-            future = self._inflight.pop(key, None)
-            self._changed.notify_all()
-        if future is not None and not future.done():
-            future.set_exception(_as_flashpack(error))
-
     # ---- capacity, pre-warming, lifecycle ---------------------------------------------------
 
     def _rebalance(self, layer: int, hits: int, requests: int) -> None:
@@ -463,21 +340,6 @@ class TieredStore:
             if move is not None:
                 for key in self.device_slots.move_capacity(*move):
                     self.stats.bump(key[0], evictions_device=1)
-
-    def set_capacities(self, weights: dict[int, float]) -> None:
-        """Re-split the device pool in proportion to `weights` per layer (e.g. from a hot set)."""
-        with self._changed:
-            target = weighted_split(self.layers, self.device_slots.slots, weights, self.top_k)
-            for layer in self.layers:  # shrink first, grow after: capacities always sum to the pool
-                delta = self.device_slots.capacity[layer] - target[layer]
-                if delta > 0:
-                    receiver = next(l for l in self.layers if self.device_slots.capacity[l] < target[l])
-                    self.device_slots.move_capacity(layer, receiver, delta)
-            # a single pass can leave mismatches when receivers fill up: settle them pairwise
-            for layer in self.layers:
-                while self.device_slots.capacity[layer] > target[layer]:
-                    receiver = next(l for l in self.layers if self.device_slots.capacity[l] < target[l])
-                    self.device_slots.move_capacity(layer, receiver, 1)
 
     def prewarm(self, ranked: dict[int, list[int]], counts: dict[int, list[int]] | None = None) -> dict[str, int]:
         """Fill the device pool, then the host cache, with each layer's hottest experts.
@@ -510,7 +372,3 @@ class TieredStore:
         with self._lock:
             self.device_slots.check()
             self.host_slots.check()
-
-
-def _as_flashpack(error: BaseException) -> FlashpackError:
-    return error if isinstance(error, FlashpackError) else FlashpackError(f"expert load failed: {error}")

@@ -49,7 +49,8 @@ class Trace:
         return {
             "format": TRACE_FORMAT, "version": TRACE_VERSION, "num_experts": self.num_experts,
             "top_k": self.top_k, "layers": self.layers, "record_stride": self.record_stride, "meta": self.meta,
-            "steps": [{"tokens": s.tokens, "fetches": [[l, list(e)] for l, e in s.fetches]} for s in self.steps],
+            "steps": [{"tokens": step.tokens, "fetches": [[layer, list(e)] for layer, e in step.fetches]}
+                      for step in self.steps],
         }
 
     def save(self, path: Path | str) -> Path:
@@ -68,15 +69,20 @@ class Trace:
             raise FlashpackError(f"cannot read trace {path}: {error}") from None
         if doc.get("format") != TRACE_FORMAT or doc.get("version") != TRACE_VERSION:
             raise FlashpackError(f"{path} is not a flashpack trace (version {TRACE_VERSION})")
-        steps = [Step(s["tokens"], [(int(l), tuple(e)) for l, e in s["fetches"]]) for s in doc["steps"]]
+        steps = [Step(s["tokens"], [(int(layer), tuple(e)) for layer, e in s["fetches"]]) for s in doc["steps"]]
         return cls(doc["num_experts"], doc["top_k"], list(doc["layers"]), doc.get("record_stride", 0), steps,
                    doc.get("meta", {}))
 
     @classmethod
     def from_fetches(cls, fetches: list[tuple[int, list[int]]], num_experts: int, top_k: int) -> "Trace":
-        """A one-token-per-fetch-cycle trace, for tests and hand-made examples."""
-        layers = sorted({layer for layer, _ in fetches})
-        return cls(num_experts, top_k, layers, steps=[Step(1, [(l, tuple(e)) for l, e in fetches])])
+        """A decode trace from bare fetches, for tests and hand-made examples: a new one-token
+        step starts whenever the layer does not increase."""
+        steps: list[Step] = []
+        for layer, experts in fetches:
+            if not steps or layer <= steps[-1].fetches[-1][0]:
+                steps.append(Step(1))
+            steps[-1].fetches.append((layer, tuple(experts)))
+        return cls(num_experts, top_k, sorted({layer for layer, _ in fetches}), steps=steps)
 
 
 class TraceRecorder:

@@ -42,19 +42,24 @@ def main() -> None:
               help="bf16, or the ModelOpt NVFP4 form (quantised routed and MTP experts).")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--layers", type=int, help="Cut the layer count (keeps the 3 linear + 1 attention pattern).")
-@click.option("--router-skew", type=float, help="Zipf-like expert popularity per layer; 0 turns it off "
-              "(default: on for full, off otherwise).")
+@click.option("--router-skew", type=float, help="Expert popularity per layer: 0 uniform, 1 the published curve "
+              "(default: the preset's; off for tiny).")
 @click.option("--text-only", is_flag=True, help="Write the qwen4_exp_text form (no vision, keys under model.).")
-@click.option("--ple-rows-per-head", type=int, help="Shrink the PLE tables (full preset) so they fit a small disk.")
+@click.option("--experts", type=int, help="Cut the routed-expert count (quick demos of full width).")
+@click.option("--ple-rows-per-head", type=int, help="Shrink the PLE tables (full preset) so they fit a small disk; "
+              "a token still reads the same number of rows.")
+@click.option("--shard-mb", type=float, help="Checkpoint shard size (default: the preset's).")
 @click.option("--force", is_flag=True, help="Replace OUT if it exists.")
 @_one_line_errors
-def synth(preset: str, out: Path, weight_format: str, seed: int, layers: int | None, router_skew: float | None,
-          text_only: bool, ple_rows_per_head: int | None, force: bool) -> None:
+def synth(preset: str, out: Path, weight_format: str, seed: int, layers: int | None, experts: int | None,
+          router_skew: float | None, text_only: bool, ple_rows_per_head: int | None, shard_mb: float | None,
+          force: bool) -> None:
     """Write a random Hugging Face-style snapshot of PRESET (tiny, small, full) to OUT."""
     from flashpack.convert.synth import synthesize
 
-    path = synthesize(preset, out, format=weight_format, seed=seed, layers=layers, router_skew=router_skew,
-                      text_only=text_only, ple_rows_per_head=ple_rows_per_head, force=force)
+    path = synthesize(preset, out, format=weight_format, seed=seed, layers=layers, experts=experts,
+                      router_skew=router_skew, text_only=text_only, ple_rows_per_head=ple_rows_per_head,
+                      shard_mb=shard_mb, force=force)
     click.echo(f"wrote {path}")
 
 

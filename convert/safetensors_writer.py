@@ -14,6 +14,7 @@ import json
 import math
 import struct
 from pathlib import Path
+from collections.abc import Iterable
 from typing import BinaryIO
 
 import torch
@@ -63,16 +64,23 @@ class StreamingSafetensorsWriter:
         return self.data_start + start, length
 
     def write(self, name: str, tensor: torch.Tensor) -> None:
+        self.write_blocks(name, [tensor])
+
+    def write_blocks(self, name: str, blocks: Iterable[torch.Tensor]) -> None:
+        """Write `name` from blocks whose concatenation along dim 0 is the tensor (bounded memory)."""
         if self._next >= len(self._order) or self._order[self._next] != name:
             expected = self._order[self._next] if self._next < len(self._order) else "nothing"
             raise ValueError(f"tensors must be written in declaration order: got {name}, expected {expected}")
         dtype, shape, _, length = self._specs[name]
-        if SAFETENSORS_DTYPES.get(tensor.dtype) != dtype or tuple(tensor.shape) != shape:
-            raise ValueError(f"{name}: declared {dtype}{list(shape)}, got {tensor.dtype}{list(tensor.shape)}")
-        data = tensor.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy()
-        if data.nbytes != length:
-            raise ValueError(f"{name}: {data.nbytes} bytes, expected {length}")
-        self._file.write(data)  # numpy exposes the buffer: no extra copy
+        written = 0
+        for block in blocks:
+            if SAFETENSORS_DTYPES.get(block.dtype) != dtype or (block.dim() and tuple(block.shape[1:]) != shape[1:]):
+                raise ValueError(f"{name}: declared {dtype}{list(shape)}, got a {block.dtype}{list(block.shape)} block")
+            data = block.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy()
+            self._file.write(data)  # numpy exposes the buffer: no extra copy
+            written += data.nbytes
+        if written != length:
+            raise ValueError(f"{name}: wrote {written} bytes, expected {length}")
         self._next += 1
 
     def close(self) -> None:

@@ -5,9 +5,8 @@ first and the values stream after it in header order. Large tensors are written 
 as they are produced; small ones (experts, norms) are produced a window ahead on worker threads,
 since producing values (sampling, NVFP4 quantisation) costs far more than writing them. Memory is
 bounded by the window (PREFETCH_BYTES) plus one block. Layout per file, as the safetensors library
-reads it: 8-byte little-endian header length, JSON header (dtype, shape, [begin, end) data offsets;
-padded with spaces to 8 bytes), raw bytes. `model.safetensors.index.json` maps every key to its
-shard, as transformers expects.
+reads it (written by convert/safetensors_writer.py). `model.safetensors.index.json` maps every key
+to its shard, as transformers expects.
 """
 
 from __future__ import annotations
@@ -17,7 +16,6 @@ import ctypes.util
 import json
 import math
 import os
-import struct
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -25,13 +23,8 @@ from pathlib import Path
 
 import torch
 
-SAFETENSORS_DTYPES = {
-    torch.bfloat16: "BF16",
-    torch.float32: "F32",
-    torch.float8_e4m3fn: "F8_E4M3",
-    torch.uint8: "U8",
-    torch.int64: "I64",
-}
+from flashpack.convert.safetensors_writer import SAFETENSORS_DTYPES, StreamingSafetensorsWriter
+
 INDEX_NAME = "model.safetensors.index.json"
 PREFETCH_BYTES = 64 << 20  # values produced ahead of the writer, at most
 _PREFETCH_MAX_TENSOR = 16 << 20  # larger tensors stream inline (their blocks are sampled in parallel)
@@ -124,36 +117,10 @@ class _Prefetcher:
 
 
 def _write_shard(path: Path, shard: list[DiskTensor], ahead: _Prefetcher) -> None:
-    header: dict[str, object] = {"__metadata__": {"format": "pt"}}
-    cursor = 0
-    for tensor in shard:
-        header[tensor.key] = {
-            "dtype": SAFETENSORS_DTYPES[tensor.dtype],
-            "shape": list(tensor.shape),
-            "data_offsets": [cursor, cursor + tensor.nbytes],
-        }
-        cursor += tensor.nbytes
-    encoded = json.dumps(header, separators=(",", ":")).encode()
-    encoded += b" " * (-len(encoded) % 8)
-    with open(path, "wb") as out:
-        out.write(struct.pack("<Q", len(encoded)))
-        out.write(encoded)
+    declared = [(t.key, SAFETENSORS_DTYPES[t.dtype], t.shape) for t in shard]
+    with StreamingSafetensorsWriter(path, declared, {"format": "pt"}) as writer:
         for tensor in shard:
-            _write_tensor(out, tensor, ahead.blocks(tensor))
-
-
-def _write_tensor(out, tensor: DiskTensor, blocks: Iterator) -> None:
-    written = 0
-    for block in blocks:
-        if block.dtype != tensor.dtype or (block.dim() and tuple(block.shape[1:]) != tensor.shape[1:]):
-            raise ValueError(
-                f"{tensor.key}: block {block.dtype}{list(block.shape)} does not fit {tensor.dtype}{list(tensor.shape)}"
-            )
-        data = block.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
-        out.write(data)
-        written += data.nbytes
-    if written != tensor.nbytes:
-        raise ValueError(f"{tensor.key}: wrote {written} bytes, expected {tensor.nbytes}")
+            writer.write_blocks(tensor.key, ahead.blocks(tensor))
 
 
 def release_free_memory() -> None:

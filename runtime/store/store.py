@@ -135,7 +135,7 @@ class TieredStore(TransferJobs):
         evict the layer's hot set, which decoding needs right after."""
         remaining = list(experts)
         before = self.stats.layer(layer).device_hits
-        streaming = len(remaining) > self.device_slots.capacity[layer]
+        streaming = len(remaining) > max(self.top_k, self.device_slots.capacity[layer])
         if streaming:
             remaining.sort(key=lambda e: (layer, e) not in self.device_slots)  # resident first (a hint)
         misses = max(1, min(self.top_k, self.device_slots.capacity[layer] // 2)) if streaming else None

@@ -29,6 +29,31 @@ def _one_line_errors(command):
     return wrapper
 
 
+def _store_options(command):
+    """--vram-budget, --ram-budget, --policy, --hot-set, --no-direct-io, --no-verify-records."""
+    options = [
+        click.option("--vram-budget", help="Device memory for experts and everything else, e.g. 24GiB "
+                     "(with --ram-budget: the tiered store; default: experts decoded straight from the pack)."),
+        click.option("--ram-budget", help="Pinned host memory for the expert cache, e.g. 64GiB."),
+        click.option("--policy", type=click.Choice(["lfu", "lru", "lfu-decay"]), default="lfu", show_default=True),
+        click.option("--hot-set", help="Pre-warm VRAM, then RAM, from this manifest profile (flashpack profile)."),
+        click.option("--no-direct-io", is_flag=True, help="Read records through the page cache, not O_DIRECT."),
+        click.option("--no-verify-records", is_flag=True, help="Skip the xxh64 check of records on first read."),
+    ]
+    for option in reversed(options):
+        command = option(command)
+    return command
+
+
+def _store_settings(vram_budget: str | None, ram_budget: str | None, policy: str, hot_set: str | None,
+                    no_direct_io: bool):
+    from flashpack.runtime.loader import StoreOptions
+
+    if vram_budget is None and ram_budget is None and hot_set is None:
+        return None
+    return StoreOptions(vram_budget, ram_budget, policy, hot_set, not no_direct_io)
+
+
 @click.group()
 @click.version_option(__version__, prog_name="flashpack")
 def main() -> None:
@@ -139,14 +164,21 @@ def verify(pack: Path, reference: str, dtype: str, device: str, prompts: tuple[s
 @click.option("--stop", multiple=True, help="Stop string (repeatable).")
 @click.option("--device", default="cpu", show_default=True)
 @click.option("--dtype", default="auto", show_default=True, help="auto (bf16 on GPU, fp32 on CPU), bfloat16, float32.")
+@_store_options
+@click.option("--store-stats", is_flag=True, help="Print the expert store's counters (JSON) on stderr at the end.")
 @_one_line_errors
 def run(pack: Path, prompt: str, chat: bool, think: bool | None, max_tokens: int, temperature: float, top_k: int,
-        top_p: float, seed: int | None, stop: tuple[str, ...], device: str, dtype: str) -> None:
+        top_p: float, seed: int | None, stop: tuple[str, ...], device: str, dtype: str, vram_budget: str | None,
+        ram_budget: str | None, policy: str, hot_set: str | None, no_direct_io: bool, no_verify_records: bool,
+        store_stats: bool) -> None:
     """Generate from PACK for PROMPT, streaming text to stdout; tokens/s on stderr at the end."""
+    import json
+
     from flashpack.runtime.loader import load_engine
     from flashpack.runtime.sampling import SamplingParams
 
-    engine = load_engine(pack, device=device, dtype=dtype)
+    engine = load_engine(pack, device=device, dtype=dtype, verify_records=not no_verify_records,
+                         store=_store_settings(vram_budget, ram_budget, policy, hot_set, no_direct_io))
     text = engine.tokenizer.render_chat([{"role": "user", "content": prompt}], enable_thinking=think) if chat else prompt
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
                             stop_strings=stop)
@@ -164,6 +196,9 @@ def run(pack: Path, prompt: str, chat: bool, think: bool | None, max_tokens: int
                 f"[{len(prompt_ids)} prompt tokens, {generated} generated, first token {timings['first_token_seconds']:.2f} s, "
                 f"{rate:.1f} tok/s decode, finish: {event.finish_reason}]", err=True,
             )
+    if store_stats and engine.store is not None:
+        engine.store.stats.tokens = len(prompt_ids) + generated
+        click.echo(json.dumps(engine.stats(), indent=1), err=True)
 
 
 @main.command()
@@ -179,16 +214,86 @@ def run(pack: Path, prompt: str, chat: bool, think: bool | None, max_tokens: int
 @click.option("--max-context", type=int, help="Prompt + completion token limit (default: the model's).")
 @click.option("--default-max-tokens", type=int, help="max_tokens when a request gives none.")
 @click.option("--log-level", default="info", show_default=True)
+@_store_options
 @_one_line_errors
 def serve(pack: Path, host: str, port: int, api_key: str | None, device: str, dtype: str, model_name: str | None,
           max_request_bytes: int, max_queue: int, max_context: int | None, default_max_tokens: int | None,
-          log_level: str) -> None:
+          log_level: str, vram_budget: str | None, ram_budget: str | None, policy: str, hot_set: str | None,
+          no_direct_io: bool, no_verify_records: bool) -> None:
     """Serve PACK over OpenAI- and Anthropic-compatible HTTP APIs."""
     from flashpack.runtime.server import serve as run_server
 
     run_server(pack, host=host, port=port, api_key=api_key, device=device, dtype=dtype, model_name=model_name,
                max_request_bytes=max_request_bytes, max_queue=max_queue, max_context=max_context,
-               default_max_tokens=default_max_tokens, log_level=log_level)
+               default_max_tokens=default_max_tokens, log_level=log_level,
+               store=_store_settings(vram_budget, ram_budget, policy, hot_set, no_direct_io),
+               verify_records=not no_verify_records)
+
+
+@main.command()
+@click.argument("pack", type=click.Path(path_type=Path))
+@click.option("--workload", type=click.Path(path_type=Path), required=True,
+              help="JSON lines: {\"prompt\": ...} or {\"messages\": [...]}, optional \"max_tokens\".")
+@click.option("--name", required=True, help="The hot set's name in the manifest.")
+@click.option("--reorder", is_flag=True, help="Rewrite record files so each layer's hot experts are contiguous.")
+@click.option("--max-tokens", type=int, default=32, show_default=True)
+@click.option("--device", default="cpu", show_default=True)
+@click.option("--dtype", default="auto", show_default=True)
+@click.option("--trace-out", type=click.Path(path_type=Path), help="Also save the routing trace here.")
+@_one_line_errors
+def profile(pack: Path, workload: Path, name: str, reorder: bool, max_tokens: int, device: str, dtype: str,
+            trace_out: Path | None) -> None:
+    """Run a workload on PACK and bake its hot expert set into the manifest."""
+    from flashpack.runtime.store import profile_pack
+
+    result = profile_pack(pack, workload, name, reorder=reorder, max_tokens=max_tokens, device=device, dtype=dtype,
+                          trace_out=trace_out)
+    hot = [len(layer["experts"]) for layer in result["layers"]]
+    moved = f"; {sum(result['moved'].values())} records moved" if reorder else ""
+    click.echo(f"hot set {name!r} written: {len(hot)} layers, {min(hot)}-{max(hot)} experts each{moved}")
+
+
+@main.group()
+def trace() -> None:
+    """Record routing traces and replay them through cache policies against Belady's optimum."""
+
+
+@trace.command("record")
+@click.argument("pack", type=click.Path(path_type=Path))
+@click.option("--workload", type=click.Path(path_type=Path), required=True)
+@click.option("--out", type=click.Path(path_type=Path), required=True)
+@click.option("--max-tokens", type=int, default=32, show_default=True)
+@click.option("--device", default="cpu", show_default=True)
+@click.option("--dtype", default="auto", show_default=True)
+@_one_line_errors
+def trace_record(pack: Path, workload: Path, out: Path, max_tokens: int, device: str, dtype: str) -> None:
+    """Run WORKLOAD on PACK and save every layer's expert requests."""
+    from flashpack.runtime.store import record_trace
+
+    recorded = record_trace(pack, workload, out, max_tokens=max_tokens, device=device, dtype=dtype)
+    click.echo(f"wrote {out} ({recorded.tokens()} tokens)")
+
+
+@trace.command("replay")
+@click.argument("trace_file", type=click.Path(path_type=Path))
+@click.option("--capacity", "capacities", type=int, multiple=True, required=True, help="Slots per layer (repeatable).")
+@click.option("--policy", "policies", multiple=True, help="lru, lfu, lfu-decay (repeatable; default: all).")
+@click.option("--no-adaptive", is_flag=True, help="Leave out the per-layer rebalancing variant.")
+@click.option("--decode-only", is_flag=True, help="Count decode steps only, not prompt fetches.")
+@click.option("--json", "json_path", type=click.Path(path_type=Path), help="Write the report as JSON.")
+@_one_line_errors
+def trace_replay(trace_file: Path, capacities: tuple[int, ...], policies: tuple[str, ...], no_adaptive: bool,
+                 decode_only: bool, json_path: Path | None) -> None:
+    """Misses of each policy at each capacity against Belady's optimum, per layer and in total."""
+    import json
+
+    from flashpack.runtime.store import replay_trace
+
+    report = replay_trace(trace_file, capacities, list(policies) or None, adaptive=not no_adaptive,
+                          decode_only=decode_only)
+    click.echo(report.table())
+    if json_path is not None:
+        json_path.write_text(json.dumps(report.to_dict(), indent=1))
 
 
 @main.command()

@@ -18,12 +18,27 @@ from flashpack.runtime.tokenizer import PackTokenizer
 DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32, "fp32": torch.float32}
 
 
+@dataclass(frozen=True)
+class StoreOptions:
+    """The tiered store's settings; with none given the engine decodes experts straight from the pack."""
+
+    vram_budget: str | None = None  # e.g. "24GiB"; None: room for every record
+    ram_budget: str | None = None
+    policy: str = "lfu"
+    hot_set: str | None = None  # a profile in the manifest to pre-warm from
+    direct_io: bool = True
+
+
 @dataclass
 class LoadedEngine:
     pack: Pack
     model: Qwen4ExpModel
     tokenizer: PackTokenizer
     generator: Generator
+    store: object | None = None  # runtime.store.TieredStore when tiers are in use
+
+    def stats(self) -> dict | None:
+        return self.store.stats.to_dict() if self.store is not None else None
 
 
 def parse_dtype(name: str, device: torch.device) -> torch.dtype:
@@ -49,14 +64,24 @@ def load_engine(
     dtype: str = "auto",
     fetcher: ExpertFetcher | None = None,
     verify_records: bool = True,
+    store: StoreOptions | None = None,
 ) -> LoadedEngine:
     pack = Pack.open(pack_path)
     torch_device = parse_device(device)
+    torch_dtype = parse_dtype(dtype, torch_device)
+    tiered = None
+    if fetcher is None and store is not None:
+        from flashpack.runtime.store import build_store
+
+        tiered = build_store(
+            pack, store.vram_budget, store.ram_budget, torch_device, store.policy, verify_records,
+            hot_set=store.hot_set, dtype=torch_dtype, direct_io=store.direct_io,
+        )
     model = Qwen4ExpModel(
         PackWeights(pack),
-        fetcher or PackExperts(pack, verify_records=verify_records),
-        dtype=parse_dtype(dtype, torch_device),
+        fetcher or tiered or PackExperts(pack, verify_records=verify_records),
+        dtype=torch_dtype,
         device=torch_device,
     )
     tokenizer = PackTokenizer.load(pack.root)
-    return LoadedEngine(pack, model, tokenizer, Generator(model, tokenizer))
+    return LoadedEngine(pack, model, tokenizer, Generator(model, tokenizer), tiered)

@@ -118,7 +118,8 @@ class RouterSkew:
             block[local] = 0
             block[local, c] = self.mtp_gain()
         elif name.endswith("mlp.gate.weight"):
-            block[:, c] = self._router_column_for(name)
+            # Large routers arrive in row blocks (experts row_start .. row_start + rows - 1).
+            block[:, c] = self._router_column_for(name)[row_start:row_start + rows]
         return block
 
     def _router_column_for(self, name: str) -> torch.Tensor:

@@ -20,6 +20,7 @@ from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException
 from starlette.responses import JSONResponse, PlainTextResponse
 
+from flashpack.runtime.loader import StoreOptions
 from flashpack.runtime.server import anthropic_routes, openai_routes
 from flashpack.runtime.server.context import ServerContext, context_of
 from flashpack.runtime.server.errors import ApiError, error_response, validation_error
@@ -100,6 +101,8 @@ def serve(
     max_context: int | None = None,
     default_max_tokens: int | None = None,
     log_level: str = "info",
+    store: StoreOptions | None = None,
+    verify_records: bool = True,
 ) -> None:
     """Load PACK and serve it until interrupted. api_key None: $FLASHPACK_API_KEY, if set."""
     import uvicorn
@@ -109,7 +112,7 @@ def serve(
     api_key = api_key if api_key is not None else (os.environ.get("FLASHPACK_API_KEY") or None)
     if host not in LOOPBACK and api_key is None:
         log.warning("serving on %s without an API key: anyone who can reach this port can use the model", host)
-    engine = load_engine(pack, device=device, dtype=dtype)
+    engine = load_engine(pack, device=device, dtype=dtype, store=store, verify_records=verify_records)
     settings = ServerSettings(
         model_name=model_name or os.path.basename(os.path.normpath(os.fspath(pack))), api_key=api_key,
         max_request_bytes=max_request_bytes, max_queue=max_queue, max_context=max_context,

@@ -123,9 +123,12 @@ class Metrics:
         if self._stats is None:
             return []
         try:
-            stats = dict(self._stats())
+            provided = self._stats()
         except Exception as error:  # a broken provider must not take /metrics down
             return [f"# flashpack_store stats unavailable: {type(error).__name__}"]
+        if provided is None:  # the engine runs without a tiered store
+            return []
+        stats = dict(provided)
         series: dict[str, list[str]] = defaultdict(list)
         tiers = stats.pop("tiers", None)
         if not isinstance(tiers, Mapping):  # the flat form: every mapping is a tier

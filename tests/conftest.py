@@ -7,6 +7,18 @@ from pathlib import Path
 import pytest
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _one_torch_thread():
+    """The test models are tiny: extra intra-op threads only add contention on a 2-core CI box
+    (a 5 us index_add_ took 60 ms under load with two threads); server worker threads share it."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="session")
 def tiny_snapshot(tmp_path_factory) -> Path:
     from flashpack.convert.synth import synthesize

@@ -34,14 +34,6 @@ DTYPES = {
 }
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny matrices: more threads only add contention (restored after each test)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
 
 @pytest.fixture(scope="module")
 def snapshots(tiny_snapshot, tiny_nvfp4_snapshot, tmp_path_factory) -> dict[tuple[str, str], Path]:

@@ -28,14 +28,6 @@ from flashpack.verify.inputs import prompt_sequences
 from flashpack.verify.report import Row
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # Tiny matmuls: threads only add contention (index_add_ went from 5 us to 60 ms on a busy box).
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
 
 @pytest.fixture(scope="module")
 def fp32_report(tiny_pack, tiny_snapshot, tmp_path_factory):

@@ -8,7 +8,6 @@ PLE row gather must change nothing: every layer's output and the logits are iden
 
 from __future__ import annotations
 
-import pytest
 import torch
 from transformers import Qwen4ExpForCausalLM
 
@@ -17,13 +16,6 @@ from flashpack.verify.expected import ExpectedWeights
 from flashpack.verify.inputs import default_sequences
 from flashpack.verify.reference import LayerwiseReference, transformers_config
 
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def _full_model(weights: ExpectedWeights) -> Qwen4ExpForCausalLM:

@@ -32,14 +32,6 @@ class Bench:
         return MTPHead(engine, self.weights, self.experts)
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny matrices: more threads only add contention (restored after each test)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
 
 @pytest.fixture(scope="session")
 def bench() -> Bench:

@@ -6,7 +6,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 sys.path.insert(0, str(Path(__file__).parent))  # server_harness, server_fakes
 
@@ -24,11 +23,3 @@ def tiny_tokenizer(tiny_pack):
 
     return PackTokenizer.load(tiny_pack)
 
-
-@pytest.fixture(scope="module")
-def one_thread():
-    """Tiny matrices: more threads only add contention (the worker thread shares the setting)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)

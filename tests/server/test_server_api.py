@@ -33,7 +33,7 @@ GREEDY = {"temperature": 0}  # the 2026 anthropic client has no sampling argumen
 
 
 @pytest.fixture(scope="module")
-def served(tiny_engine, one_thread):
+def served(tiny_engine):
     settings = ServerSettings(model_name=MODEL, api_key=KEY, max_context=1024, max_request_bytes=256 * 1024)
     with serving(tiny_engine, settings) as served:
         yield served

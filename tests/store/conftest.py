@@ -41,16 +41,6 @@ def _build_fallback_pack(root: Path) -> Path:
     return convert(str(snapshot), root / "tiny.pack", progress=False)
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny matrices: more torch threads only add contention (restored after each test)."""
-    import torch
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
 
 @pytest.fixture(scope="session")
 def store_pack(request, tmp_path_factory) -> Path:

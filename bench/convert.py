@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
-import resource
 import shutil
 import subprocess
 import sys
@@ -25,13 +25,14 @@ def _tree_bytes(path: Path) -> int:
 
 
 def _run_child(args: list[str]) -> tuple[float, int]:
-    """(seconds, peak RSS bytes) of a child process; ru_maxrss of RUSAGE_CHILDREN is in KiB on Linux."""
-    before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    """(seconds, peak RSS bytes) of one child process: wait4 gives that child's own ru_maxrss (KiB)."""
     start = time.perf_counter()
-    subprocess.run(args, check=True)
+    child = subprocess.Popen(args)
+    _, status, usage = os.wait4(child.pid, 0)
     seconds = time.perf_counter() - start
-    peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
-    return seconds, max(peak, before) * 1024
+    if os.waitstatus_to_exitcode(status) != 0:
+        raise SystemExit(f"{' '.join(args)} failed")
+    return seconds, usage.ru_maxrss * 1024
 
 
 def main() -> None:
@@ -66,7 +67,7 @@ def main() -> None:
         shutil.rmtree(pack, ignore_errors=True)
     result = {
         "machine": {"node": platform.node(), "cpu": platform.processor() or platform.machine(),
-                    "cores": __import__("os").cpu_count(), "python": platform.python_version()},
+                    "cores": os.cpu_count(), "python": platform.python_version()},
         "settings": {"preset": "full", "layers": args.layers, "ple_rows_per_head": args.ple_rows_per_head},
         "results": rows,
     }

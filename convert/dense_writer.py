@@ -8,6 +8,7 @@ because they are small or precision-critical.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -44,15 +45,22 @@ def write_dense(checkpoint: SourceCheckpoint, pack: Path, fp8_rows: bool, progre
             declared.append((spec.name, "BF16", spec.shape))
     with StreamingSafetensorsWriter(pack / DENSE_FILE, declared, {"format": "pt"}) as writer:
         for spec in tqdm(specs, unit="tensor", desc="dense", disable=not progress):
-            tensor = checkpoint.tensor(spec.name)
             if stored_as_fp8(spec.name, fp8_rows):
-                values, scales = quantize_fp8_rows(tensor)
-                writer.write(spec.name, values)
-                writer.write(spec.name + ROW_SCALE_SUFFIX, scales)
+                scales: list[torch.Tensor] = []
+                writer.write_blocks(spec.name, _fp8_blocks(checkpoint, spec.name, scales))
+                writer.write(spec.name + ROW_SCALE_SUFFIX, torch.cat(scales))
             else:
-                writer.write(spec.name, tensor.to(torch.bfloat16))
+                writer.write_blocks(spec.name, (b.to(torch.bfloat16) for b in checkpoint.row_blocks(spec.name)))
         entries = _entries(writer, declared, fp8_rows)
     return {"file": DENSE_FILE, "fp8_rows": fp8_rows, "tensors": entries}
+
+
+def _fp8_blocks(checkpoint: SourceCheckpoint, name: str, scales: list[torch.Tensor]) -> Iterator[torch.Tensor]:
+    """FP8 values block by block; each block's row scales are appended to `scales`."""
+    for block in checkpoint.row_blocks(name):
+        values, block_scales = quantize_fp8_rows(block)
+        scales.append(block_scales)
+        yield values
 
 
 def write_vision(checkpoint: SourceCheckpoint, pack: Path) -> dict | None:
@@ -62,8 +70,8 @@ def write_vision(checkpoint: SourceCheckpoint, pack: Path) -> dict | None:
         return None
     declared = []
     for key in keys:
-        tensor_slice = checkpoint.tensor_slice(key)
-        declared.append((key, tensor_slice.get_dtype(), tuple(tensor_slice.get_shape())))
+        stored = checkpoint.entries[key]
+        declared.append((key, stored.dtype, stored.shape))
     with StreamingSafetensorsWriter(pack / VISION_FILE, declared, {"format": "pt"}) as writer:
         for key in keys:
             writer.write(key, checkpoint.raw(key))

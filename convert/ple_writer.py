@@ -42,9 +42,9 @@ def write_ple(checkpoint: SourceCheckpoint, pack: Path, progress: bool = True) -
         rows = 0
         with open(pack / file, "wb") as handle:
             for spec in (s for s in specs if s.ple_index == ple_index):
-                shard = checkpoint.tensor(spec.name)
-                handle.write(ple_row_bytes(shard).numpy())
-                rows += shard.shape[0]
+                for block in checkpoint.row_blocks(spec.name):
+                    handle.write(ple_row_bytes(block).numpy())
+                    rows += block.shape[0]
                 bar.update()
         if rows != cfg.ple_table_rows(ple_index):
             raise FlashpackError(f"PLE table of layer {layer} has {rows} rows, the config implies {cfg.ple_table_rows(ple_index)}")

@@ -3,6 +3,10 @@
 The snapshot is a local directory or a hub repo id resolved by huggingface_hub (which honours
 HF_HUB_OFFLINE, the local cache and `revision`). Everything that can be checked before writing a
 byte is checked here, so a bad source fails in seconds with one line, not an hour into a convert.
+
+Tensors are read with positional reads at the offsets the safetensors headers give, not through a
+memory map: a map keeps every page it touched resident for as long as the file stays open, so
+streaming a 133 GB checkpoint through mmap shows as tens of GB of RSS; a read holds one tensor.
 """
 
 from __future__ import annotations
@@ -10,11 +14,11 @@ from __future__ import annotations
 import json
 import math
 import struct
-from dataclasses import dataclass, field
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
 from flashpack.convert.checkpoint_spec import (
     Form,
@@ -70,8 +74,7 @@ class SourceCheckpoint:
     raw_config: dict
     form: Form
     quantization: str  # "bf16" (any float dtype) or "nvfp4"
-    key_files: dict[str, str]
-    _handles: dict[str, object] = field(default_factory=dict, repr=False)
+    entries: dict[str, "StoredTensor"]
 
     @classmethod
     def open(cls, root: Path, repo_id: str | None = None) -> "SourceCheckpoint":
@@ -82,32 +85,61 @@ class SourceCheckpoint:
         config = TextConfig.from_checkpoint_config(raw_config)
         form: Form = "qwen4_exp" if raw_config["model_type"] == "qwen4_exp" else "qwen4_exp_text"
         checkpoint = cls(root, repo_id, config, raw_config, form, _detect_quantization(root, raw_config),
-                         _map_keys_to_files(root))
+                         _index_tensors(root))
         checkpoint._check_tensors()
         return checkpoint
 
     @property
     def has_mtp(self) -> bool:
-        return any(key.startswith("mtp.") for key in self.key_files)
+        return any(key.startswith("mtp.") for key in self.entries)
 
     @property
     def files(self) -> list[str]:
-        return sorted(set(self.key_files.values()))
+        return sorted({entry.file for entry in self.entries.values()})
 
     def has(self, canonical: str) -> bool:
-        return checkpoint_key(canonical, self.form) in self.key_files
+        return checkpoint_key(canonical, self.form) in self.entries
 
     def tensor(self, canonical: str) -> torch.Tensor:
         return self.raw(checkpoint_key(canonical, self.form))
 
     def raw(self, key: str) -> torch.Tensor:
-        file = self.key_files[key]
-        if file not in self._handles:
-            self._handles[file] = safe_open(self.root / file, framework="pt")
-        return self._handles[file].get_tensor(key)
+        """The stored tensor `key`, read from its shard (a fresh tensor, no mapping kept)."""
+        entry = self.entries[key]
+        return self._read(key, entry.offset, entry.length, entry.shape)
+
+    def row_blocks(self, canonical: str, block_bytes: int = 64 << 20) -> Iterator[torch.Tensor]:
+        """Tensor `canonical` in row blocks of about `block_bytes` (embeddings are 1.3 GB each)."""
+        key = checkpoint_key(canonical, self.form)
+        entry = self.entries[key]
+        if len(entry.shape) < 2 or entry.length <= block_bytes:
+            yield self.raw(key)
+            return
+        rows = max(1, block_bytes * entry.shape[0] // entry.length)
+        for start in range(0, entry.shape[0], rows):
+            yield self.raw_rows(key, start, min(rows, entry.shape[0] - start))
+
+    def raw_rows(self, key: str, start: int, count: int) -> torch.Tensor:
+        """Rows [start, start + count) of the stored tensor `key`, reading only those bytes."""
+        entry = self.entries[key]
+        row_bytes = entry.length // entry.shape[0] if entry.shape and entry.shape[0] else 0
+        if not 0 <= start <= start + count <= entry.shape[0]:
+            raise IndexError(f"rows {start}..{start + count} outside {key} ({entry.shape[0]} rows)")
+        return self._read(key, entry.offset + start * row_bytes, count * row_bytes, (count, *entry.shape[1:]))
+
+    def _read(self, key: str, offset: int, length: int, shape: tuple[int, ...]) -> torch.Tensor:
+        dtype = _SAFETENSORS_TO_TORCH[self.entries[key].dtype]
+        if length == 0:
+            return torch.empty(shape, dtype=dtype)
+        data = bytearray(length)
+        with open(self.root / self.entries[key].file, "rb", buffering=0) as handle:
+            handle.seek(offset)
+            if handle.readinto(data) != length:
+                raise FlashpackError(f"shard {self.entries[key].file} ended while reading {key}")
+        return torch.frombuffer(data, dtype=torch.uint8).view(dtype).reshape(shape)
 
     def vision_keys(self) -> list[str]:
-        return sorted(key for key in self.key_files if is_vision_key(key))
+        return sorted(key for key in self.entries if is_vision_key(key))
 
     def expert_parts(self, name: str) -> torch.Tensor | NVFP4Parts:
         """Expert weight `name`: a float tensor for BF16 sources, NVFP4Parts for ModelOpt NVFP4 ones."""
@@ -128,7 +160,7 @@ class SourceCheckpoint:
             else:
                 self._check_shape(spec.name, spec.shape, FLOAT_DTYPES if spec.role != "ple_buffer" else None)
         known = {checkpoint_key(s.name, self.form) for s in iter_specs(self.config, with_mtp=self.has_mtp)}
-        stray = [k for k in self.key_files if k not in known and not is_vision_key(k) and not _is_quant_aux(k)]
+        stray = [k for k in self.entries if k not in known and not is_vision_key(k) and not _is_quant_aux(k)]
         if stray:
             raise FlashpackError(f"checkpoint has {len(stray)} tensors the config does not explain, e.g. {stray[0]}")
 
@@ -141,25 +173,29 @@ class SourceCheckpoint:
 
     def _check_shape(self, canonical: str, shape: tuple[int, ...] | None, dtypes: tuple | None) -> None:
         key = checkpoint_key(canonical, self.form)
-        if key not in self.key_files:
+        if key not in self.entries:
             raise FlashpackError(f"checkpoint lacks tensor {key}")
-        handle_slice = self.tensor_slice(key)
-        got_shape = tuple(handle_slice.get_shape())
+        stored = self.entries[key]
+        got_shape = stored.shape
         if shape is not None and got_shape != tuple(shape):
             raise FlashpackError(f"{key} has shape {list(got_shape)} but the config implies {list(shape)}")
         if shape is None and math.prod(got_shape) != 1:
             raise FlashpackError(f"{key} should be a scalar, has shape {list(got_shape)}")
-        got_dtype = _SAFETENSORS_TO_TORCH.get(handle_slice.get_dtype())
+        got_dtype = _SAFETENSORS_TO_TORCH.get(stored.dtype)
         if dtypes is not None and got_dtype not in dtypes:
             wanted = "/".join(str(d).removeprefix("torch.") for d in dtypes)
-            raise FlashpackError(f"{key} has dtype {handle_slice.get_dtype()}, expected {wanted}")
+            raise FlashpackError(f"{key} has dtype {stored.dtype}, expected {wanted}")
 
-    def tensor_slice(self, key: str):
-        """Lazy view of a stored tensor: shape and dtype without reading its bytes."""
-        file = self.key_files[key]
-        if file not in self._handles:
-            self._handles[file] = safe_open(self.root / file, framework="pt")
-        return self._handles[file].get_slice(key)
+
+@dataclass(frozen=True)
+class StoredTensor:
+    """Where one tensor's bytes sit in its shard."""
+
+    file: str
+    dtype: str  # safetensors name, e.g. BF16
+    shape: tuple[int, ...]
+    offset: int  # absolute byte offset in the file
+    length: int
 
 
 _SAFETENSORS_TO_TORCH = {
@@ -188,7 +224,7 @@ def _detect_quantization(root: Path, raw_config: dict) -> str:
     return "nvfp4"
 
 
-def _map_keys_to_files(root: Path) -> dict[str, str]:
+def _index_tensors(root: Path) -> dict[str, StoredTensor]:
     index_path = root / "model.safetensors.index.json"
     if index_path.is_file():
         weight_map = _load_json(index_path).get("weight_map")
@@ -199,20 +235,21 @@ def _map_keys_to_files(root: Path) -> dict[str, str]:
         files, weight_map = ["model.safetensors"], None
     else:
         raise FlashpackError(f"{root} has neither model.safetensors.index.json nor model.safetensors")
-    key_files: dict[str, str] = {}
+    entries: dict[str, StoredTensor] = {}
     for file in files:
-        header = read_safetensors_header(root / file)
-        for key in header:
-            key_files[key] = file
+        data_start, header = read_safetensors_header(root / file)
+        for key, entry in header.items():
+            begin, end = entry["data_offsets"]
+            entries[key] = StoredTensor(file, entry["dtype"], tuple(entry["shape"]), data_start + begin, end - begin)
     if weight_map is not None:
-        missing = [key for key, file in weight_map.items() if key_files.get(key) != file]
+        missing = [key for key, file in weight_map.items() if key not in entries or entries[key].file != file]
         if missing:
             raise FlashpackError(f"index names {missing[0]} in {weight_map[missing[0]]}, which does not hold it")
-    return key_files
+    return entries
 
 
-def read_safetensors_header(path: Path) -> dict[str, dict]:
-    """Tensor entries of a safetensors file, after checking the file is whole."""
+def read_safetensors_header(path: Path) -> tuple[int, dict[str, dict]]:
+    """(offset where tensor data starts, tensor entries) of a safetensors file, after checking it is whole."""
     if not path.is_file():
         raise FlashpackError(f"shard {path.name} is missing from {path.parent}")
     size = path.stat().st_size
@@ -233,7 +270,7 @@ def read_safetensors_header(path: Path) -> dict[str, dict]:
         raise FlashpackError(
             f"shard {path.name} is truncated: {size} bytes, its header needs {8 + header_length + data_end}"
         )
-    return header
+    return 8 + header_length, header
 
 
 def _load_json(path: Path) -> dict:

@@ -278,3 +278,23 @@ def test_hub_repo_id_resolves_from_the_offline_cache(tiny_snapshot, tmp_path, mo
     pack = convert("flashpack-tests/tiny", tmp_path / "hub.pack", progress=False)
     assert Manifest.load(pack).document["source"]["repo_id"] == "flashpack-tests/tiny"
     _convert_fails("flashpack-tests/absent", tmp_path / "absent.pack", "not in the local Hugging Face cache")
+
+
+def test_full_preset_layer_converts_in_bounded_memory(tmp_path):
+    """Real dimensions, one layer (16 experts to keep CI fast): the convert's own peak RSS, from
+    wait4 on a fresh process, must sit far below what it writes (2.6 GB of embeddings alone)."""
+    import os
+    import subprocess
+    import sys
+
+    from flashpack.convert.synth import synthesize
+
+    snapshot = synthesize("full", tmp_path / "full1", layers=1, experts=16, ple_rows_per_head=2000, seed=0)
+    pack = tmp_path / "full1.pack"
+    child = subprocess.Popen([sys.executable, "-m", "flashpack.cli", "convert", str(snapshot), str(pack), "--quiet"])
+    _, status, usage = os.wait4(child.pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    written = sum(p.stat().st_size for p in pack.rglob("*") if p.is_file())
+    peak_rss = usage.ru_maxrss * 1024
+    assert written > 2.5e9
+    assert peak_rss < written / 4, (peak_rss, written)

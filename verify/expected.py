@@ -77,7 +77,7 @@ class ExpectedWeights:
                 raise IndexError(f"PLE row {row} outside the table of layer {layer} ({total} rows)")
             shard, offset = divmod(row, per_shard)
             name = f"layers.{layer}.ple.ple_embedding.ngram_embedding.shard_{shard}.weight"
-            picked.append(self.snapshot.tensor_slice(checkpoint_key(name, self.snapshot.form))[offset:offset + 1])
+            picked.append(self.snapshot.raw_rows(checkpoint_key(name, self.snapshot.form), offset, 1))
         if not picked:
             return torch.zeros(0, cfg.ple_head_dim)
         # quantize_fp8_rows works row by row, so rounding a subset equals rounding the whole table.

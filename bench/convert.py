@@ -24,15 +24,26 @@ def _tree_bytes(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
 
 
+_PEAK_RSS = (
+    "import runpy, sys\n"
+    "sys.argv = ['flashpack'] + sys.argv[1:]\n"
+    "try:\n    runpy.run_module('flashpack.cli', run_name='__main__')\n"
+    "finally:\n    print('VmHWM', [l for l in open('/proc/self/status') if l.startswith('VmHWM')][0].split()[1])"
+)
+
+
 def _run_child(args: list[str]) -> tuple[float, int]:
-    """(seconds, peak RSS bytes) of one child process: wait4 gives that child's own ru_maxrss (KiB)."""
+    """(seconds, peak RSS bytes) of one `flashpack` command in a fresh process.
+
+    VmHWM is the high-water mark of the child's own address space; ru_maxrss would also count
+    the parent's pages that the child held between fork and exec."""
     start = time.perf_counter()
-    child = subprocess.Popen(args)
-    _, status, usage = os.wait4(child.pid, 0)
+    result = subprocess.run([sys.executable, "-c", _PEAK_RSS, *args], capture_output=True, text=True)
     seconds = time.perf_counter() - start
-    if os.waitstatus_to_exitcode(status) != 0:
-        raise SystemExit(f"{' '.join(args)} failed")
-    return seconds, usage.ru_maxrss * 1024
+    if result.returncode != 0:
+        raise SystemExit(f"flashpack {' '.join(args)} failed:\n{result.stderr[-2000:]}")
+    peak_kib = int(result.stdout.rsplit("VmHWM", 1)[1].split()[0])
+    return seconds, peak_kib * 1024
 
 
 def main() -> None:
@@ -43,7 +54,7 @@ def main() -> None:
     parser.add_argument("--json", type=Path, required=True)
     parser.add_argument("--formats", default="bf16,nvfp4")
     args = parser.parse_args()
-    flashpack = [sys.executable, "-m", "flashpack.cli"]
+    flashpack: list[str] = []
     args.workdir.mkdir(parents=True, exist_ok=True)
     rows = []
     for weight_format in args.formats.split(","):

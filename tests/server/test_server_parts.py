@@ -181,7 +181,7 @@ def test_serve_binds_loopback_and_takes_the_key_from_the_environment(monkeypatch
     from flashpack.runtime.server import serve
 
     ran = {}
-    monkeypatch.setattr(flashpack.runtime.loader, "load_engine", lambda pack, device, dtype: fake_engine(tiny_tokenizer))
+    monkeypatch.setattr(flashpack.runtime.loader, "load_engine", lambda pack, device, dtype, **store: fake_engine(tiny_tokenizer))
     monkeypatch.setattr(uvicorn, "run", lambda app, host, port, **kwargs: ran.update(app=app, host=host, port=port))
     monkeypatch.setenv("FLASHPACK_API_KEY", "from-env")
     serve("/packs/tiny.pack")

@@ -19,17 +19,8 @@ from typing import BinaryIO
 
 import torch
 
-SAFETENSORS_DTYPES = {
-    torch.float32: "F32",
-    torch.float16: "F16",
-    torch.bfloat16: "BF16",
-    torch.float8_e4m3fn: "F8_E4M3",
-    torch.uint8: "U8",
-    torch.int8: "I8",
-    torch.int32: "I32",
-    torch.int64: "I64",
-}
-DTYPE_BYTES = {"F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "U8": 1, "I8": 1, "I32": 4, "I64": 8}
+from flashpack.layout.dtypes import SAFETENSORS_NAMES, dtype_bytes
+
 _HEADER_ALIGNMENT = 8
 
 
@@ -46,7 +37,7 @@ class StreamingSafetensorsWriter:
         cursor = 0
         self._specs: dict[str, tuple[str, tuple[int, ...], int, int]] = {}
         for name, dtype, shape in tensors:
-            length = DTYPE_BYTES[dtype] * math.prod(shape)
+            length = dtype_bytes(dtype) * math.prod(shape)
             header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [cursor, cursor + length]}
             self._specs[name] = (dtype, tuple(shape), cursor, length)
             cursor += length
@@ -74,7 +65,7 @@ class StreamingSafetensorsWriter:
         dtype, shape, _, length = self._specs[name]
         written = 0
         for block in blocks:
-            if SAFETENSORS_DTYPES.get(block.dtype) != dtype or (block.dim() and tuple(block.shape[1:]) != shape[1:]):
+            if SAFETENSORS_NAMES.get(block.dtype) != dtype or (block.dim() and tuple(block.shape[1:]) != shape[1:]):
                 raise ValueError(f"{name}: declared {dtype}{list(shape)}, got a {block.dtype}{list(block.shape)} block")
             data = block.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy()
             self._file.write(data)  # numpy exposes the buffer: no extra copy

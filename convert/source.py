@@ -28,6 +28,7 @@ from flashpack.convert.checkpoint_spec import (
     iter_specs,
 )
 from flashpack.errors import FlashpackError
+from flashpack.layout.dtypes import TORCH_DTYPES
 from flashpack.layout.model_config import TextConfig
 
 SNAPSHOT_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "*.txt", "*.model", "*.tiktoken", "merges.txt"]
@@ -128,7 +129,7 @@ class SourceCheckpoint:
         return self._read(key, entry.offset + start * row_bytes, count * row_bytes, (count, *entry.shape[1:]))
 
     def _read(self, key: str, offset: int, length: int, shape: tuple[int, ...]) -> torch.Tensor:
-        dtype = _SAFETENSORS_TO_TORCH[self.entries[key].dtype]
+        dtype = TORCH_DTYPES[self.entries[key].dtype]
         if length == 0:
             return torch.empty(shape, dtype=dtype)
         data = bytearray(length)
@@ -181,7 +182,7 @@ class SourceCheckpoint:
             raise FlashpackError(f"{key} has shape {list(got_shape)} but the config implies {list(shape)}")
         if shape is None and math.prod(got_shape) != 1:
             raise FlashpackError(f"{key} should be a scalar, has shape {list(got_shape)}")
-        got_dtype = _SAFETENSORS_TO_TORCH.get(stored.dtype)
+        got_dtype = TORCH_DTYPES.get(stored.dtype)
         if dtypes is not None and got_dtype not in dtypes:
             wanted = "/".join(str(d).removeprefix("torch.") for d in dtypes)
             raise FlashpackError(f"{key} has dtype {stored.dtype}, expected {wanted}")
@@ -198,10 +199,6 @@ class StoredTensor:
     length: int
 
 
-_SAFETENSORS_TO_TORCH = {
-    "BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F8_E4M3": torch.float8_e4m3fn,
-    "U8": torch.uint8, "I64": torch.int64, "I32": torch.int32,
-}
 _QUANT_AUX_SUFFIXES = (".weight_scale", ".weight_scale_2", ".input_scale")
 
 

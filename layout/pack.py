@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from flashpack.errors import FlashpackError
+from flashpack.layout.dtypes import TORCH_DTYPES
 from flashpack.layout.manifest import ExpertRecordEntry, Manifest, PleTable
 from flashpack.layout.records import DecodedExpert, decode_record, record_hash
 
@@ -97,12 +98,6 @@ class Pack:
         return _tensor_from_map(self.file_map(self.manifest.document["dense"]["file"]), entry)
 
 
-_TORCH_DTYPES = {
-    "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F8_E4M3": torch.float8_e4m3fn,
-    "U8": torch.uint8, "I8": torch.int8, "I32": torch.int32, "I64": torch.int64,
-}
-
-
 def _tensor_from_map(mapping: mmap.mmap, entry) -> torch.Tensor:
     raw = bytearray(mapping[entry.offset:entry.offset + entry.length])
-    return torch.frombuffer(raw, dtype=torch.uint8).view(_TORCH_DTYPES[entry.dtype]).reshape(entry.shape)
+    return torch.frombuffer(raw, dtype=torch.uint8).view(TORCH_DTYPES[entry.dtype]).reshape(entry.shape)

@@ -13,6 +13,7 @@ from flashpack.errors import FlashpackError
 from flashpack.layout.model_config import TextConfig
 from flashpack.layout.nvfp4 import dequantize_fp8_rows
 from flashpack.layout.pack import Pack
+from flashpack.layout.records import PROJECTIONS
 from flashpack.runtime.experts import ExpertWeights
 
 
@@ -49,5 +50,5 @@ class PackExperts:
         fetched = {}
         for expert in experts:
             decoded = self.pack.expert(layer, expert, verify=self.verify_records)
-            fetched[expert] = ExpertWeights(*(decoded.dequantize(p) for p in ("gate", "up", "down")))
+            fetched[expert] = ExpertWeights(*(decoded.dequantize(p) for p in PROJECTIONS))
         return fetched

@@ -23,7 +23,8 @@ from pathlib import Path
 
 import torch
 
-from flashpack.convert.safetensors_writer import SAFETENSORS_DTYPES, StreamingSafetensorsWriter
+from flashpack.convert.safetensors_writer import StreamingSafetensorsWriter
+from flashpack.layout.dtypes import SAFETENSORS_NAMES
 
 INDEX_NAME = "model.safetensors.index.json"
 PREFETCH_BYTES = 64 << 20  # values produced ahead of the writer, at most
@@ -117,7 +118,7 @@ class _Prefetcher:
 
 
 def _write_shard(path: Path, shard: list[DiskTensor], ahead: _Prefetcher) -> None:
-    declared = [(t.key, SAFETENSORS_DTYPES[t.dtype], t.shape) for t in shard]
+    declared = [(t.key, SAFETENSORS_NAMES[t.dtype], t.shape) for t in shard]
     with StreamingSafetensorsWriter(path, declared, {"format": "pt"}) as writer:
         for tensor in shard:
             writer.write_blocks(tensor.key, ahead.blocks(tensor))

@@ -22,8 +22,8 @@ def test_run_streams_greedy_text_and_the_store_changes_nothing(tiny_pack):
     tiered = _invoke("run", str(tiny_pack), "The cache", "--max-tokens", "12",
                      "--vram-budget", "3MiB", "--ram-budget", "1MiB", "--store-stats")
     assert tiered.exit_code == 0, tiered.output
-    text = plain.stdout.split("[")[0]
-    assert tiered.stdout.startswith(text)
+    assert plain.stdout.strip(), "greedy run printed no text"
+    assert tiered.stdout == plain.stdout  # identical greedy text whatever serves the experts
     assert "tok/s decode" in plain.output and '"device_hit_rate"' in tiered.output
 
 

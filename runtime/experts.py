@@ -1,16 +1,29 @@
-"""The one call the MoE block makes to get routed experts: `ExpertFetcher.fetch`.
+"""How the MoE block gets routed experts: as dequantised weights, or as rows of a device bank.
 
-Per layer and per forward, the MoE block asks for the union of the experts its router picked and
-gets their dequantised weights back. Whatever tiers sit behind a fetcher (device slots, pinned host
-cache, disk reads) are invisible here. MTP layers use layer index num_hidden_layers + mtp_layer.
+Two kinds of source sit behind a MoE block; the block asks which one it has:
+
+    ExpertFetcher.fetch(layer, experts) -> {expert: ExpertWeights}
+        dequantised [out, in] tensors; the plain path (pack decoded on demand, the tests'
+        in-memory experts). The block runs them as ordinary linears.
+    ExpertSlots.stream(layer, experts) -> lists of ready handles (.expert, .slot)
+        the records' own NVFP4 bytes, resident in rows of `ExpertSlots.bank` on the engine's
+        device; the block runs the fused kernels (runtime/kernels) over them. A source whose
+        `slot_table` is not None holds every expert for good (an unbounded budget): the block then
+        looks slots up on the device, with no host round trip, which CUDA graphs need.
+
+Whatever tiers sit behind a source (device slots, pinned host cache, disk reads) are invisible
+here. MTP layers use layer index num_hidden_layers + mtp_layer.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from collections.abc import Iterator
 from typing import Protocol, runtime_checkable
 
 import torch
+
+from flashpack.runtime.kernels.bank import ExpertBank
 
 
 @dataclass
@@ -26,4 +39,31 @@ class ExpertWeights:
 class ExpertFetcher(Protocol):
     def fetch(self, layer: int, experts: list[int]) -> dict[int, ExpertWeights]:
         """Weights of `experts` (ascending, unique) of decoder `layer`; every id must be in the result."""
+        ...
+
+
+class SlotHandle(Protocol):
+    expert: int
+    slot: int  # row of the source's bank
+
+
+@runtime_checkable
+class ExpertSlots(Protocol):
+    @property
+    def bank(self) -> ExpertBank:
+        """Every slot of the source as one bank on the engine's device."""
+        ...
+
+    @property
+    def slot_table(self) -> torch.Tensor | None:
+        """int32 [layers, num_experts] slot of every expert, on the device, when all are resident."""
+        ...
+
+    def stream(self, layer: int, experts: list[int]) -> Iterator[list[SlotHandle]]:
+        """Ready handles covering `experts` of `layer` once each, in one or more chunks; a chunk's
+        slots stay valid until the consumer asks for the next chunk (kernels enqueued by then)."""
+        ...
+
+    def prefetch(self, layer: int, experts: list[int]) -> int:
+        """Start loading `experts` for a request expected soon; never blocks. Returns loads started."""
         ...

@@ -49,6 +49,11 @@ class Qwen4ExpModel(nn.Module):
         else:
             self.register_buffer("lm_head", load_dense(source, "lm_head.weight", dtype, device), persistent=False)
 
+    def prefetch_next_layer(self, enabled: bool = True) -> None:
+        """Let each MoE block name the next layer's likely experts to a tiered store in decode."""
+        for layer, following in zip(self.layers, self.layers[1:]):
+            layer.moe.next_moe = following.moe if enabled else None
+
     def new_state(self) -> SequenceState:
         return SequenceState.empty(self.config, self.dtype, self.device)
 

@@ -1,30 +1,45 @@
 """Sparse MoE block: softmax router (fp32), top-k, renormalise; routed experts + gated shared expert.
 
-Routed experts come from the `ExpertFetcher`, one `fetch` per forward with the union of the experts
-the router picked for the T tokens (T = 1 in decode, the whole prompt in prefill: a long prompt
-touches most experts, so one layer-major pass moves each of them once).
+Routed experts come from the block's expert source (runtime/experts.py), asked once per forward for
+the union of the experts the router picked for the T tokens (T = 1 in decode, the whole prompt in
+prefill: a long prompt touches most experts, so one layer-major pass moves each of them once).
+
+With an `ExpertSlots` source the routed experts run as fused NVFP4 kernels over the source's bank:
+    resident source (slot_table):  slots = slot_table[layer][experts] on the device, no host sync
+    tiered store:                  one host sync for the expert ids, the shared expert enqueued
+                                   while the store lands the misses, then the kernel per chunk;
+                                   in decode the next layer's router, applied to this layer's
+                                   input, names the experts to prefetch into the gap that follows
+With an `ExpertFetcher` the dequantised weights run as plain linears, expert by expert.
 """
 
 from __future__ import annotations
+
+from contextlib import closing
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from flashpack.layout.model_config import TextConfig
-from flashpack.runtime.experts import ExpertFetcher
+from flashpack.runtime.experts import ExpertFetcher, ExpertSlots
+from flashpack.runtime.kernels import moe_experts
 from flashpack.runtime.model.norms import activation
 from flashpack.runtime.weights import WeightSource, load_dense
+
+PREDICT_MAX_TOKENS = 4  # decode and speculative verification; a prompt fetches every expert anyway
 
 
 class SparseMoE(nn.Module):
     def __init__(
-        self, cfg: TextConfig, source: WeightSource, prefix: str, layer: int, fetcher: ExpertFetcher,
+        self, cfg: TextConfig, source: WeightSource, prefix: str, layer: int, fetcher: ExpertFetcher | ExpertSlots,
         dtype: torch.dtype, device,
     ):
         super().__init__()
         self.layer, self.fetcher, self.dtype, self.device = layer, fetcher, dtype, device
-        self.top_k, self.renormalise = cfg.num_experts_per_tok, cfg.norm_topk_prob
+        self.slots = fetcher if isinstance(fetcher, ExpertSlots) else None
+        self.next_moe: SparseMoE | None = None  # whose experts to prefetch (set by the model)
+        self.num_experts, self.top_k, self.renormalise = cfg.num_experts, cfg.num_experts_per_tok, cfg.norm_topk_prob
         self.act = activation(cfg.hidden_act)
         load = lambda name: load_dense(source, prefix + name, dtype, device)  # noqa: E731
         self.register_buffer("router", load("gate.weight"), persistent=False)  # [E, H]
@@ -45,6 +60,55 @@ class SparseMoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, H] -> [T, H]."""
         weights, experts = self.route(x)
+        if self.slots is None:
+            routed = self._routed_dequantised(x, weights, experts)
+            return routed + self.shared(x)
+        table = self.slots.slot_table
+        if table is not None:
+            return moe_experts(x, self.slots.bank, table[self.layer][experts], weights) + self.shared(x)
+        wanted, upcoming = self._expert_ids(x, experts)
+        shared = self.shared(x)  # enqueued before the host blocks on copies: it runs meanwhile
+        routed = self._routed_from_slots(x, weights, experts, wanted)
+        if upcoming:
+            self.slots.prefetch(self.next_moe.layer, upcoming)
+        return routed + shared
+
+    def shared(self, x: torch.Tensor) -> torch.Tensor:
+        hidden = self.act(F.linear(x, self.shared_gate_proj)) * F.linear(x, self.shared_up_proj)
+        return torch.sigmoid(F.linear(x, self.shared_expert_gate)) * F.linear(hidden, self.shared_down_proj)
+
+    def _expert_ids(self, x: torch.Tensor, experts: torch.Tensor) -> tuple[list[int], list[int]]:
+        """The experts this layer needs and, in decode, those the next layer's router would pick
+        from this input, read back to the host in one transfer."""
+        wanted = torch.unique(experts)  # ascending
+        if self.next_moe is None or x.shape[0] > PREDICT_MAX_TOKENS:
+            return wanted.tolist(), []
+        _, predicted = self.next_moe.route(x)
+        ids = torch.cat([wanted, torch.unique(predicted)]).tolist()
+        return ids[:wanted.numel()], ids[wanted.numel():]
+
+    def _routed_from_slots(
+        self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, wanted: list[int],
+    ) -> torch.Tensor:
+        out = None
+        with closing(self.slots.stream(self.layer, wanted)) as chunks:  # closing releases the last chunk
+            for chunk in chunks:
+                lookup = torch.full((self.num_experts,), -1, dtype=torch.int32)
+                lookup[[h.expert for h in chunk]] = torch.tensor([h.slot for h in chunk], dtype=torch.int32)
+                slots = lookup.to(x.device)[experts]  # [T, k], -1: not in this chunk
+                if len(chunk) == len(wanted):
+                    out = moe_experts(x, self.slots.bank, slots, weights)
+                    continue
+                # a prompt streams its experts a few at a time: run the (token, k) pairs whose
+                # expert is in this chunk, one pair per row
+                tokens, picks = torch.where(slots >= 0)
+                part = moe_experts(x[tokens], self.slots.bank, slots[tokens, picks, None],
+                                   weights[tokens, picks, None])
+                out = torch.zeros_like(x) if out is None else out
+                out.index_add_(0, tokens, part)
+        return out if out is not None else torch.zeros_like(x)
+
+    def _routed_dequantised(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         wanted = torch.unique(experts).tolist()  # ascending: the order transformers accumulates in
         fetched = self.fetcher.fetch(self.layer, wanted)
         out = torch.zeros_like(x)
@@ -55,9 +119,7 @@ class SparseMoE(nn.Module):
             h = self.act(F.linear(h, self._cast(w.gate))) * F.linear(h, self._cast(w.up))
             h = F.linear(h, self._cast(w.down)) * weights[tokens, slot, None]
             out.index_add_(0, tokens, h.to(out.dtype))
-        shared = F.linear(self.act(F.linear(x, self.shared_gate_proj)) * F.linear(x, self.shared_up_proj),
-                          self.shared_down_proj)
-        return out + torch.sigmoid(F.linear(x, self.shared_expert_gate)) * shared
+        return out
 
     def _cast(self, weight: torch.Tensor) -> torch.Tensor:
         return weight.to(device=self.device, dtype=self.dtype)

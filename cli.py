@@ -297,6 +297,59 @@ def trace_replay(trace_file: Path, capacities: tuple[int, ...], policies: tuple[
 
 
 @main.command()
+@click.argument("pack", type=click.Path(path_type=Path))
+@_store_options
+@click.option("--prompt-len", type=int, default=512, show_default=True, help="Prompt tokens (ids drawn from the vocabulary).")
+@click.option("--gen", type=int, default=64, show_default=True, help="Greedy decode steps after the first token.")
+@click.option("--json", "json_path", type=click.Path(path_type=Path), help="Write the full report as JSON.")
+@click.option("--device", default="cpu", show_default=True)
+@click.option("--dtype", default="auto", show_default=True, help="auto (bf16 on GPU, fp32 on CPU), bfloat16, float32.")
+@click.option("--emulate-layers", type=int, help="The full model's decoder layers: budgets are for it, scaled to the "
+              "pack's layers, and per-token numbers are also reported at this count.")
+@click.option("--baseline", type=click.Choice(["transformers"]), help="Also time transformers + accelerate offload "
+              "at the same budget.")
+@click.option("--baseline-layers", type=int, default=2, show_default=True, help="Decoder layers the baseline builds.")
+@click.option("--baseline-prompt-len", type=int, default=512, show_default=True,
+              help="The baseline prefills at most this many of the prompt's tokens.")
+@click.option("--baseline-gen", type=int, default=4, show_default=True, help="Baseline decode steps.")
+@click.option("--seed", type=int, default=0, show_default=True, help="Seeds the prompt.")
+@click.option("--repeats", type=int, default=1, show_default=True, help="Timed prefill + decode runs (medians).")
+@click.option("--copy-probe", help="Size of the device-copy bandwidth probe (default 1GiB on a GPU, 256MiB on a CPU).")
+@click.option("--disk-probe", default="2GiB", show_default=True, help="At most this much of the expert files is "
+              "read to measure the disk.")
+@click.option("--offload-dir", type=click.Path(path_type=Path), help="Where the baseline's disk offload goes "
+              "(default: beside the pack).")
+@click.option("--quiet", is_flag=True, help="No progress bars.")
+@_one_line_errors
+def bench(pack: Path, vram_budget: str | None, ram_budget: str | None, policy: str, hot_set: str | None,
+          no_direct_io: bool, no_verify_records: bool, prompt_len: int, gen: int, json_path: Path | None, device: str,
+          dtype: str, emulate_layers: int | None, baseline: str | None, baseline_layers: int, baseline_prompt_len: int,
+          baseline_gen: int, seed: int, repeats: int, copy_probe: str | None, disk_probe: str,
+          offload_dir: Path | None, quiet: bool) -> None:
+    """Time prefill and decode of PACK through the tiered store, against the machine's bandwidth roofline
+    and (with --baseline) transformers + accelerate offload at the same budget. The store is always
+    used: a budget left out gives its tier room for every record."""
+    from flashpack.runtime.bench import run_bench
+    from flashpack.runtime.bench.report import table
+
+    report = run_bench(
+        pack, vram_budget=vram_budget, ram_budget=ram_budget, prompt_len=prompt_len, gen=gen, device=device,
+        dtype=dtype, policy=policy, hot_set=hot_set, emulate_layers=emulate_layers, baseline=baseline,
+        baseline_layers=baseline_layers, baseline_prompt_len=baseline_prompt_len, baseline_gen=baseline_gen,
+        seed=seed, repeats=repeats, direct_io=not no_direct_io, verify_records=not no_verify_records,
+        copy_probe=copy_probe, disk_probe=disk_probe, offload_dir=offload_dir, json_path=json_path,
+        progress=not quiet,
+    )
+    click.echo(table(report))
+    if json_path is not None:
+        click.echo(f"wrote {json_path}")
+    baseline_result = report["results"]["transformers"]
+    if baseline_result is not None and "error" in baseline_result:
+        click.echo(f"error: the {baseline} baseline failed: {baseline_result['error']}", err=True)
+        sys.exit(1)
+
+
+@main.command()
 @click.option("--workdir", type=click.Path(path_type=Path), default=Path("flashpack-demo"), show_default=True)
 @click.option("--keep", is_flag=True, help="Keep the generated snapshot and pack.")
 @_one_line_errors

@@ -1,0 +1,249 @@
+"""`run_bench`: load the engine at the (scaled) budgets, measure the ceilings, time prefill and
+decode, optionally the transformers baseline, and assemble the report (report.py lays it out)."""
+
+from __future__ import annotations
+
+import gc
+from pathlib import Path
+
+import torch
+
+from flashpack.errors import FlashpackError
+from flashpack.layout.pack import Pack
+from flashpack.runtime.bench.bandwidth import (
+    DEFAULT_DISK_BYTES,
+    measure_ceilings,
+    tier_bandwidths,
+)
+from flashpack.runtime.bench.baseline import (
+    BASELINES,
+    TransformersBaseline,
+    max_memory_for,
+)
+from flashpack.runtime.bench.check import compare_logits, prefix_logits
+from flashpack.runtime.bench.emulate import (
+    BUDGET_FORMULA,
+    SCALE_FORMULA,
+    check_layers,
+    scale_budget,
+    scale_to_layers,
+    scale_traffic,
+)
+from flashpack.runtime.bench.machine import machine_info
+from flashpack.runtime.bench.report import BENCH_VERSION, notes, write_report
+from flashpack.runtime.bench.roofline import phase_traffic, roofline
+from flashpack.runtime.bench.run import WARMUP_PROMPT, run_engine
+from flashpack.runtime.bench.sizes import baseline_fixed_bytes, model_sizes
+from flashpack.runtime.bench.workload import prompt_ids
+from flashpack.runtime.loader import (
+    StoreOptions,
+    load_engine,
+    parse_device,
+    parse_dtype,
+)
+from flashpack.runtime.store.budget import parse_budget
+
+
+def run_bench(
+    pack: Path | str,
+    *,
+    vram_budget: str | int | None = None,
+    ram_budget: str | int | None = None,
+    prompt_len: int = 512,
+    gen: int = 64,
+    device: str = "cpu",
+    dtype: str = "auto",
+    policy: str = "lfu",
+    hot_set: str | None = None,
+    emulate_layers: int | None = None,
+    baseline: str | None = None,
+    baseline_layers: int = 2,
+    baseline_prompt_len: int = 512,
+    baseline_gen: int = 4,
+    seed: int = 0,
+    repeats: int = 1,
+    direct_io: bool = True,
+    verify_records: bool = True,
+    copy_probe: str | int | None = None,
+    disk_probe: str | int = DEFAULT_DISK_BYTES,
+    offload_dir: Path | None = None,
+    json_path: Path | None = None,
+    progress: bool = False,
+) -> dict:
+    """Benchmark `pack`; returns the report (and writes it to `json_path` when given).
+
+    A baseline that fails does not lose our measurements: its entry holds {"error": ...} instead.
+
+    Budgets are for the full model: with `emulate_layers` (the full model's decoder layer count)
+    they are scaled to the pack's layers (emulate.py), and per-token results are reported at both
+    counts. `baseline="transformers"` also times transformers + accelerate on the pack's first
+    `baseline_layers` layers at the same budget (baseline.py)."""
+    for name, value, least in (("--prompt-len", prompt_len, 1), ("--gen", gen, 1), ("--repeats", repeats, 1),
+                               ("--baseline-prompt-len", baseline_prompt_len, 1), ("--baseline-gen", baseline_gen, 1)):
+        if value < least:
+            raise FlashpackError(f"{name} must be at least {least}, got {value}")
+    if baseline is not None and baseline not in BASELINES:
+        raise FlashpackError(f"unknown baseline {baseline!r}: choose one of {', '.join(BASELINES)}")
+    manifest = Pack.open(pack).manifest
+    cfg = manifest.config
+    torch_device = parse_device(device)
+    torch_dtype = parse_dtype(dtype, torch_device)
+    layers = cfg.num_hidden_layers
+    target = check_layers(layers, emulate_layers)
+    if baseline is not None and not 1 <= baseline_layers <= layers:
+        raise FlashpackError(f"--baseline-layers must be 1..{layers} (the pack's decoder layers), got {baseline_layers}")
+    if prompt_len + gen + 1 > cfg.max_position_embeddings:
+        raise FlashpackError(f"--prompt-len {prompt_len} + --gen {gen} exceeds the model's context "
+                             f"({cfg.max_position_embeddings} positions)")
+    sizes = model_sizes(manifest, torch_dtype, torch_device)
+    typed = {"vram": parse_budget(vram_budget, "--vram-budget"), "ram": parse_budget(ram_budget, "--ram-budget")}
+    fixed = {"vram": sizes.device_fixed, "ram": 0}
+    engine_budgets = {tier: scale_budget(typed[tier], fixed[tier], layers, target, f"--{tier}-budget")
+                      for tier in ("vram", "ram")}
+
+    store = StoreOptions(
+        vram_budget=None if engine_budgets["vram"] is None else str(engine_budgets["vram"]),
+        ram_budget=None if engine_budgets["ram"] is None else str(engine_budgets["ram"]),
+        policy=policy, hot_set=hot_set, direct_io=direct_io,
+    )
+    engine = load_engine(pack, device, dtype, verify_records=verify_records, store=store)
+    try:
+        tokenizer = engine.tokenizer.tokenizer
+        eos = cfg.eos_token_id if cfg.eos_token_id is not None and cfg.eos_token_id >= 0 else None
+        prompt = prompt_ids(tokenizer, cfg.vocab_size, prompt_len, seed, eos)
+        warmup = prompt_ids(tokenizer, cfg.vocab_size, min(WARMUP_PROMPT, prompt_len), seed + 1, eos)
+        expert_files = sorted({r.file for r in manifest.expert_records()})
+        ceilings = measure_ceilings(
+            torch_device, engine.pack.root, expert_files,
+            copy_bytes=parse_budget(copy_probe, "--copy-probe") if copy_probe is not None else None,
+            disk_bytes=parse_budget(disk_probe, "--disk-probe"), direct_io=direct_io,
+        )
+        ours = run_engine(engine, prompt, gen, warmup, repeats, progress)
+        baseline_prompt = prompt[:min(prompt_len, baseline_prompt_len)]
+        ours_prefix = prefix_logits(engine.model, baseline_prompt, baseline_layers) if baseline else None
+        opened = engine.pack  # the baseline reads the same mapped pack
+        plan = engine.store.plan
+        store_plan = {"device_slots": plan.device_slots, "host_slots": plan.host_slots,
+                      "device_reserved": plan.device_reserved, "host_reserved": plan.host_reserved,
+                      "record_stride": plan.record_stride}
+    finally:
+        if engine.store is not None:
+            engine.store.close()
+        del engine
+        gc.collect()
+        if torch_device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    bandwidth = tier_bandwidths(ceilings)
+    ours_dict = ours.to_dict()
+    ours_dict["scaled"] = _scaled(ours_dict, ours.fixed_seconds, layers, target) if target != layers else None
+    report_roofline = _rooflines(sizes, ours_dict, bandwidth, layers, target)
+
+    baseline_dict = comparison = None
+    budgets = {"typed": typed, "fixed": fixed, "engine": engine_budgets, "layers_typed_for": target,
+               "pack_layers": layers, "formula": BUDGET_FORMULA, "store_plan": store_plan}
+    if baseline is not None:
+        base_fixed = baseline_fixed_bytes(manifest, torch_dtype)
+        base_budgets = {tier: scale_budget(typed[tier], base_fixed if tier == "vram" else 0, baseline_layers, target,
+                                           f"--{tier}-budget") for tier in ("vram", "ram")}
+        budgets["baseline"] = {**base_budgets, "fixed_vram": base_fixed, "layers": baseline_layers}
+        max_memory = max_memory_for(torch_device, base_budgets["vram"], base_budgets["ram"])
+        try:
+            result = _run_baseline(opened, baseline_layers, torch_dtype, torch_device, max_memory, offload_dir,
+                                   progress, baseline_prompt, baseline_gen)
+        except Exception as error:  # noqa: BLE001 - the report keeps our numbers and says what failed
+            baseline_dict = {"error": f"{type(error).__name__}: {error}"}
+        else:
+            baseline_dict = result.to_dict()
+            baseline_dict["prompt_truncated"] = len(baseline_prompt) < prompt_len
+            baseline_dict["check"] = compare_logits(ours_prefix, result.first_logits, torch_dtype)
+            baseline_dict["scaled"] = {
+                str(count): _scaled(baseline_dict, result.fixed_seconds, baseline_layers, count)
+                for count in sorted({layers, target})
+            }
+            comparison = _compare(ours_dict, baseline_dict, layers, target)
+
+    report = {
+        "bench_version": BENCH_VERSION,
+        "machine": machine_info(torch_device),
+        "settings": {
+            "pack": str(pack), "device": str(torch_device), "dtype": str(torch_dtype).removeprefix("torch."),
+            "policy": policy, "hot_set": hot_set, "prompt_tokens": prompt_len, "gen_tokens": gen, "seed": seed,
+            "repeats": repeats, "emulate_layers": emulate_layers, "pack_layers": layers, "direct_io": direct_io,
+            "baseline": baseline, "baseline_layers": baseline_layers if baseline else None,
+            "baseline_prompt_tokens": len(baseline_prompt) if baseline else None,
+            "baseline_gen_tokens": baseline_gen if baseline else None,
+        },
+        "budgets": budgets,
+        "sizes": sizes.to_dict(),
+        "bandwidth": ceilings,
+        "results": {"flashpack": ours_dict, "transformers": baseline_dict},
+        "roofline": report_roofline,
+        "comparison": comparison,
+        "notes": notes(layers, target, baseline_layers if baseline else None, SCALE_FORMULA, BUDGET_FORMULA),
+    }
+    if json_path is not None:
+        write_report(report, json_path)
+    return report
+
+
+def _run_baseline(pack: Pack, layers: int, dtype: torch.dtype, device: torch.device, max_memory: dict | None,
+                  offload_dir: Path | None, progress: bool, prompt: list[int], gen: int):
+    runner = TransformersBaseline(pack, layers, dtype, device, max_memory, offload_root=offload_dir,
+                                  progress=progress)
+    try:
+        return runner.run(prompt, gen)
+    finally:
+        runner.close()
+
+
+def _scaled(result: dict, fixed: dict[str, float], layers: int, target: int) -> dict:
+    """Per-token figures of a run with `layers` layers at `target` layers (emulate.SCALE_FORMULA)."""
+    prefill, decode = result["prefill"], result["decode"]
+    ttft = scale_to_layers(prefill["ttft_s"], fixed["prefill"], layers, target)
+    per_token = scale_to_layers(decode["seconds"] / decode["tokens"], fixed["decode"], layers, target)
+    return {
+        "layers": target, "ttft_s": ttft, "prefill_tokens_per_s": prefill["tokens"] / ttft,
+        "decode_ms_per_token": 1000 * per_token, "decode_tokens_per_s": 1 / per_token,
+    }
+
+
+def _rooflines(sizes, ours: dict, bandwidth: dict, layers: int, target: int) -> dict:
+    out = {}
+    for phase in ("prefill", "decode"):
+        result = ours[phase]
+        tokens = result["tokens"]
+        forwards = 1 if phase == "prefill" else tokens
+        achieved = result["ttft_s"] if phase == "prefill" else result["seconds"]
+        store = result["store"]
+        repeats = store["tokens"] / tokens
+        traffic = phase_traffic(sizes, forwards=forwards, tokens=tokens, requests=store["requests"] / repeats,
+                                host_to_device=store["bytes"]["host_to_device"] / repeats,
+                                disk_to_host=store["bytes"]["disk_to_host"] / repeats)
+        out[phase] = roofline(traffic, bandwidth, tokens, achieved)
+        if target != layers:
+            fixed_device = forwards * sizes.head_read + tokens * sizes.embed_row
+            scaled = ours["scaled"]
+            seconds = scaled["ttft_s"] if phase == "prefill" else scaled["decode_ms_per_token"] * tokens / 1000
+            out[f"{phase}_at_{target}_layers"] = roofline(
+                scale_traffic(traffic, fixed_device, layers, target), bandwidth, tokens, seconds)
+    return out
+
+
+def _compare(ours: dict, baseline: dict, layers: int, target: int) -> dict:
+    """ours / baseline at the layer count the budgets were typed for (higher is better for ours)."""
+    mine = ours["scaled"] if target != layers else {
+        "prefill_tokens_per_s": ours["prefill"]["tokens_per_s"], "decode_tokens_per_s": ours["decode"]["tokens_per_s"],
+    }
+    theirs = baseline["scaled"][str(target)]
+    return {
+        "layers": target,
+        "decode_tokens_per_s": {"flashpack": mine["decode_tokens_per_s"], "transformers": theirs["decode_tokens_per_s"],
+                                "ratio": mine["decode_tokens_per_s"] / theirs["decode_tokens_per_s"]},
+        "prefill_tokens_per_s": {"flashpack": mine["prefill_tokens_per_s"],
+                                 "transformers": theirs["prefill_tokens_per_s"],
+                                 "ratio": mine["prefill_tokens_per_s"] / theirs["prefill_tokens_per_s"],
+                                 "prompt_tokens": {"flashpack": ours["prefill"]["tokens"],
+                                                   "transformers": baseline["prefill"]["tokens"]}},
+        "same_first_token": baseline["check"]["same_top1"],
+    }

@@ -1,0 +1,65 @@
+"""Emulating the full model on a pack with fewer decoder layers (`--emulate-layers L_full`).
+
+A pack cut to L of the model's L_full layers (`flashpack synth full --layers 4`) has the full
+model's dimensions, so one layer costs what it would in the full model; only the count differs.
+The budgets the user types are for the full model. Each splits into a fixed part (what does not
+grow with the layer count; see sizes.py) and a per-layer part, and the per-layer part is scaled
+to the pack:
+
+    scaled_budget = fixed + (budget - fixed) * L / L_full
+
+so every layer gets the share of device slots and host cache it would get in the full model. The
+same split, the other way round, scales what one token costs back up to L_full layers:
+
+    x(L_full) = x_fixed + (x(L) - x_fixed) * L_full / L
+
+for seconds (x_fixed: embedding, final mixer and lm_head timed alone) and for bytes (x_fixed: the
+dense bytes read outside the layers; experts and store traffic are all per layer). Pure functions.
+"""
+
+from __future__ import annotations
+
+from flashpack.errors import FlashpackError
+from flashpack.runtime.bench.roofline import Traffic
+from flashpack.runtime.store.budget import format_bytes
+
+BUDGET_FORMULA = "scaled_budget = fixed + (budget - fixed) * L / L_full"
+SCALE_FORMULA = "x(L_full) = x_fixed + (x(L) - x_fixed) * L_full / L"
+
+
+def check_layers(pack_layers: int, full_layers: int | None) -> int:
+    """The layer count the typed budgets are for (L_full, or the pack's own count)."""
+    if full_layers is None:
+        return pack_layers
+    if full_layers < pack_layers:
+        raise FlashpackError(
+            f"--emulate-layers {full_layers} is fewer than the pack's {pack_layers} decoder layers"
+        )
+    return full_layers
+
+
+def scale_budget(budget: int | None, fixed: int, layers: int, full_layers: int, flag: str) -> int | None:
+    """A full-model budget (bytes) scaled to `layers` of `full_layers`; None stays None."""
+    if budget is None or layers == full_layers:
+        return budget
+    if budget < fixed:
+        raise FlashpackError(
+            f"{flag} {format_bytes(budget)} is below the {format_bytes(fixed)} the model keeps outside its "
+            f"layers, so no room is left for {full_layers} layers"
+        )
+    return fixed + (budget - fixed) * layers // full_layers
+
+
+def scale_to_layers(value: float, fixed: float, layers: int, target_layers: int) -> float:
+    """A cost measured with `layers` layers (of which `fixed` does not depend on them) at `target_layers`."""
+    return fixed + (value - fixed) * target_layers / layers
+
+
+def scale_traffic(traffic: Traffic, fixed_device: float, layers: int, target_layers: int) -> Traffic:
+    """Bytes at `target_layers`: the device's fixed part stays, the rest (dense layer weights,
+    experts, store copies and reads) scales with the layer count."""
+    return Traffic(
+        scale_to_layers(traffic.device, fixed_device, layers, target_layers),
+        traffic.host_to_device * target_layers / layers,
+        traffic.disk_to_host * target_layers / layers,
+    )

@@ -1,0 +1,146 @@
+"""The bench report: JSON (machine, settings, budgets, ceilings, results, roofline, comparison, notes)
+and a table with both engines side by side."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+BENCH_VERSION = 1
+
+
+def notes(layers: int, target: int, baseline_layers: int | None, scale_formula: str, budget_formula: str) -> list[str]:
+    out = [
+        ("TTFT: one forward of the whole prompt, including the first token's logits and argmax; "
+         "prefill tok/s = prompt tokens / TTFT."),
+        ("decode: greedy steps after the first token, one token per forward; tok/s = steps / their total time; "
+         "every clock read follows a device synchronize."),
+        ("warm-up (untimed): a 16-token prompt of other ids and 2 decode steps, so kernels are loaded and the "
+         "store's caches are as warm as a running server's; with --hot-set the store was pre-warmed too."),
+        ("store traffic (results.*.store) is the store's own counters over the phase, slot-sized (record_stride); "
+         "hit rates: device = device hits / requests, host = host hits / device misses, disk = disk reads / requests."),
+        ("roofline: per tier, bytes / measured bandwidth; the bound is the slowest tier; device bytes = dense weights "
+         "read once per forward + one embedding row per token + record_bytes per requested expert; "
+         "achieved_over_roofline = roofline seconds / measured seconds (1.0 = at the bandwidth limit); no compute "
+         "ceiling is modelled, so a prefill far below 1.0 is compute-bound."),
+        ("bandwidth.device is a copy's bytes read + written per second; a tier without a bandwidth "
+         "(host_to_device on a CPU) is left out of the roofline."),
+    ]
+    if target != layers:
+        out += [
+            (f"emulation: the pack has {layers} decoder layers, the budgets were typed for {target}: "
+             f"{budget_formula} (fixed: dense tensors outside `layers.*` plus the store's work buffer on the device; "
+             "0 for RAM, all of which is expert cache)."),
+            (f"per-token numbers at {target} layers: {scale_formula}, with x_fixed the embedding + final mixer + "
+             "lm_head timed alone (ours) or the time outside the decoder layers' forward hooks (baseline); bytes "
+             "likewise, with the device's fixed part the dense bytes read outside the layers."),
+        ]
+    if baseline_layers is not None:
+        out += [
+            (f"baseline: transformers' Qwen4ExpForCausalLM with the pack's first {baseline_layers} decoder layers, "
+             "weights dequantised from the pack to the run's dtype, placed by accelerate's device map under the "
+             f"same budgets scaled to {baseline_layers} layers ({budget_formula} with the model's non-layer dense "
+             "bytes as fixed), dispatched with accelerate's offload hooks; its per-layer time is scaled to the "
+             f"other layer counts with {scale_formula}, assuming its first layers cost what an average layer does."),
+            ("baseline prompt: the first baseline_prompt_tokens of the same prompt; its n-gram (PLE) table is "
+             "looked up from the pack's rows (transformers keeps that table out of the device map too); disk-offloaded "
+             "weights are read by accelerate through numpy memmaps, i.e. through the page cache."),
+            ("baseline check: our engine cut to the same first layers on the same prompt; logits of the last prompt "
+             "position compared (relative Frobenius error, gate 1e-4 and equal argmax in float32; reported only in "
+             "bfloat16)."),
+        ]
+    return out
+
+
+def write_report(report: dict, path: Path) -> None:
+    Path(path).write_text(json.dumps(report, indent=1, default=str))
+
+
+def _bytes(count: float | None) -> str:
+    if count is None:
+        return "-"
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if count >= size:
+            return f"{count / size:.2f} {unit}"
+    return f"{count:.0f} B"
+
+
+def _rate(value: float | None) -> str:
+    return "n/a" if value is None else f"{value / 1e9:.2f} GB/s"
+
+
+def _num(value, fmt: str = "{:.3f}") -> str:
+    return "-" if value is None else fmt.format(value)
+
+
+def table(report: dict) -> str:
+    settings, budgets, bw = report["settings"], report["budgets"], report["bandwidth"]
+    ours, theirs = report["results"]["flashpack"], report["results"]["transformers"]
+    layers, target = settings["pack_layers"], budgets["layers_typed_for"]
+    typed, engine = budgets["typed"], budgets["engine"]
+    lines = [
+        (f"flashpack bench: {settings['pack']} ({settings['device']}, {settings['dtype']}), "
+         f"prompt {settings['prompt_tokens']} tokens, {settings['gen_tokens']} decoded, {settings['repeats']} repeat(s)"),
+        f"budgets: VRAM {_bytes(typed['vram'])}, RAM {_bytes(typed['ram'])} for {target} layers"
+        + (f" -> {_bytes(engine['vram'])}, {_bytes(engine['ram'])} for the pack's {layers}" if target != layers else ""),
+        (f"ceilings: device {_rate(bw['device']['bytes_per_s'])} (copy), host->device "
+         f"{_rate(bw['host_to_device']['bytes_per_s'])}, disk {_rate(bw['disk']['bytes_per_s'])} "
+         f"({'O_DIRECT' if bw['disk']['o_direct'] else 'buffered: ' + str(bw['disk']['fallback_reason'])})"),
+        "",
+    ]
+    failed = theirs.get("error") if theirs else None
+    if failed:
+        theirs = None
+    base_layers = theirs["layers"] if theirs else None
+    head = f"{'':34} {'flashpack':>14} {'transformers':>14} {'speedup':>12}"
+    rows = [("measured layers", str(layers), str(base_layers) if theirs else "-", "")]
+
+    def row(label, mine, other, fmt="{:.3f}", higher_is_better=True):
+        ratio = ""
+        if mine is not None and other:
+            ratio = f"{(mine / other if higher_is_better else other / mine):.2f}x"
+        rows.append((label, _num(mine, fmt), _num(other, fmt), ratio))
+
+    base_pack = theirs["scaled"][str(layers)] if theirs else {}
+    row(f"TTFT s ({layers} layers)", ours["prefill"]["ttft_s"], base_pack.get("ttft_s"), higher_is_better=False)
+    row(f"prefill tok/s ({layers} layers)", ours["prefill"]["tokens_per_s"], base_pack.get("prefill_tokens_per_s"),
+        "{:.1f}")
+    row(f"decode tok/s ({layers} layers)", ours["decode"]["tokens_per_s"], base_pack.get("decode_tokens_per_s"),
+        "{:.2f}")
+    row(f"decode ms/token ({layers} layers)", ours["decode"]["ms_per_token"], base_pack.get("decode_ms_per_token"),
+        "{:.1f}", higher_is_better=False)
+    if target != layers:
+        mine = ours["scaled"]
+        base_full = theirs["scaled"][str(target)] if theirs else {}
+        row(f"TTFT s ({target} layers)", mine["ttft_s"], base_full.get("ttft_s"), higher_is_better=False)
+        row(f"decode tok/s ({target} layers)", mine["decode_tokens_per_s"], base_full.get("decode_tokens_per_s"),
+            "{:.2f}")
+        row(f"decode ms/token ({target} layers)", mine["decode_ms_per_token"], base_full.get("decode_ms_per_token"),
+            "{:.1f}", higher_is_better=False)
+    roof = report["roofline"]
+    decode_roof = roof.get(f"decode_at_{target}_layers", roof["decode"])
+    rows.append((f"decode roofline tok/s ({target} layers)", _num(decode_roof["roofline_tokens_per_s"], "{:.2f}"),
+                 "", f"bound: {decode_roof['bound']}"))
+    rows.append(("decode achieved / roofline", _num(decode_roof["achieved_over_roofline"]), "", ""))
+    store = ours["decode"]["store"]
+    rows.append(("decode device hit rate", _num(store["hit_rates"]["device"]), "", ""))
+    rows.append(("decode disk bytes / token", _bytes(store["per_token"]["bytes_disk_to_host"]), "", ""))
+    rows.append(("decode host->device bytes / token", _bytes(store["per_token"]["bytes_host_to_device"]), "", ""))
+    lines.append(head)
+    lines += [f"{label:34} {a:>14} {b:>14} {c:>12}" for label, a, b, c in rows]
+    if failed:
+        lines += ["", f"baseline FAILED: {failed}"]
+    if theirs:
+        check = theirs["check"]
+        placed = theirs["placement"]["bytes"]
+        lines += [
+            "",
+            f"baseline: {base_layers} layers, prompt {theirs['prefill']['tokens']} tokens"
+            + (" (truncated)" if theirs.get("prompt_truncated") else "")
+            + f", {theirs['decode']['tokens']} decoded; weights on device {_bytes(placed['device'])}, "
+            f"cpu {_bytes(placed['cpu'])}, disk {_bytes(placed['disk'])}",
+            f"same model: logits rel. error {check['rel']:.2e}, first token "
+            + ("equal" if check["same_top1"] else f"DIFFERS ({check['ours_top1']} vs {check['baseline_top1']})")
+            + ("" if check["passed"] is None else (" - pass" if check["passed"] else " - FAIL")),
+        ]
+    return "\n".join(lines)

@@ -1,0 +1,143 @@
+"""Our engine, timed: prefill of the prompt (time to first token) and greedy decode, with the store's
+counters taken apart per phase.
+
+The engine's step function is called directly (`model.forward(tokens, state, last_only=True)`), so
+no tokenizer or sampler work is timed; the first token is the argmax of the prefill's logits and
+each decode step feeds the previous argmax. A warm-up (a short prompt of other ids, two decode
+steps) runs first, untimed: it loads kernels and leaves the store's caches as a server would have
+them, partly warm. Every clock read is preceded by a device synchronize. With several repeats,
+each starts a fresh sequence on the same (warmer) store; times are the medians, store traffic the
+mean per token over all repeats.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass, field
+
+import torch
+from tqdm import tqdm
+
+from flashpack.runtime.bench.clock import median_seconds, synchronize
+from flashpack.runtime.bench.phases import difference, phase_summary, snapshot
+
+WARMUP_PROMPT = 16
+WARMUP_DECODE = 2
+
+
+@dataclass
+class EngineResult:
+    prompt_tokens: int
+    gen_tokens: int
+    repeats: list[dict] = field(default_factory=list)  # per repeat: times, store deltas, tokens
+    fixed_seconds: dict[str, float] = field(default_factory=dict)  # embedding + head, per phase
+
+    @property
+    def ttft_seconds(self) -> float:
+        return statistics.median(r["ttft_s"] for r in self.repeats)
+
+    @property
+    def decode_seconds(self) -> float:
+        """Median time of the whole decode phase (gen_tokens steps)."""
+        return statistics.median(r["decode_seconds"] for r in self.repeats)
+
+    def phase_store(self, phase: str) -> dict:
+        deltas = [r[f"{phase}_counters"] for r in self.repeats]
+        summed = {name: sum(d.get(name, 0) for d in deltas) for name in deltas[0]}
+        tokens = (self.prompt_tokens if phase == "prefill" else self.gen_tokens) * len(self.repeats)
+        return phase_summary(summed, tokens)
+
+    def to_dict(self) -> dict:
+        ttft, decode = self.ttft_seconds, self.decode_seconds
+        step_times = [t for r in self.repeats for t in r["step_seconds"]]
+        return {
+            "prefill": {
+                "tokens": self.prompt_tokens, "ttft_s": ttft, "tokens_per_s": self.prompt_tokens / ttft,
+                "store": self.phase_store("prefill"),
+            },
+            "decode": {
+                "tokens": self.gen_tokens, "seconds": decode, "tokens_per_s": self.gen_tokens / decode,
+                "ms_per_token": 1000 * decode / self.gen_tokens,
+                "ms_per_token_median_step": 1000 * statistics.median(step_times),
+                "ms_per_token_max_step": 1000 * max(step_times),
+                "store": self.phase_store("decode"),
+            },
+            "fixed_seconds": self.fixed_seconds,
+            "generated": self.repeats[0]["generated"],
+            "repeats": [
+                {"ttft_s": r["ttft_s"], "decode_seconds": r["decode_seconds"],
+                 "decode_tokens_per_s": self.gen_tokens / r["decode_seconds"]}
+                for r in self.repeats
+            ],
+        }
+
+
+def greedy(model, state, tokens: torch.Tensor) -> tuple[int, torch.Tensor]:
+    """One forward of `tokens`; (argmax of the last position, its logits)."""
+    logits = model.forward(tokens, state, last_only=True).logits[-1]
+    return int(logits.argmax()), logits
+
+
+@torch.no_grad()
+def warm_up(model, prompt: list[int], decode: int = WARMUP_DECODE) -> None:
+    state = model.new_state()
+    token, _ = greedy(model, state, torch.tensor(prompt, dtype=torch.long))
+    for _ in range(decode):
+        token, _ = greedy(model, state, torch.tensor([token]))
+    synchronize(model.device)
+
+
+@torch.no_grad()
+def timed_run(model, store, prompt: list[int], gen: int, progress: bool = False) -> dict:
+    device = model.device
+    state = model.new_state()
+    tokens = torch.tensor(prompt, dtype=torch.long)
+    before = snapshot(store)
+    synchronize(device)
+    start = time.perf_counter()
+    token, _ = greedy(model, state, tokens)
+    synchronize(device)
+    ttft = time.perf_counter() - start
+    middle = snapshot(store)
+    generated, steps = [token], []
+    for _ in tqdm(range(gen), desc="decode", unit="tok", disable=not progress, leave=False):
+        start = time.perf_counter()
+        token, _ = greedy(model, state, torch.tensor([token]))
+        synchronize(device)
+        steps.append(time.perf_counter() - start)
+        generated.append(token)
+    after = snapshot(store)
+    return {
+        "ttft_s": ttft, "decode_seconds": sum(steps), "step_seconds": steps, "generated": generated,
+        "prefill_counters": difference(before, middle), "decode_counters": difference(middle, after),
+    }
+
+
+@torch.no_grad()
+def fixed_seconds(model, prompt_len: int) -> dict[str, float]:
+    """Time of what a forward does outside the decoder layers: embedding (and the repeat into hc
+    streams) of the phase's tokens, then the final mixer and lm_head on the last position."""
+    hc = model.config.hc_count
+
+    def outside_layers(tokens: torch.Tensor):
+        streams = model.embed(tokens).repeat(1, hc)
+        return model.logits(streams[-1:])
+
+    prompt = torch.zeros(prompt_len, dtype=torch.long, device=model.device)
+    return {
+        "prefill": median_seconds(lambda: outside_layers(prompt), model.device),
+        "decode": median_seconds(lambda: outside_layers(prompt[:1]), model.device),
+    }
+
+
+def run_engine(engine, prompt: list[int], gen: int, warmup_prompt: list[int], repeats: int = 1,
+               progress: bool = False) -> EngineResult:
+    """Warm up, then `repeats` timed prefill + `gen` decode steps; `engine` is a LoadedEngine with a store."""
+    model, store = engine.model, engine.store
+    warm_up(model, warmup_prompt)
+    result = EngineResult(len(prompt), gen)
+    for _ in tqdm(range(repeats), desc="repeats", disable=not progress or repeats == 1, leave=False):
+        result.repeats.append(timed_run(model, store, prompt, gen, progress))
+    result.fixed_seconds = fixed_seconds(model, len(prompt))
+    return result

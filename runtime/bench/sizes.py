@@ -1,0 +1,79 @@
+"""Byte sizes a bench needs, from the manifest alone: dense weights inside and outside the decoder
+layers (in the engine's dtype, as the engine holds them), what one forward reads outside the layers,
+and the expert records.
+
+"Fixed" is everything that does not grow with the layer count: dense tensors whose names do not
+start with `layers.` (embed_tokens, lm_head, the final mixer, mtp.*) plus the store's one-fetch work
+buffer; `device_fixed` is exactly what the store's `resident_device_bytes` counts minus the layers'
+dense tensors, so budget scaling and the store's budget check agree.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+import torch
+
+from flashpack.layout.manifest import Manifest
+from flashpack.runtime.store.build import resident_device_bytes
+
+
+@dataclass(frozen=True)
+class ModelSizes:
+    layers: int  # decoder layers in the pack (MTP not counted)
+    width: int  # bytes per element of the engine dtype
+    layer_dense: int  # dense tensors of every decoder layer (`layers.*`), engine dtype
+    device_fixed: int  # device bytes that do not scale with layers (non-layer dense + work buffer)
+    head_read: int  # what a forward reads outside the layers: lm_head (or tied embedding) + final mixer
+    embed_row: int  # one embedding row (read per token)
+    record_bytes: int  # one expert record's data (what the compute reads)
+    record_stride: int  # one record's slot (what the store moves)
+    top_k: int
+
+    @property
+    def per_forward_read(self) -> int:
+        """Dense bytes one forward reads whatever its token count: every layer's + the head."""
+        return self.layer_dense + self.head_read
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def model_sizes(manifest: Manifest, dtype: torch.dtype, device: torch.device | str = "cpu") -> ModelSizes:
+    width = torch.empty((), dtype=dtype).element_size()
+    tensors = manifest.dense_tensors()
+    scales = {t.row_scale for t in tensors.values() if t.row_scale}
+
+    def nbytes(name: str) -> int:
+        return math.prod(tensors[name].shape) * width
+
+    names = [name for name in tensors if name not in scales]
+    layer_dense = sum(nbytes(n) for n in names if n.startswith("layers."))
+    cfg = manifest.config
+    head = "embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
+    head_read = nbytes(head) + sum(nbytes(n) for n in names if n.startswith("hyper_connection_mixer."))
+    experts = manifest.document["experts"]
+    return ModelSizes(
+        layers=cfg.num_hidden_layers,
+        width=width,
+        layer_dense=layer_dense,
+        device_fixed=resident_device_bytes(manifest, dtype, 0, device) - layer_dense,
+        head_read=head_read,
+        embed_row=tensors["embed_tokens.weight"].shape[-1] * width,
+        record_bytes=experts["record_bytes"],
+        record_stride=experts["record_stride"],
+        top_k=cfg.num_experts_per_tok,
+    )
+
+
+def baseline_fixed_bytes(manifest: Manifest, dtype: torch.dtype) -> int:
+    """What transformers' model holds outside its decoder layers (no MTP there): embed_tokens,
+    lm_head unless tied, the final mixer; at `dtype`."""
+    width = torch.empty((), dtype=dtype).element_size()
+    tensors = manifest.dense_tensors()
+    scales = {t.row_scale for t in tensors.values() if t.row_scale}
+    return sum(
+        math.prod(t.shape) * width for name, t in tensors.items()
+        if name not in scales and not name.startswith(("layers.", "mtp."))
+    )

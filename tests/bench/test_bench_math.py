@@ -1,0 +1,124 @@
+"""The bench's arithmetic by hand: roofline per tier, budget and cost scaling to a full layer count,
+store counters per phase, the manifest's byte sizes, and the prompt."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from flashpack.errors import FlashpackError
+from flashpack.layout.manifest import Manifest
+from flashpack.runtime.bench.emulate import (
+    check_layers,
+    scale_budget,
+    scale_to_layers,
+    scale_traffic,
+)
+from flashpack.runtime.bench.phases import difference, phase_summary
+from flashpack.runtime.bench.roofline import Traffic, phase_traffic, roofline
+from flashpack.runtime.bench.sizes import ModelSizes, baseline_fixed_bytes, model_sizes
+from flashpack.runtime.bench.workload import prompt_ids
+
+SIZES = ModelSizes(layers=2, width=2, layer_dense=1000, device_fixed=300, head_read=200, embed_row=10,
+                   record_bytes=50, record_stride=64, top_k=2)
+
+
+def test_phase_traffic_counts_dense_once_per_forward_and_experts_per_request():
+    # decode, 4 tokens: 4 forwards x (1000 + 200) + 4 rows x 10 + 16 experts x 50
+    decode = phase_traffic(SIZES, forwards=4, tokens=4, requests=16, host_to_device=640, disk_to_host=128)
+    assert decode == Traffic(device=5640.0, host_to_device=640.0, disk_to_host=128.0)
+    # prefill, 8 tokens in one forward, 3 distinct experts: 1200 + 80 + 150
+    prefill = phase_traffic(SIZES, forwards=1, tokens=8, requests=3, host_to_device=0, disk_to_host=0)
+    assert prefill.device == 1430.0
+    assert decode.per_token(4) == Traffic(1410.0, 160.0, 32.0)
+
+
+def test_roofline_is_the_slowest_known_tier():
+    traffic = Traffic(device=5640.0, host_to_device=640.0, disk_to_host=128.0)
+    out = roofline(traffic, {"device": 1000.0, "host_to_device": 100.0, "disk_to_host": None}, tokens=4,
+                   achieved_seconds=12.8)
+    assert out["seconds"] == {"device": 5.64, "host_to_device": 6.4, "disk_to_host": None}
+    assert out["bound"] == "host_to_device"
+    assert out["roofline_seconds"] == 6.4 and out["roofline_seconds_per_token"] == 1.6
+    assert out["roofline_tokens_per_s"] == 4 / 6.4 == 0.625
+    assert out["achieved_tokens_per_s"] == 4 / 12.8
+    assert out["achieved_over_roofline"] == 0.5  # 6.4 s of bytes took 12.8 s
+    assert math.isclose(out["serial_seconds"], 12.04)
+    assert out["bytes_per_token"] == {"device": 1410.0, "host_to_device": 160.0, "disk_to_host": 32.0}
+    disk_bound = roofline(traffic, {"device": 1e6, "host_to_device": 1e6, "disk_to_host": 64.0}, tokens=4)
+    assert disk_bound["bound"] == "disk_to_host" and disk_bound["roofline_seconds"] == 2.0
+    assert disk_bound["achieved_over_roofline"] is None
+    with pytest.raises(ValueError):
+        roofline(traffic, {"device": None, "host_to_device": None, "disk_to_host": None}, tokens=4)
+
+
+def test_budget_scaling_keeps_the_fixed_part_and_scales_the_rest():
+    # 2000 fixed + (12000 - 2000) * 8 / 48 = 2000 + 1666
+    assert scale_budget(12_000, 2_000, 8, 48, "--vram-budget") == 3_666
+    assert scale_budget(6_000, 0, 4, 48, "--ram-budget") == 500
+    assert scale_budget(None, 2_000, 8, 48, "--vram-budget") is None
+    assert scale_budget(12_000, 2_000, 8, 8, "--vram-budget") == 12_000  # not emulating
+    with pytest.raises(FlashpackError, match="--vram-budget .* below"):
+        scale_budget(1_000, 2_000, 8, 48, "--vram-budget")
+    assert check_layers(8, None) == 8 and check_layers(8, 48) == 48
+    with pytest.raises(FlashpackError, match="--emulate-layers 4"):
+        check_layers(8, 4)
+
+
+def test_costs_scale_per_layer_around_the_fixed_part():
+    # 0.1 s outside the layers, 0.9 s for 4 layers -> 0.1 + 0.9 * 12 at 48 layers
+    assert math.isclose(scale_to_layers(1.0, 0.1, 4, 48), 10.9)
+    assert scale_to_layers(1.0, 0.1, 4, 4) == 1.0
+    scaled = scale_traffic(Traffic(1000.0, 200.0, 40.0), 100.0, 4, 48)
+    assert scaled == Traffic(device=100.0 + 900.0 * 12, host_to_device=2400.0, disk_to_host=480.0)
+
+
+def test_phase_summary_hit_rates_and_per_token_bytes():
+    before = {"requests": 5, "device_hits": 1, "host_hits": 2, "disk_reads": 2, "bytes_host_to_device": 100,
+              "bytes_disk_to_host": 50, "wait_seconds": 1.0}
+    after = {"requests": 15, "device_hits": 5, "host_hits": 5, "disk_reads": 5, "bytes_host_to_device": 740,
+             "bytes_disk_to_host": 434, "wait_seconds": 1.5}
+    out = phase_summary(difference(before, after), tokens=2)
+    assert (out["requests"], out["device_hits"], out["host_hits"], out["disk_reads"]) == (10, 4, 3, 3)
+    assert out["hit_rates"] == {"device": 0.4, "host": 0.5, "disk": 0.3}
+    assert out["per_token"] == {"requests": 5.0, "disk_reads": 1.5, "bytes_host_to_device": 320.0,
+                                "bytes_disk_to_host": 192.0}
+    assert out["wait_seconds"] == 0.5
+    assert phase_summary({}, tokens=1)["hit_rates"] == {"device": None, "host": None, "disk": None}
+
+
+def test_sizes_from_the_manifest(tiny_pack):
+    manifest = Manifest.load(tiny_pack)
+    cfg = manifest.config
+    dense = manifest.dense_tensors()
+    elements = {name: math.prod(t.shape) for name, t in dense.items()}
+    sizes = model_sizes(manifest, torch.float32)
+    assert sizes.width == 4 and sizes.layers == cfg.num_hidden_layers == 8
+    assert sizes.layer_dense == 4 * sum(n for name, n in elements.items() if name.startswith("layers."))
+    outside = 4 * sum(n for name, n in elements.items() if not name.startswith("layers."))
+    work = cfg.num_experts_per_tok * 3 * cfg.hidden_size * cfg.moe_intermediate_size * 4
+    assert sizes.device_fixed == outside + work  # mtp.* included: the store holds it on the device
+    mixer = sum(n for name, n in elements.items() if name.startswith("hyper_connection_mixer."))
+    assert sizes.head_read == 4 * (elements["lm_head.weight"] + mixer)
+    assert sizes.embed_row == 4 * cfg.hidden_size
+    assert (sizes.record_bytes, sizes.record_stride) == (3472, 4096)
+    no_mtp = sum(n for name, n in elements.items() if not name.startswith(("layers.", "mtp.")))
+    assert baseline_fixed_bytes(manifest, torch.bfloat16) == 2 * no_mtp
+
+
+class _Tokenizer:
+    def __init__(self):
+        self.all_special_ids = [0, 1]
+        self.added_tokens_decoder = {}
+
+    def __len__(self):
+        return 20  # the model's vocabulary is larger: ids 20.. are padding
+
+
+def test_prompt_is_seeded_and_avoids_special_ids():
+    ids = prompt_ids(_Tokenizer(), vocab_size=32, length=500, seed=3, eos_token_id=7)
+    assert len(ids) == 500 and set(ids) == set(range(2, 20)) - {7}
+    assert ids == prompt_ids(_Tokenizer(), 32, 500, 3, 7)
+    assert ids != prompt_ids(_Tokenizer(), 32, 500, 4, 7)

@@ -7,8 +7,9 @@ Two kinds of source sit behind a MoE block; the block asks which one it has:
         in-memory experts). The block runs them as ordinary linears.
     ExpertSlots.stream(layer, experts) -> lists of ready handles (.expert, .slot)
         the records' own NVFP4 bytes, resident in rows of `ExpertSlots.bank` on the engine's
-        device; the block runs the fused kernels (runtime/kernels) over them. A source whose
-        `slot_table` is not None holds every expert for good (an unbounded budget): the block then
+        device; the block runs the fused kernels (runtime/kernels) over them.
+    ResidentSlots.slot_table[layer, expert] -> slot
+        an ExpertSlots source that holds every expert for good (an unbounded budget): the block
         looks slots up on the device, with no host round trip, which CUDA graphs need.
 
 Whatever tiers sit behind a source (device slots, pinned host cache, disk reads) are invisible
@@ -54,11 +55,6 @@ class ExpertSlots(Protocol):
         """Every slot of the source as one bank on the engine's device."""
         ...
 
-    @property
-    def slot_table(self) -> torch.Tensor | None:
-        """int32 [layers, num_experts] slot of every expert, on the device, when all are resident."""
-        ...
-
     def stream(self, layer: int, experts: list[int]) -> Iterator[list[SlotHandle]]:
         """Ready handles covering `experts` of `layer` once each, in one or more chunks; a chunk's
         slots stay valid until the consumer asks for the next chunk (kernels enqueued by then)."""
@@ -66,4 +62,16 @@ class ExpertSlots(Protocol):
 
     def prefetch(self, layer: int, experts: list[int]) -> int:
         """Start loading `experts` for a request expected soon; never blocks. Returns loads started."""
+        ...
+
+
+@runtime_checkable
+class ResidentSlots(ExpertSlots, Protocol):
+    @property
+    def slot_table(self) -> torch.Tensor:
+        """int32 [layers, num_experts]: the slot of every expert, on the device."""
+        ...
+
+    def record_use(self, layer: int, experts: torch.Tensor) -> None:
+        """Count a forward's requests (expert ids [T, k] on the device) in the source's stats."""
         ...

@@ -9,7 +9,7 @@ import torch
 
 from flashpack.errors import FlashpackError
 from flashpack.layout.pack import Pack
-from flashpack.runtime.experts import ExpertFetcher
+from flashpack.runtime.experts import ExpertFetcher, ResidentSlots
 from flashpack.runtime.generate import Generator
 from flashpack.runtime.model.model import Qwen4ExpModel
 from flashpack.runtime.pack_source import PackExperts, PackWeights
@@ -27,6 +27,7 @@ class StoreOptions:
     policy: str = "lfu"
     hot_set: str | None = None  # a profile in the manifest to pre-warm from
     direct_io: bool = True
+    prefetch: bool = True  # decode: load the next layer's predicted experts into the gaps
 
 
 @dataclass
@@ -35,7 +36,7 @@ class LoadedEngine:
     model: Qwen4ExpModel
     tokenizer: PackTokenizer
     generator: Generator
-    store: object | None = None  # runtime.store.TieredStore when tiers are in use
+    store: object | None = None  # runtime.store.TieredStore (or ResidentExperts) when tiers are in use
 
     def stats(self) -> dict | None:
         return self.store.stats.to_dict() if self.store is not None else None
@@ -76,6 +77,7 @@ def load_engine(
         tiered = build_store(
             pack, store.vram_budget, store.ram_budget, torch_device, store.policy, verify_records,
             hot_set=store.hot_set, dtype=torch_dtype, direct_io=store.direct_io,
+            allow_resident=torch_device.type == "cuda",
         )
     model = Qwen4ExpModel(
         PackWeights(pack),
@@ -83,5 +85,7 @@ def load_engine(
         dtype=torch_dtype,
         device=torch_device,
     )
+    if tiered is not None and not isinstance(tiered, ResidentSlots):
+        model.prefetch_next_layer(store.prefetch)
     tokenizer = PackTokenizer.load(pack.root)
     return LoadedEngine(pack, model, tokenizer, Generator(model, tokenizer), tiered)

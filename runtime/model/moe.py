@@ -5,7 +5,7 @@ the union of the experts the router picked for the T tokens (T = 1 in decode, th
 prefill: a long prompt touches most experts, so one layer-major pass moves each of them once).
 
 With an `ExpertSlots` source the routed experts run as fused NVFP4 kernels over the source's bank:
-    resident source (slot_table):  slots = slot_table[layer][experts] on the device, no host sync
+    resident source (ResidentSlots): slots = slot_table[layer][experts] on the device, no host sync
     tiered store:                  one host sync for the expert ids, the shared expert enqueued
                                    while the store lands the misses, then the kernel per chunk;
                                    in decode the next layer's router, applied to this layer's
@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from flashpack.layout.model_config import TextConfig
-from flashpack.runtime.experts import ExpertFetcher, ExpertSlots
+from flashpack.runtime.experts import ExpertFetcher, ExpertSlots, ResidentSlots
 from flashpack.runtime.kernels import moe_experts
 from flashpack.runtime.model.norms import activation
 from flashpack.runtime.weights import WeightSource, load_dense
@@ -38,6 +38,7 @@ class SparseMoE(nn.Module):
         super().__init__()
         self.layer, self.fetcher, self.dtype, self.device = layer, fetcher, dtype, device
         self.slots = fetcher if isinstance(fetcher, ExpertSlots) else None
+        self.resident = fetcher if isinstance(fetcher, ResidentSlots) else None
         self.next_moe: SparseMoE | None = None  # whose experts to prefetch (set by the model)
         self.num_experts, self.top_k, self.renormalise = cfg.num_experts, cfg.num_experts_per_tok, cfg.norm_topk_prob
         self.act = activation(cfg.hidden_act)
@@ -63,9 +64,10 @@ class SparseMoE(nn.Module):
         if self.slots is None:
             routed = self._routed_dequantised(x, weights, experts)
             return routed + self.shared(x)
-        table = self.slots.slot_table
-        if table is not None:
-            return moe_experts(x, self.slots.bank, table[self.layer][experts], weights) + self.shared(x)
+        if self.resident is not None:
+            self.resident.record_use(self.layer, experts)
+            slots = self.resident.slot_table[self.layer][experts]
+            return moe_experts(x, self.resident.bank, slots, weights) + self.shared(x)
         wanted, upcoming = self._expert_ids(x, experts)
         shared = self.shared(x)  # enqueued before the host blocks on copies: it runs meanwhile
         routed = self._routed_from_slots(x, weights, experts, wanted)

@@ -18,6 +18,7 @@ from flashpack.layout.manifest import Manifest
 from flashpack.layout.pack import Pack
 from flashpack.runtime.store.budget import parse_budget, plan_store
 from flashpack.runtime.store.policy import DEFAULT_POLICY, make_policy
+from flashpack.runtime.store.resident import ResidentExperts
 from flashpack.runtime.store.store import TieredStore
 
 _DTYPE_BYTES = {"bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2, "float32": 4, "fp32": 4}
@@ -61,8 +62,12 @@ def build_store(
     direct_io: bool = True,
     rebalance: bool = True,
     poison: bool = False,
-) -> TieredStore:
+    allow_resident: bool = False,
+) -> TieredStore | ResidentExperts:
     """A ready store. Budgets: "24GiB"-style strings or bytes; None = room for every record.
+
+    With `allow_resident` (the engine on a GPU), a device budget that holds every record gives a
+    `ResidentExperts` instead: all records loaded once, slots looked up on the device.
 
     `device_reserved` overrides the estimate of what else lives on the device (see
     `resident_device_bytes`); `hot_set` names a profile in the manifest's hot_sets to pre-warm
@@ -87,6 +92,8 @@ def build_store(
         device_reserved=device_reserved,
         host_reserved=host_reserved,
     )
+    if allow_resident and plan.device_slots >= len(manifest.document["experts"]["records"]):
+        return ResidentExperts(pack, device, verify_records=verify_records)
     store = TieredStore(pack, plan, device=device, policy=policy, verify_records=verify_records,
                         reader_threads=reader_threads, direct_io=direct_io, rebalance=rebalance, poison=poison)
     if profile is not None:

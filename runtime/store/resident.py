@@ -77,6 +77,12 @@ class ResidentExperts:
     def slot_table(self) -> torch.Tensor:
         return self._table
 
+    def record_use(self, layer: int, experts: torch.Tensor) -> None:
+        """Count a forward's expert requests (all device hits). One token's top-k are distinct, so
+        decode counts without reading anything back; a prompt counts its unique experts."""
+        used = experts.shape[1] if experts.shape[0] == 1 else int(torch.unique(experts).numel())
+        self.stats.bump(layer, requests=used, device_hits=used)
+
     def stream(self, layer: int, experts: list[int]) -> Iterator[list[ResidentHandle]]:
         try:
             yield [ResidentHandle(expert, self._slots[(layer, expert)]) for expert in experts]

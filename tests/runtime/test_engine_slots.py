@@ -104,3 +104,28 @@ def test_resident_rejects_a_corrupt_record(tiny_pack, tmp_path):
         handle.write(bytes([byte[0] ^ 0xFF]))
     with pytest.raises(FlashpackError, match="layer 2 expert 3"):
         ResidentExperts(Pack.open(copy), "cpu", progress=False)
+
+
+def test_resident_counts_requests_as_device_hits(pack):
+    resident = ResidentExperts(pack, "cpu", progress=False)
+    model = Qwen4ExpModel(PackWeights(pack), resident, dtype=torch.float32)
+    state = model.new_state()
+    model(torch.arange(10), state)
+    prompt = resident.stats.total().requests
+    model(torch.tensor([3]), state)
+    cfg = pack.manifest.config
+    decode = resident.stats.total().requests - prompt
+    assert decode == cfg.num_hidden_layers * cfg.num_experts_per_tok
+    assert cfg.num_experts_per_tok <= prompt / cfg.num_hidden_layers <= cfg.num_experts
+    assert resident.stats.total().device_hits == resident.stats.total().requests
+
+
+def test_build_store_goes_resident_only_when_allowed_and_everything_fits(tiny_pack):
+    from flashpack.runtime.store import TieredStore, build_store
+
+    assert isinstance(build_store(tiny_pack, None, None, allow_resident=True), ResidentExperts)
+    with build_store(tiny_pack, None, None) as store:
+        assert isinstance(store, TieredStore)
+    stride = Pack.open(tiny_pack).manifest.document["experts"]["record_stride"]
+    with build_store(tiny_pack, 40 * stride, None, device_reserved=0, allow_resident=True) as store:
+        assert isinstance(store, TieredStore)

@@ -1,12 +1,14 @@
 """The tiered expert store: device slot pool, pinned host cache, the pack read with O_DIRECT.
 
     build_store(pack, vram_budget, ram_budget, device, policy, verify_records, hot_set=...) -> TieredStore
-    TieredStore.fetch(layer, experts)       the engine's ExpertFetcher call
+    TieredStore.bank / stream / prefetch    the engine's ExpertSlots source (kernels read slots in place)
+    TieredStore.fetch(layer, experts)       the ExpertFetcher call (dequantised weights)
     TieredStore.request / wait              the asynchronous form (handles, ready or in flight)
     profile_pack / record_trace / replay_trace   `flashpack profile` and `flashpack trace`
 
 Bookkeeping (policy, residency, capacity, budget, simulate, trace, stats) is plain Python; the
-modules that move bytes (reader, tiers, store, prewarm) are the only ones that touch torch.
+modules that move bytes (reader, tiers, store, prewarm) are the only ones that touch torch
+(lanes, the reader threads' queue, is plain Python too).
 Imports are lazy so the plain-Python parts load without torch.
 """
 

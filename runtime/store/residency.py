@@ -27,8 +27,9 @@ class NoRoom(Exception):
 class Entry:
     slot: int
     partition: Hashable
-    pins: int = 0
+    pins: int = 0  # requests using the slot, and the load filling it while that is in flight
     ready: bool = False  # False while its bytes are still being read or copied in
+    landed: object = None  # a device copy's CUDA event while the copy may still be running
 
 
 class Residency:
@@ -69,6 +70,7 @@ class Residency:
 
     def place(
         self, key: Key, partition: Hashable, pin: bool = True, seed: float | None = None, limit: int = 0,
+        within_share: bool = False, count_ghost: bool = True,
     ) -> tuple[int, Key | None]:
         """Give `key` a slot in `partition`, evicting one unpinned key if needed.
 
@@ -77,13 +79,16 @@ class Residency:
         may take other partitions' slots until it holds `limit` keys (the store passes top_k: a
         layer may always hold one token's experts). Returns (slot, evicted key or None); raises
         NoRoom otherwise. `seed` places the key as pre-warming does (a profile weight, no request).
+        `within_share` (prefetching) never goes beyond the partition's capacity: no free slot past
+        it, no slot of a partition within its own share. `count_ghost=False` places a recently
+        evicted key without counting a ghost hit (a placement that was no miss).
         """
         if key in self.entries:
             raise KeyError(f"{key!r} is already resident")
         evicted = None
         if not (self._free and self.count[partition] < self.capacity[partition]):
-            evicted = self._choose_victim(partition, limit)
-        if self.ghost_size and self._ghosts[partition].pop(key, False) is None:
+            evicted = self._choose_victim(partition, limit, within_share)
+        if self.ghost_size and self._ghosts[partition].pop(key, False) is None and count_ghost:
             self.ghost_hits[partition] += 1  # counted before this placement's eviction adds a ghost
         slot = self._evict(evicted) if evicted is not None else self._free.pop()
         self.entries[key] = Entry(slot, partition, pins=1 if pin else 0)
@@ -95,13 +100,15 @@ class Residency:
             self.policies[partition].seed(key, seed)
         return slot, evicted
 
-    def _choose_victim(self, partition: Hashable, limit: int) -> Key | None:
+    def _choose_victim(self, partition: Hashable, limit: int, within_share: bool = False) -> Key | None:
         """A key to evict for a placement in `partition`, None to take a free slot, or NoRoom."""
         count, capacity = self.count[partition], self.capacity[partition]
         if count >= capacity:
             victim = self._victim_in(partition)
             if victim is not None:
                 return victim
+            if within_share:
+                raise NoRoom(f"partition {partition!r}: its share of {capacity} slots is pinned")
         if self._free:
             return None
         if count >= max(capacity, limit):
@@ -112,6 +119,8 @@ class Residency:
                 victim = self._victim_in(other)
                 if victim is not None:
                     return victim
+        if within_share:
+            raise NoRoom(f"partition {partition!r}: no slot of its share is free")
         for other in [partition, *others]:
             victim = self._victim_in(other)
             if victim is not None:

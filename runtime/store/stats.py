@@ -3,7 +3,11 @@
 Tiers: `device` (the slot pool the compute reads), `host` (the pinned RAM cache), `disk` (the
 pack, read with O_DIRECT). A request is a device hit, else a host hit (one host->device copy),
 else a disk read (disk->host, then host->device). Pre-warming is counted apart, so the hits it
-buys show up as hits and the bytes it moved are not charged to decoding. Plain Python.
+buys show up as hits and the bytes it moved are not charged to decoding. Prefetches (loads started
+for a layer the engine expects to ask for next) are no requests either: they are counted as
+issued, used (a later request found the entry resident or in flight) and wasted (evicted before
+any request used it), so used / issued is the accuracy of the prediction; the bytes they move are
+real traffic and count in the bytes_* totals. Plain Python.
 """
 
 from __future__ import annotations
@@ -28,6 +32,10 @@ class LayerCounters:
     prewarm_bytes_disk_to_host: int = 0  # bytes pre-warming moved (not in the bytes_* above)
     prewarm_bytes_host_to_device: int = 0
     failed: int = 0
+    prefetch_issued: int = 0  # prefetch loads started (not requests)
+    prefetch_from_disk: int = 0  # of those, read from disk (the rest were host-cache copies)
+    prefetch_used: int = 0  # a request found the prefetched entry resident or in flight
+    prefetch_wasted: int = 0  # evicted before any request used it
 
     def add(self, other: "LayerCounters") -> None:
         for f in fields(self):
@@ -37,7 +45,7 @@ class LayerCounters:
 @dataclass
 class StoreStats:
     layers: dict[int, LayerCounters] = field(default_factory=dict)
-    wait_seconds: float = 0.0  # time fetch/wait spent blocked on reads and copies
+    wait_seconds: float = 0.0  # time stream/fetch/wait blocked on loads (on CUDA: reads; streams wait for copies)
     prewarm_seconds: float = 0.0
     read_seconds: float = 0.0  # time reader threads spent in preadv (summed over threads)
     read_calls: int = 0  # preadv calls (a run of contiguous records is one)
@@ -93,6 +101,11 @@ class StoreStats:
             "joined": total.joined,
             "failed": total.failed,
             "device_hit_rate": total.device_hits / total.requests if total.requests else None,
+            "prefetch": {
+                "issued": total.prefetch_issued, "from_disk": total.prefetch_from_disk,
+                "used": total.prefetch_used, "wasted": total.prefetch_wasted,
+                "accuracy": total.prefetch_used / total.prefetch_issued if total.prefetch_issued else None,
+            },
             "tokens": self.tokens,
             "per_token": {
                 "device_misses": per_token(misses), "disk_reads": per_token(total.disk_reads),

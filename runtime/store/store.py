@@ -1,14 +1,22 @@
-"""TieredStore: the engine's ExpertFetcher over a device slot pool, a pinned host cache and the pack.
+"""TieredStore: the engine's expert source over a device slot pool, a pinned host cache and the pack.
 
+    bank                                   the device pool as one ExpertBank (slot s = bank row s)
+    stream(layer, experts) -> chunks       lists of ready handles (.expert, .slot) covering every
+                                           expert once; the kernels read the bank rows in place
+    prefetch(layer, experts) -> loads      start loading a layer expected next; never blocks
+    fetch(layer, experts) -> {expert: ExpertWeights}   stream, dequantised (the plain path)
     request(layer, experts) -> handles     device hit: ready now; host hit: one copy in flight;
                                            miss: O_DIRECT read (reader threads) then a copy
     wait(handles) -> {expert: ExpertWeights}   blocks on the copies, dequantises, releases slots
-    fetch(layer, experts) = wait(request(...)), in chunks when a prefill asks for more experts
-                                           than the layer's share of the pool
+
+A request larger than the layer's share of the pool (a prefill) streams: its hits first, then its
+misses a few at a time, each chunk's loads started before the previous chunk is handed out.
 
 Residency (which key is where, pins, policies, per-layer capacity) lives in `Residency` objects
 guarded by one lock; reader and copy threads only move bytes and then publish, under that lock,
-that a slot is ready. A request for an expert already in flight joins it. Copies to the device run
+that a slot is ready. A slot being loaded is pinned by its load, so it cannot be evicted before
+it lands even when every request for it has gone. A request for an expert already in flight
+joins it. Disk reads for requests go ahead of prefetch reads (lanes.py). Copies to the device run
 on their own CUDA stream; a slot is reused only after the compute that read it has finished (an
 event recorded at release). A failed read or a corrupt record fails the requests waiting on it
 with a FlashpackError naming layer and expert, and frees its slots; everything else goes on.
@@ -18,9 +26,10 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import closing
 from dataclasses import dataclass
-from typing import Iterable
 
 import torch
 
@@ -28,8 +37,10 @@ from flashpack.errors import FlashpackError
 from flashpack.layout.pack import Pack
 from flashpack.layout.records import PROJECTIONS, decode_record
 from flashpack.runtime.experts import ExpertWeights
+from flashpack.runtime.kernels.bank import ExpertBank
 from flashpack.runtime.store.budget import StorePlan
 from flashpack.runtime.store.capacity import GHOST_SIZE, REBALANCE_WINDOW, Rebalancer, even_split
+from flashpack.runtime.store.lanes import ReadLanes
 from flashpack.runtime.store.policy import DEFAULT_POLICY, make_policy
 from flashpack.runtime.store.reader import RecordReader
 from flashpack.runtime.store.residency import Entry, NoRoom, Residency
@@ -55,12 +66,19 @@ class ExpertHandle:
     _released: bool = False
 
     def ready(self) -> bool:
+        """The load is done (on CUDA: its copy is enqueued; `wait` orders the stream after it)."""
         return self._future is None or self._future.done()
 
     def wait(self, timeout: float | None = WAIT_TIMEOUT_S) -> torch.Tensor:
-        """The record's bytes in the device pool, uint8 [stride]; raises FlashpackError on failure."""
+        """The record's bytes in the device pool, uint8 [stride]; raises FlashpackError on failure.
+
+        On CUDA the bytes are in place for work enqueued afterwards on the caller's current
+        stream: that stream is made to wait for the copy (no host sync)."""
         if self._future is not None:
             self._future.result(timeout)
+        landed = self._entry.landed
+        if landed is not None:
+            torch.cuda.current_stream(self._store.device).wait_event(landed)
         return self._store.device_pool.slot(self.slot)
 
     def release(self) -> None:
@@ -103,8 +121,9 @@ class TieredStore(TransferJobs):
         floor = min(self.top_k, plan.device_slots // len(self.layers))
         self.rebalancer = Rebalancer(floor=floor, window=REBALANCE_WINDOW * len(self.layers)) if rebalance else None
         self.reader = RecordReader(pack.root, sorted({r.file for r in records}), direct=direct_io)
-        self._readers = ThreadPoolExecutor(reader_threads, thread_name_prefix="flashpack-read")
+        self._readers = ReadLanes(reader_threads)
         self._copier = ThreadPoolExecutor(1, thread_name_prefix="flashpack-copy")
+        self._lander = ThreadPoolExecutor(1, thread_name_prefix="flashpack-land") if cuda else None
         self._copy_stream = torch.cuda.Stream(self.device) if cuda else None
         self._slot_free_events: dict[int, torch.cuda.Event] = {}
         self._lock = threading.Lock()
@@ -112,46 +131,125 @@ class TieredStore(TransferJobs):
         self._inflight: dict[tuple[int, int], Future] = {}  # device loads not yet ready
         self._host_loads: dict[tuple[int, int], Future] = {}  # host loads not yet ready
         self._verified: set[tuple[int, int]] = set()
+        self._prefetched: set[tuple[int, int]] = set()  # placed by prefetch, no request used them yet
+        self._landing = 0  # CUDA copies published whose host slot is not free yet
+        self._bank: ExpertBank | None = None
         self._closed = False
 
-    # ---- the ExpertFetcher call -------------------------------------------------------------
+    # ---- the engine's calls ------------------------------------------------------------------
 
-    def fetch(self, layer: int, experts: list[int]) -> dict[int, ExpertWeights]:
-        """Dequantised weights of `experts` of `layer` (on the store's device)."""
-        fetched: dict[int, ExpertWeights] = {}
-        self._in_chunks(layer, experts, lambda handles: fetched.update(self.wait(handles)))
-        return fetched
+    @property
+    def bank(self) -> ExpertBank:
+        """The whole device pool as one ExpertBank: a handle's `slot` is its bank row."""
+        if self._bank is None:
+            self._bank = ExpertBank.from_pool(self.device_pool.tensor, self.geometry)
+        return self._bank
 
-    def load(self, layer: int, experts: list[int]) -> None:
-        """Make `experts` resident on the device and wait for them, without dequantising (what
-        fetch moves, for benchmarks and warm-up); counted like fetch."""
-        self._in_chunks(layer, experts, self._wait_raw)
+    @property
+    def slot_table(self) -> None:
+        """None: experts come and go (ResidentExperts has a table; see runtime/experts.py)."""
+        return None
 
-    def _in_chunks(self, layer: int, experts: list[int], consume) -> None:
-        """Request what the layer can hold, consume it (which releases), repeat.
+    def stream(self, layer: int, experts: list[int]) -> Iterator[list[ExpertHandle]]:
+        """Ready handles for `experts` of `layer`, chunk by chunk, each expert once.
 
-        A request larger than the layer's share (a prefill) takes its hits first, then streams
-        its misses a few at a time: pinning a whole share's worth of cold experts at once would
-        evict the layer's hot set, which decoding needs right after."""
+        A request that fits the layer's share is one chunk. A larger one (a prefill) yields its
+        hits first, then its misses a few at a time; each chunk's loads are started before the
+        previous chunk is yielded, so reads and copies overlap the consumer's work. A chunk's
+        slots are released when the consumer asks for the next chunk, or closes the generator
+        (use `contextlib.closing`, or let an exception end the loop): kernels reading them must
+        be enqueued by then (on CUDA the release records an event on the current stream).
+        Counted like requests; raises FlashpackError naming layer and expert on a failed load."""
+        if not experts:
+            return
+        streaming = len(experts) > max(self.top_k, self.device_slots.capacity[layer])
         remaining = list(experts)
-        before = self.stats.layer(layer).device_hits
-        streaming = len(remaining) > max(self.top_k, self.device_slots.capacity[layer])
         if streaming:
             remaining.sort(key=lambda e: (layer, e) not in self.device_slots)  # resident first (a hint)
         misses = max(1, min(self.top_k, self.device_slots.capacity[layer] // 2)) if streaming else None
-        while remaining:
-            handles, remaining = self._request(layer, remaining, partial=True, max_misses=misses)
-            consume(handles)
+        hits_before = self.stats.layer(layer).device_hits
+        current: list[ExpertHandle] = []
+        staged: list[ExpertHandle] = []
+        try:
+            while True:
+                while not current and remaining:  # blocks for room (a release) when there is none
+                    current, remaining = self._request(layer, remaining, partial=True, max_misses=misses)
+                if not current:
+                    break
+                if remaining:  # start the next chunk's loads, without waiting for room, first
+                    staged, remaining = self._request(layer, remaining, partial=True, max_misses=misses, block=False)
+                self._await(current)
+                yield current
+                self._release_all(current)
+                current, staged = staged, []
+        finally:
+            self._release_all(current)
+            self._release_all(staged)
         if self.rebalancer is not None:
             # decode-sized requests only: a prefill streams every expert through the layer's
             # slots, and its misses and ghost hits say nothing about the room decoding needs
-            if len(experts) <= max(self.top_k, self.device_slots.capacity[layer]):
-                self._rebalance(layer, self.stats.layer(layer).device_hits - before, len(experts))
+            if not streaming:
+                self._rebalance(layer, self.stats.layer(layer).device_hits - hits_before, len(experts))
             else:
                 with self._lock:
                     self.device_slots.ghost_hits[layer] = 0
 
-    def _wait_raw(self, handles: list[ExpertHandle]) -> None:
+    def fetch(self, layer: int, experts: list[int]) -> dict[int, ExpertWeights]:
+        """Dequantised weights of `experts` of `layer` (on the store's device)."""
+        fetched: dict[int, ExpertWeights] = {}
+        with closing(self.stream(layer, experts)) as chunks:
+            for handles in chunks:
+                for handle in handles:
+                    fetched[handle.expert] = self._dequantize(handle, self.device_pool.slot(handle.slot))
+        return fetched
+
+    def load(self, layer: int, experts: list[int]) -> None:
+        """Make `experts` resident on the device and wait until their bytes are there, without
+        dequantising (what fetch moves, for benchmarks and warm-up); counted like fetch."""
+        with closing(self.stream(layer, experts)) as chunks:
+            for _ in chunks:
+                if self._copy_stream is not None:
+                    torch.cuda.current_stream(self.device).synchronize()
+
+    def prefetch(self, layer: int, experts: list[int]) -> int:
+        """Start loading `experts` of `layer` for a request expected soon; returns the loads started.
+
+        Low priority: never blocks or waits for a slot; uses only the layer's own share of the
+        pool (free slots within it, or its own unpinned entries evicted by policy), never a
+        pinned entry; leaves a host-cache reserve for requests; its disk reads queue behind
+        required reads. Host-cache hits start the copy at once. Resident or in-flight experts
+        are skipped. Entries are unpinned once they land. Counted as prefetch_issued, not as
+        requests; a later request that finds one counts prefetch_used, an eviction before that
+        prefetch_wasted."""
+        started = 0
+        with self._changed:
+            if self._closed:
+                return 0
+            for expert in experts:
+                key = (layer, expert)
+                if key in self.device_slots:
+                    continue
+                if key not in self.host_slots and not self._host_room_for_prefetch():
+                    continue  # a host-cache hit further on may still go
+                try:
+                    slot, evicted = self.device_slots.place(key, layer, pin=True, seed=0.0, within_share=True,
+                                                            count_ghost=False)
+                except NoRoom:
+                    break  # the layer's share is full of pinned entries
+                self._evicted_device(evicted)
+                _, source = self._start_load(key, slot, prefetch=True)
+                self._prefetched.add(key)
+                self.stats.bump(layer, prefetch_issued=1, prefetch_from_disk=int(source == "disk"))
+                started += 1
+        return started
+
+    def _host_room_for_prefetch(self) -> bool:
+        """A prefetch disk read takes a host buffer only while `top_k` more stay available."""
+        available = self.host_slots.free_slots + self.host_slots.unpinned(HOST)
+        return available > min(self.top_k, self.host_slots.slots)
+
+    def _await(self, handles: list[ExpertHandle]) -> None:
+        """Wait for every handle's load; raise the first failure (after waiting for the rest)."""
         start, failure = time.perf_counter(), None
         try:
             for handle in handles:
@@ -161,10 +259,13 @@ class TieredStore(TransferJobs):
                     failure = failure or error
         finally:
             self.stats.add_time("wait_seconds", time.perf_counter() - start)
-            for handle in handles:
-                handle.release()
         if failure is not None:
             raise failure
+
+    @staticmethod
+    def _release_all(handles: list[ExpertHandle]) -> None:
+        for handle in handles:
+            handle.release()
 
     # ---- asynchronous API -------------------------------------------------------------------
 
@@ -177,25 +278,11 @@ class TieredStore(TransferJobs):
 
     def wait(self, handles: list[ExpertHandle]) -> dict[int, ExpertWeights]:
         """Block until every handle's copy landed; dequantise; release the slots."""
-        fetched, failure, waited = {}, None, 0.0
         try:
-            for handle in handles:
-                start = time.perf_counter()
-                try:
-                    raw = handle.wait()
-                except FlashpackError as error:
-                    failure = failure or error
-                    continue
-                finally:
-                    waited += time.perf_counter() - start
-                fetched[handle.expert] = self._dequantize(handle, raw)
+            self._await(handles)
+            return {handle.expert: self._dequantize(handle, self.device_pool.slot(handle.slot)) for handle in handles}
         finally:
-            self.stats.add_time("wait_seconds", waited)
-            for handle in handles:
-                handle.release()
-        if failure is not None:
-            raise failure
-        return fetched
+            self._release_all(handles)
 
     def _dequantize(self, handle: ExpertHandle, raw: torch.Tensor) -> ExpertWeights:
         decoded = decode_record(self.geometry, raw[:self.geometry.length],
@@ -206,12 +293,13 @@ class TieredStore(TransferJobs):
 
     def _request(
         self, layer: int, experts: list[int], partial: bool, prewarm: dict[int, float] | None = None,
-        max_misses: int | None = None,
+        max_misses: int | None = None, block: bool = True,
     ):
         """Handles for a prefix of `experts` (all of them unless `partial` and the layer's slots
         run out, or `max_misses` experts not on the device were admitted), and the experts left
         over. `prewarm` ({expert: profile weight}) places them as pre-warming does: not counted
-        as requests, policies seeded with the weights."""
+        as requests, policies seeded with the weights. `block=False` never waits for room: it
+        may return no handles at all (staging the next chunk of a stream)."""
         if self._closed:
             raise FlashpackError("the expert store is closed")
         handles: list[ExpertHandle] = []
@@ -219,19 +307,18 @@ class TieredStore(TransferJobs):
             index = admitted = 0
             while index < len(experts):
                 key = (layer, experts[index])
-                if max_misses is not None and key not in self.device_slots:
-                    if admitted >= max_misses:
-                        break
-                    admitted += 1
+                miss = max_misses is not None and key not in self.device_slots
+                if miss and admitted >= max_misses:
+                    break
                 try:
                     handles.append(self._admit(key, prewarm))
                 except NoRoom:
-                    if handles and partial:
+                    if (handles and partial) or not block:
                         break
                     if partial and self._try_admit_anywhere(key, prewarm, handles):
-                        index += 1
+                        index, admitted = index + 1, admitted + miss
                         continue
-                    if self._inflight or self._host_loads or self._pins() > len(handles):
+                    if self._inflight or self._host_loads or self._landing or self._pins() > len(handles):
                         # loads in flight or other requests hold the slots: wait for a release
                         if not self._changed.wait(WAIT_TIMEOUT_S):
                             self._unpin_all(handles)
@@ -242,12 +329,12 @@ class TieredStore(TransferJobs):
                         f"layer {layer}: cannot hold {len(experts)} experts at once "
                         f"({self.device_slots.capacity[layer]} slots); use fetch()"
                     ) from None
-                index += 1
+                index, admitted = index + 1, admitted + miss
         return handles, experts[index:]
 
     def _try_admit_anywhere(self, key: tuple[int, int], prewarm, handles: list[ExpertHandle]) -> bool:
         """A fetch that cannot place even one expert in its layer's share (the layer's slots are
-        pinned by earlier requests, e.g. a prefetch) takes any unpinned slot rather than wait."""
+        pinned by earlier requests) takes any unpinned slot rather than wait."""
         try:
             handles.append(self._admit(key, prewarm, limit=self.device_slots.slots))
         except NoRoom:
@@ -271,43 +358,63 @@ class TieredStore(TransferJobs):
         if entry is not None:
             self.device_slots.touch(key)
             self.device_slots.pin(key)
+            if prewarm is None and key in self._prefetched:  # a prefetch guessed right
+                self._prefetched.discard(key)
+                count(prefetch_used=1)
+                if key in self.host_slots:
+                    self.host_slots.touch(key)  # the request its host entry was placed without
             if entry.ready:
                 count(requests=1, device_hits=1)
                 return ExpertHandle(layer, expert, entry.slot, "device", self, entry)
             count(requests=1, joined=1)
             return ExpertHandle(layer, expert, entry.slot, "joined", self, entry, self._inflight[key])
-        host_entry = self.host_slots.get(key)
-        if host_entry is None and self.host_slots.free_slots == 0 and self.host_slots.unpinned(HOST) == 0:
+        if key not in self.host_slots and self.host_slots.free_slots == 0 and self.host_slots.unpinned(HOST) == 0:
             raise NoRoom("every host buffer is in use")  # checked before the device slot is taken
         slot, evicted = self.device_slots.place(key, layer, pin=True, limit=limit or self.top_k, seed=seed)
-        if evicted is not None:
-            self.stats.bump(evicted[0], evictions_device=1)
+        self._evicted_device(evicted)
         entry = self.device_slots.get(key)
+        self.device_slots.pin(key)  # the request's pin (place's is the load's)
+        future, source = self._start_load(key, slot, seed=seed, prewarm=prewarm is not None)
+        if prewarm is not None:
+            self.stats.bump(layer, prewarmed_device=1, **({"prewarmed_host": 1} if source == "disk" else {}))
+        count(requests=1, **{"host_hits" if source == "host" else "disk_reads": 1})
+        return ExpertHandle(layer, expert, slot, source, self, entry, future)
+
+    def _start_load(
+        self, key: tuple[int, int], slot: int, seed: float | None = None, prewarm: bool = False,
+        prefetch: bool = False,
+    ) -> tuple[Future, str]:
+        """Fill device slot `slot`, just placed for `key` and pinned by this load: a copy from the
+        host cache when the record is there (or being read there), else a disk read into a new
+        host slot, then the copy. Returns the load's future and where it comes from ("host" or
+        "disk"). A prefetch neither touches nor ranks host entries as a request would."""
         future: Future = Future()
         self._inflight[key] = future
+        host_entry = self.host_slots.get(key)
         if host_entry is not None:
-            self.host_slots.touch(key)
+            if not prefetch:
+                self.host_slots.touch(key)
             self.host_slots.pin(key)
-            if prewarm is not None:
-                self.stats.bump(layer, prewarmed_device=1)
-            count(requests=1, host_hits=1)
-            source = "host"
             if host_entry.ready:
-                self._copier.submit(self._copy_job, key, host_entry, slot, future, None, prewarm is not None)
+                self._copier.submit(self._copy_job, key, host_entry, slot, future, None, prewarm)
             else:  # its read is in flight (pre-warming the host tier): copy when it lands
                 copy = lambda load: self._copier.submit(  # noqa: E731
-                    self._copy_job, key, host_entry, slot, future, load, prewarm is not None)
+                    self._copy_job, key, host_entry, slot, future, load, prewarm)
                 self._host_loads[key].add_done_callback(copy)
-        else:
-            self._place_host(key, seed=seed)
-            host_entry = self.host_slots.get(key)
-            if prewarm is not None:
-                self.stats.bump(layer, prewarmed_device=1, prewarmed_host=1)
-            count(requests=1, disk_reads=1)
-            source = "disk"
-            self._host_loads[key] = Future()
-            self._readers.submit(self._read_job, [key], (slot, future), prewarm is not None)
-        return ExpertHandle(layer, expert, slot, source, self, entry, future)
+            return future, "host"
+        self._place_host(key, seed=0.0 if prefetch else seed)
+        self._host_loads[key] = Future()
+        self._readers.submit(self._read_job, [key], (slot, future), prewarm, low=prefetch)
+        return future, "disk"
+
+    def _evicted_device(self, key: tuple[int, int] | None) -> None:
+        """Count a device eviction (a prefetch that no request used is wasted)."""
+        if key is None:
+            return
+        self.stats.bump(key[0], evictions_device=1)
+        if key in self._prefetched:
+            self._prefetched.discard(key)
+            self.stats.bump(key[0], prefetch_wasted=1)
 
     def _place_host(self, key: tuple[int, int], seed: float | None = None) -> int:
         host_slot, evicted = self.host_slots.place(key, HOST, pin=True, seed=seed)
@@ -339,7 +446,7 @@ class TieredStore(TransferJobs):
             move = self.rebalancer.decide(self.device_slots.capacity)
             if move is not None:
                 for key in self.device_slots.move_capacity(*move):
-                    self.stats.bump(key[0], evictions_device=1)
+                    self._evicted_device(key)
 
     def prewarm(self, ranked: dict[int, list[int]], counts: dict[int, list[int]] | None = None) -> dict[str, int]:
         """Fill the device pool, then the host cache, with each layer's hottest experts.
@@ -357,6 +464,8 @@ class TieredStore(TransferJobs):
         self._closed = True
         self._readers.shutdown(wait=True)
         self._copier.shutdown(wait=True)
+        if self._lander is not None:
+            self._lander.shutdown(wait=True)
         self.reader.close()
 
     def __enter__(self) -> "TieredStore":

@@ -2,9 +2,16 @@
 
 A read job fills host slots from disk (one `preadv` for a run of contiguous records), checks
 each record's xxh64 the first time it is read, publishes the good ones and fails the bad ones
-by name; a copy job moves one host slot to its device slot on the copy stream and publishes the
-device entry once the copy has landed. Jobs only move bytes; every change to residency happens
-under the store's lock, so residency is published by the host side alone.
+by name; a copy job moves one host slot to its device slot and publishes the device entry. Jobs
+only move bytes; every change to residency happens under the store's lock, so residency is
+published by the host side alone.
+
+On CUDA a copy is enqueued on the store's copy stream (after the compute that last read the
+device slot, by the event recorded when it was released) and the entry is published at once with
+the copy's `landed` event: whoever uses the slot makes its own stream wait on that event
+(ExpertHandle.wait), so no thread blocks per record and copies run back to back. The host slot
+the copy reads stays pinned until a "landing" thread has seen the event complete; only then may a
+disk read overwrite it. On CPU the copy is done when it returns and nothing waits.
 """
 
 from __future__ import annotations
@@ -29,7 +36,13 @@ class TransferJobs:
         check each, publish the good ones; then copy the first to device slot `then` if given."""
         with self._lock:
             host_entries = [self.host_slots.get(key) for key in keys]
-        entries = [self.pack.record_entry(*key) for key in keys]
+        try:
+            entries = [self.pack.record_entry(*key) for key in keys]
+        except FlashpackError as error:  # no such record: fail the loads rather than leave them hanging
+            self._fail_host(keys, error)
+            if then is not None:
+                self._fail_device(keys[0], error)
+            return
         start = time.perf_counter()
         try:
             self.reader.read(entries[0].file, entries[0].offset, [self.host_pool.slot(h.slot) for h in host_entries],
@@ -81,23 +94,12 @@ class TransferJobs:
         self, key: tuple[int, int], host_entry: Entry, device_slot: int, future: Future, load: Future | None = None,
         prewarm: bool = False,
     ) -> None:
-        """Host slot -> device slot on the copy stream; publish the device entry once it landed.
-        `load` is the host read this copy waited for, when there was one."""
+        """Host slot -> device slot; publish the device entry (its bytes are in place for work
+        that waits on `entry.landed`). `load` is the host read this copy waited for, if any."""
         try:
             if load is not None and load.exception() is not None:
                 raise load.exception()
-            source, target = self.host_pool.slot(host_entry.slot), self.device_pool.slot(device_slot)
-            if self._copy_stream is None:
-                target.copy_(source)
-            else:
-                with torch.cuda.stream(self._copy_stream):
-                    freed = self._slot_free_events.pop(device_slot, None)
-                    if freed is not None:  # the compute that last read this slot must finish first
-                        self._copy_stream.wait_event(freed)
-                    target.copy_(source, non_blocking=True)
-                    done = torch.cuda.Event()
-                    done.record(self._copy_stream)
-                done.synchronize()
+            landed = self._copy_to_device(host_entry.slot, device_slot)
             counter = "prewarm_bytes_host_to_device" if prewarm else "bytes_host_to_device"
             self.stats.bump(key[0], **{counter: self.stride})
         except BaseException as error:
@@ -107,12 +109,49 @@ class TransferJobs:
             self._fail_device(key, error)
             return
         with self._changed:
-            if self.host_slots.get(key) is host_entry:
-                self.host_slots.unpin(key)
-            self.device_slots.get(key).ready = True
+            entry = self.device_slots.get(key)  # still this load's entry: the load holds a pin on it
+            entry.ready, entry.landed = True, landed
+            self.device_slots.unpin(key)  # the load's pin; requests hold their own
             self._inflight.pop(key, None)
+            if landed is None:
+                if self.host_slots.get(key) is host_entry:
+                    self.host_slots.unpin(key)
+            else:
+                self._landing += 1
             self._changed.notify_all()
         future.set_result(device_slot)
+        if landed is not None:
+            self._lander.submit(self._copy_landed, key, host_entry, entry, landed)
+
+    def _copy_to_device(self, host_slot: int, device_slot: int):
+        """Copy a host slot into a device slot. CPU: done on return, returns None. CUDA: enqueued
+        on the copy stream behind the last release of the device slot; returns the event that
+        completes when the bytes have landed."""
+        source, target = self.host_pool.slot(host_slot), self.device_pool.slot(device_slot)
+        if self._copy_stream is None:
+            target.copy_(source)
+            return None
+        with torch.cuda.stream(self._copy_stream):
+            freed = self._slot_free_events.pop(device_slot, None)
+            if freed is not None:  # the compute that last read this slot must finish first
+                self._copy_stream.wait_event(freed)
+            target.copy_(source, non_blocking=True)
+            landed = torch.cuda.Event()
+            landed.record(self._copy_stream)
+        return landed
+
+    def _copy_landed(self, key: tuple[int, int], host_entry: Entry, entry: Entry, landed) -> None:
+        """(landing thread, CUDA) Once the copy has read its host slot, free that slot for reuse."""
+        try:
+            landed.synchronize()
+        finally:
+            with self._changed:
+                if self.host_slots.get(key) is host_entry:
+                    self.host_slots.unpin(key)
+                if entry.landed is landed:
+                    entry.landed = None  # users of the slot need not wait on it any more
+                self._landing -= 1
+                self._changed.notify_all()
 
     def _publish_host(self, keys: list[tuple[int, int]], unpin: list[tuple[int, int]]) -> None:
         """Mark `keys` ready in the host cache; unpin those no copy waits for."""
@@ -141,6 +180,7 @@ class TransferJobs:
         with self._changed:
             if self.device_slots.get(key) is not None:
                 self.device_slots.drop(key)
+            self._prefetched.discard(key)
             future = self._inflight.pop(key, None)
             self._changed.notify_all()
         if future is not None and not future.done():

@@ -152,6 +152,31 @@ def test_residency_limit_lets_a_layer_hold_top_k_in_a_tiny_pool():
     pool.check()
 
 
+def test_residency_within_share_placements_stay_in_the_partitions_share():
+    """What prefetching asks for: never past the share, never a slot of a partition within its
+    own share, never a pinned key; a ghost placed this way is no ghost hit."""
+    pool = Residency(6, {0: 2, 1: 2, 2: 2}, LRU, ghost_size=2)
+    pool.place((0, 0), 0, pin=True)
+    pool.place((0, 1), 0, pin=True)
+    with pytest.raises(NoRoom):  # its share is pinned, though 4 slots are free
+        pool.place((0, 2), 0, pin=False, within_share=True)
+    pool.unpin((0, 1))
+    _, evicted = pool.place((0, 2), 0, pin=False, within_share=True)  # evicts its own unpinned key
+    assert evicted == (0, 1) and pool.count[0] == 2
+    for expert in range(4):  # layer 1 runs over its share (its own keys pinned: limit lets it)
+        pool.place((1, expert), 1, pin=True, limit=4)
+    assert pool.free_slots == 0 and pool.count[1] == 4
+    with pytest.raises(NoRoom):  # layer 1's extra slots are pinned: nothing to reclaim
+        pool.place((2, 0), 2, pin=False, within_share=True)
+    pool.unpin((1, 3))
+    _, evicted = pool.place((2, 0), 2, pin=False, within_share=True)  # reclaims from the over-share layer
+    assert evicted == (1, 3)
+    pool.unpin((0, 0))
+    pool.place((0, 1), 0, pin=False, within_share=True, count_ghost=False)  # (0, 1) was a ghost
+    assert pool.ghost_hits[0] == 0 and (0, 1) in pool
+    pool.check()
+
+
 def test_rebalancer_hit_rate_signal_moves_capacity_to_the_layer_that_misses():
     rebalancer = Rebalancer(floor=1, window=6, signal="hit-rate", min_gap=0.1)
     for _ in range(2):

@@ -1,0 +1,375 @@
+"""The store as the MoE kernels' source: `stream` (ready handles chunk by chunk, the next chunk's
+loads started before a chunk is handed out, every slot released however the consumer stops),
+`bank` (the device pool viewed whole, rows dequantising like the pack) and `prefetch` (low
+priority: no requests counted, no pinned entry evicted, reads behind required reads)."""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from flashpack.errors import FlashpackError
+from flashpack.layout.pack import Pack
+from flashpack.layout.records import PROJECTIONS
+from flashpack.runtime.kernels.bank import ExpertBank
+from flashpack.runtime.kernels.reference import dequantize_expert
+from flashpack.runtime.pack_source import PackExperts
+from flashpack.runtime.store import build_store
+from flashpack.runtime.store.lanes import ReadLanes
+from flashpack.runtime.store.tiers import SlotPool
+
+
+def _info(pack: Pack) -> SimpleNamespace:
+    cfg = pack.manifest.config
+    return SimpleNamespace(stride=pack.manifest.document["experts"]["record_stride"], experts=cfg.num_experts,
+                           layers=sorted({r.layer for r in pack.manifest.expert_records()}),
+                           top_k=cfg.num_experts_per_tok)
+
+
+def _store(pack: Pack, device_slots: int, host_slots: int, **options):
+    stride = pack.manifest.document["experts"]["record_stride"]
+    return build_store(pack, vram_budget=device_slots * stride, ram_budget=host_slots * stride, device_reserved=0,
+                       poison=True, **options)
+
+
+def _settle(store, timeout: float = 10.0) -> None:
+    """Wait until no load is in flight (a released chunk's loads still land)."""
+    deadline = time.monotonic() + timeout
+    with store._changed:
+        while store._inflight or store._host_loads or store._landing:
+            assert time.monotonic() < deadline, "loads still in flight"
+            store._changed.wait(0.05)
+
+
+def _nothing_pinned(store) -> bool:
+    _settle(store)
+    return all(e.pins == 0 for e in store.device_slots.entries.values()) and \
+        all(e.pins == 0 for e in store.host_slots.entries.values())
+
+
+def _slot_bytes(store, slot: int, length: int) -> bytes:
+    return bytes(store.device_pool.slot(slot)[:length].cpu().numpy())
+
+
+def _corrupt(pack_root, layer: int, expert: int) -> None:
+    entry = Pack.open(pack_root).record_entry(layer, expert)
+    with open(pack_root / entry.file, "r+b") as handle:
+        handle.seek(entry.offset + 100)
+        byte = handle.read(1)
+        handle.seek(entry.offset + 100)
+        handle.write(bytes([byte[0] ^ 0x40]))
+
+
+def _gate_reads(store, pack: Pack, keys: set[tuple[int, int]], gate: threading.Event):
+    """Make reads of `keys` block until `gate` is set; returns the list of keys read, in order."""
+    where = {(pack.record_entry(*key).file, pack.record_entry(*key).offset): key for key in
+             ((r.layer, r.expert) for r in pack.manifest.expert_records())}
+    original, order = store.reader.read, []
+
+    def read(file, offset, buffers, need):
+        key = where[(file, offset)]
+        order.append(key)
+        if key in keys:
+            assert gate.wait(20), "gate never opened"
+        return original(file, offset, buffers, need)
+
+    store.reader.read = read
+    return order
+
+
+# ---- stream ----------------------------------------------------------------------------------
+
+def test_stream_covers_every_expert_once_with_the_records_bytes(store_pack):
+    pack = Pack.open(store_pack)
+    info = _info(pack)
+    experts, layers = info.experts, info.layers
+    with _store(pack, 8 * len(layers), 16) as store:
+        layer = layers[2]
+        store.fetch(layer, [3, 9])  # two hits for the prefill to take first
+        chunks = []
+        for chunk in store.stream(layer, list(range(experts))):
+            assert all(h.ready() for h in chunk)
+            for handle in chunk:  # the slot holds the record exactly as the pack stores it
+                length = pack.record_entry(layer, handle.expert).length
+                assert _slot_bytes(store, handle.slot, length) == bytes(pack.record_bytes(layer, handle.expert))
+            assert len({h.slot for h in chunk}) == len(chunk)
+            chunks.append([h.expert for h in chunk])
+        assert sorted(e for chunk in chunks for e in chunk) == list(range(experts))
+        assert len(chunks) > 2 and set(chunks[0]) >= {3, 9}  # streamed, hits first
+        assert _nothing_pinned(store)
+        decode = list(store.stream(layer, [1, 2, 5, 30]))  # decode-sized: one chunk
+        assert len(decode) == 1 and sorted(h.expert for h in decode[0]) == [1, 2, 5, 30]
+        total = store.stats.layer(layer)
+        assert total.requests == 2 + experts + 4
+        assert total.requests == total.device_hits + total.host_hits + total.disk_reads + total.joined
+        assert _nothing_pinned(store)
+        store.check_budgets()
+
+
+def test_stream_starts_the_next_chunk_before_yielding(store_pack):
+    pack = Pack.open(store_pack)
+    info = _info(pack)
+    experts, layers = info.experts, info.layers
+    with _store(pack, 8 * len(layers), 32, rebalance=False) as store:
+        layer = layers[1]
+        wanted = list(range(experts))
+        counters = store.stats.layer(layer)
+        gate = threading.Event()
+        second = {(layer, e) for e in range(4, 8)}  # cold store, 4 misses a chunk: the second chunk
+        _gate_reads(store, pack, second, gate)
+        stream = store.stream(layer, wanted)
+        first = next(stream)
+        assert sorted(h.expert for h in first) == [0, 1, 2, 3]
+        assert counters.requests == 8  # the second chunk was requested ...
+        with store._lock:
+            assert second <= set(store._inflight)  # ... and its reads are under way
+            assert all(store.device_slots.get(key).pins for key in second)
+        gate.set()
+        seen = len(first)
+        for chunk in stream:
+            seen += len(chunk)
+            if seen < experts:  # every chunk but the last: the next one is already requested
+                assert counters.requests > seen
+        assert seen == experts and counters.requests == experts
+        assert _nothing_pinned(store)
+
+
+def test_stream_releases_its_slots_when_closed_early_or_the_consumer_raises(store_pack):
+    pack = Pack.open(store_pack)
+    info = _info(pack)
+    experts, layers = info.experts, info.layers
+    with _store(pack, 8 * len(layers), 16) as store:
+        stream = store.stream(layers[0], list(range(experts)))
+        next(stream)
+        stream.close()
+        assert _nothing_pinned(store)
+        with pytest.raises(RuntimeError, match="consumer failed"):
+            for _ in store.stream(layers[1], list(range(experts))):
+                raise RuntimeError("consumer failed")
+        assert _nothing_pinned(store)
+        chunks = list(store.stream(layers[1], list(range(experts))))  # the store still serves
+        assert sum(len(c) for c in chunks) == experts
+        assert _nothing_pinned(store)
+        store.check_budgets()
+
+
+def test_stream_names_a_corrupt_record_and_frees_everything(pack_copy):
+    _corrupt(pack_copy, 2, 13)
+    pack = Pack.open(pack_copy)
+    info = _info(pack)
+    experts, layers = info.experts, info.layers
+    with _store(pack, 8 * len(layers), 16) as store:
+        with pytest.raises(FlashpackError, match="corrupt expert record: layer 2 expert 13"):
+            for _ in store.stream(2, list(range(experts))):
+                pass
+        assert _nothing_pinned(store)
+        assert (2, 13) not in store.device_slots
+        with pytest.raises(FlashpackError, match="layer 2 expert 13"):
+            store.fetch(2, [12, 13])
+        good = [e for e in range(experts) if e != 13]
+        assert sum(len(c) for c in store.stream(2, good)) == len(good)
+        assert _nothing_pinned(store)
+        store.check_budgets()
+
+
+def test_streams_from_threads_each_cover_their_request_once(store_pack):
+    """Threads streaming prompts and decode steps through a pool a little larger than one
+    layer's top_k: staged chunks never starve another thread into dropping experts."""
+    pack = Pack.open(store_pack)
+    info = _info(pack)
+    errors = []
+
+    def worker(seed):
+        rng = random.Random(seed)
+        try:
+            for _ in range(30):
+                layer = rng.choice(info.layers)
+                wanted = sorted(rng.sample(range(info.experts), rng.choice([1, info.top_k, info.top_k + 3, 20])))
+                seen = [h.expert for chunk in store.stream(layer, wanted) for h in chunk]
+                assert sorted(seen) == wanted
+        except BaseException as error:  # noqa: BLE001 - reported below
+            errors.append(error)
+
+    with _store(pack, 3 * info.top_k, 6) as store:
+        threads = [threading.Thread(target=worker, args=(seed,)) for seed in range(3)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        assert not errors, errors[0]
+        assert _nothing_pinned(store)
+        store.check_budgets()
+
+
+# ---- bank ------------------------------------------------------------------------------------
+
+def test_bank_views_the_device_pool_and_rows_dequantise_like_the_pack(store_pack):
+    pack = Pack.open(store_pack)
+    info = _info(pack)
+    stride, experts, layers, top_k = info.stride, info.experts, info.layers, info.top_k
+    with _store(pack, 3 * top_k, 8) as store:
+        bank = store.bank
+        assert isinstance(bank, ExpertBank) and bank.num_experts == store.plan.device_slots
+        pool = store.device_pool.tensor
+        assert tuple(pool.shape) == (store.plan.device_slots, stride)
+        assert bank.gate_nibbles.untyped_storage().data_ptr() == pool.untyped_storage().data_ptr()  # a view
+        for layer, wanted in ((layers[0], [0, 5, 31]), (layers[-1], list(range(experts)))):
+            for chunk in store.stream(layer, wanted):
+                for handle in chunk:
+                    record = pack.expert(layer, handle.expert)
+                    for projection in PROJECTIONS:
+                        got = dequantize_expert(store.bank, handle.slot, projection)
+                        assert torch.equal(got, record.dequantize(projection)), (layer, handle.expert, projection)
+
+
+def test_slot_pools_device_is_one_tensor_host_is_chunked():
+    device = SlotPool(10, 4096, "cpu", chunk_bytes=3 * 4096)
+    assert tuple(device.tensor.shape) == (10, 4096) and device.slot(7).data_ptr() == device.tensor[7].data_ptr()
+    host = SlotPool(10, 4096, "cpu", host=True, chunk_bytes=3 * 4096)
+    assert host.nbytes == 10 * 4096 and host.slot(9).numel() == 4096
+    with pytest.raises(ValueError, match="chunks"):
+        _ = host.tensor
+
+
+# ---- prefetch --------------------------------------------------------------------------------
+
+def test_prefetch_is_counted_apart_and_a_later_request_uses_it(store_pack):
+    pack = Pack.open(store_pack)
+    info = _info(pack)
+    layers = info.layers
+    reference = PackExperts(pack)
+    with _store(pack, 8 * len(layers), 32, rebalance=False) as store:
+        layer = layers[3]
+        store.fetch(layer, [20])  # one host/device resident expert: skipped by the prefetch
+        assert store.prefetch(layer, [0, 1, 2, 20]) == 3
+        _settle(store)
+        counters = store.stats.layer(layer)
+        assert counters.requests == 1 and counters.prefetch_issued == 3 and counters.prefetch_from_disk == 3
+        assert store.prefetch(layer, [0, 1, 2]) == 0  # resident now
+        assert all(store.device_slots.get((layer, e)).pins == 0 for e in (0, 1, 2))  # unpinned once landed
+        got = store.fetch(layer, [0, 1, 2, 3])
+        want = reference.fetch(layer, [0, 1, 2, 3])
+        assert all(torch.equal(got[e].up, want[e].up) for e in want)
+        assert counters.requests == 5 and counters.device_hits == 3 and counters.disk_reads == 2
+        assert counters.prefetch_used == 3 and counters.prefetch_wasted == 0
+        # a prefetch still in flight is joined by the request and counts as used
+        gate = threading.Event()
+        _gate_reads(store, pack, {(layer, 9)}, gate)
+        assert store.prefetch(layer, [9]) == 1
+        handles = store.request(layer, [9])
+        assert handles[0].source == "joined"
+        gate.set()
+        store.wait(handles)
+        assert counters.prefetch_used == 4 and counters.joined == 1
+        stats = store.stats.to_dict()
+        assert stats["prefetch"] == {"issued": 4, "from_disk": 4, "used": 4, "wasted": 0, "accuracy": 1.0}
+        assert stats["layers"][str(layer)]["prefetch_used"] == 4
+        assert stats["requests"] == 6
+        assert _nothing_pinned(store)
+
+
+def test_prefetch_evicted_unused_is_wasted_and_host_hits_only_copy(store_pack):
+    pack = Pack.open(store_pack)
+    info = _info(pack)
+    layers = info.layers
+    with _store(pack, 8 * len(layers), 64, rebalance=False) as store:
+        layer = layers[0]
+        store.fetch(layer, [0, 1])
+        store.fetch(layer, list(range(8, 16)))  # the layer's share of 8: 0 and 1 go to the host cache only
+        assert (layer, 0) not in store.device_slots and (layer, 0) in store.host_slots
+        reads = store.stats.read_calls
+        assert store.prefetch(layer, [0, 1]) == 2
+        _settle(store)
+        assert store.stats.read_calls == reads  # host-cache hits: copies only
+        assert store.stats.layer(layer).prefetch_from_disk == 0
+        store.fetch(layer, list(range(16, 24)))  # evicts both before any request used them
+        counters = store.stats.layer(layer)
+        assert counters.prefetch_wasted == 2 and counters.prefetch_used == 0
+        assert store.stats.to_dict()["prefetch"]["accuracy"] == 0.0
+
+
+def test_prefetch_never_evicts_pinned_entries_nor_leaves_its_share(store_pack):
+    pack = Pack.open(store_pack)
+    info = _info(pack)
+    experts, layers = info.experts, info.layers
+    with _store(pack, 8 * len(layers), 64, rebalance=False) as store:
+        held = store.request(layers[0], list(range(8)))  # the layer's whole share, pinned
+        assert store.prefetch(layers[0], list(range(8, 16))) == 0
+        assert all((layers[0], e) in store.device_slots for e in range(8))
+        # a layer prefetches into its own share only, though most of the pool is free
+        assert store.prefetch(layers[1], list(range(experts))) == store.device_slots.capacity[layers[1]]
+        _settle(store)
+        for layer in layers:
+            assert store.device_slots.count[layer] <= store.device_slots.capacity[layer]
+        assert store.stats.total().requests == 8
+        store.check_budgets()
+        # and a prefetch for the held layer never takes the slots the request holds
+        store.prefetch(layers[0], list(range(16, 32)))
+        assert all((layers[0], e) in store.device_slots for e in range(8))
+        store.wait(held)
+        assert _nothing_pinned(store)
+        store.check_budgets()
+
+
+@pytest.mark.parametrize("device_slots, host_slots", [("top_k", 1), ("top_k+1", 2), ("2 per layer", 4)])
+def test_prefetch_under_a_tiny_budget_neither_blocks_nor_fails(store_pack, device_slots, host_slots):
+    pack = Pack.open(store_pack)
+    info = _info(pack)
+    experts, layers, top_k = info.experts, info.layers, info.top_k
+    reference = PackExperts(pack)
+    slots = {"top_k": top_k, "top_k+1": top_k + 1, "2 per layer": 2 * len(layers)}[device_slots]
+    rng = random.Random(slots)
+    with _store(pack, slots, host_slots) as store:
+        for step in range(60):
+            layer = layers[step % len(layers)]
+            wanted = sorted(rng.sample(range(experts), top_k if step % 7 else experts))
+            got = store.fetch(layer, wanted)
+            want = reference.fetch(layer, wanted)
+            assert all(torch.equal(got[e].gate, want[e].gate) for e in want)
+            start = time.perf_counter()
+            store.prefetch(layers[(step + 1) % len(layers)], sorted(rng.sample(range(experts), top_k)))
+            assert time.perf_counter() - start < 1.0  # never waits
+            store.check_budgets()
+        assert _nothing_pinned(store)
+
+
+def test_required_reads_go_before_queued_prefetch_reads(store_pack):
+    pack = Pack.open(store_pack)
+    info = _info(pack)
+    layers = info.layers
+    with _store(pack, 8 * len(layers), 32, reader_threads=1, rebalance=False) as store:
+        gate = threading.Event()
+        order = _gate_reads(store, pack, {(1, 0)}, gate)
+        assert store.prefetch(1, [0, 1, 2]) == 3
+        deadline = time.monotonic() + 10
+        while not order:  # the first prefetch read holds the only reader thread
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        handles = store.request(2, [7])
+        assert store._readers.pending() == (1, 2)
+        gate.set()
+        store.wait(handles)
+        _settle(store)
+        assert order == [(1, 0), (2, 7), (1, 1), (1, 2)]
+
+
+def test_read_lanes_keep_a_thread_for_required_reads():
+    lanes = ReadLanes(2)
+    release, done = threading.Event(), threading.Event()
+    running = []
+    for _ in range(3):
+        lanes.submit(lambda: (running.append(1), release.wait(10)), low=True)
+    time.sleep(0.2)
+    assert len(running) == 1  # threads - 1 prefetch reads at once
+    lanes.submit(done.set)
+    assert done.wait(5)  # served while the prefetch reads wait
+    release.set()
+    lanes.shutdown()
+    assert len(running) == 3
+    with pytest.raises(RuntimeError):
+        lanes.submit(done.set)

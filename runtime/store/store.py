@@ -140,15 +140,11 @@ class TieredStore(TransferJobs):
 
     @property
     def bank(self) -> ExpertBank:
-        """The whole device pool as one ExpertBank: a handle's `slot` is its bank row."""
+        """The whole device pool as one ExpertBank: a handle's `slot` is its bank row. (No
+        slot_table: experts come and go, so this is an ExpertSlots source, not ResidentSlots.)"""
         if self._bank is None:
             self._bank = ExpertBank.from_pool(self.device_pool.tensor, self.geometry)
         return self._bank
-
-    @property
-    def slot_table(self) -> None:
-        """None: experts come and go (ResidentExperts has a table; see runtime/experts.py)."""
-        return None
 
     def stream(self, layer: int, experts: list[int]) -> Iterator[list[ExpertHandle]]:
         """Ready handles for `experts` of `layer`, chunk by chunk, each expert once.

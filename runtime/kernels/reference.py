@@ -45,7 +45,7 @@ def expert_swiglu_reference(
         h = xf[tokens]
         h = F.silu(h @ dequantize_expert(bank, slot, "gate").T) * (h @ dequantize_expert(bank, slot, "up").T)
         y = _round(h, act_dtype) @ dequantize_expert(bank, slot, "down").T
-        out.index_put_((tokens,), y * weights[tokens, k, None].float(), accumulate=True)
+        out.index_add_(0, tokens, y * weights[tokens, k, None].float())
     return out.to(out_dtype or x.dtype)
 
 

@@ -1,0 +1,64 @@
+"""Where a decode step's time goes: torch.profiler over a few greedy steps of `flashpack`'s engine.
+
+    python bench/profile_decode.py PACK --device cuda [--vram-budget 24GiB --ram-budget 64GiB] --out DIR
+
+Writes DIR/profile-<name>.txt (top operators by host time and by device time) and prints the
+step's wall time against the device-busy time (the sum of kernel times): their gap is per-token
+host overhead (Python, launches, waits on the store).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from flashpack.runtime.loader import StoreOptions, load_engine
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("pack")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--vram-budget")
+    parser.add_argument("--ram-budget")
+    parser.add_argument("--prompt-len", type=int, default=256)
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--name", default="decode")
+    parser.add_argument("--out", default=".")
+    args = parser.parse_args()
+    engine = load_engine(args.pack, args.device, store=StoreOptions(args.vram_budget, args.ram_budget))
+    model, sync = engine.model, (torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None))
+    state = model.new_state()
+    token = int(model(torch.randint(0, 1000, (args.prompt_len,)), state, last_only=True).logits.argmax())
+    for _ in range(args.steps):  # warm: kernels compiled, caches as decoding leaves them
+        token = int(model(torch.tensor([token]), state).logits.argmax())
+    sync()
+    start = time.perf_counter()
+    for _ in range(args.steps):
+        token = int(model(torch.tensor([token]), state).logits.argmax())
+    sync()
+    wall = (time.perf_counter() - start) / args.steps  # unprofiled: the profiler slows the host
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(args.steps):
+            token = int(model(torch.tensor([token]), state).logits.argmax())
+        sync()
+    events = prof.key_averages()
+    device_busy = sum(e.self_device_time_total for e in events) / 1e6 / args.steps
+    tables = [events.table(sort_by="self_cpu_time_total", row_limit=25),
+              events.table(sort_by="self_device_time_total", row_limit=25)]
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    Path(args.out, f"profile-{args.name}.txt").write_text("\n\n".join(tables))
+    summary = {"name": args.name, "step_wall_ms": wall * 1e3, "device_busy_ms": device_busy * 1e3,
+               "host_overhead_ms": (wall - device_busy) * 1e3, "kernel_launches_per_step":
+               sum(e.count for e in events if e.device_type.name == "CUDA") / args.steps}
+    print(json.dumps(summary))
+    Path(args.out, f"profile-{args.name}.json").write_text(json.dumps(summary, indent=1))
+
+
+if __name__ == "__main__":
+    main()

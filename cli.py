@@ -95,6 +95,8 @@ def synth(preset: str, out: Path, weight_format: str, seed: int, layers: int | N
 @click.option("--force", is_flag=True, help="Replace OUT if it exists.")
 @click.option("--dense-fp8", is_flag=True, help="Store large dense matrices as FP8 with one scale per row.")
 @click.option("--quiet", is_flag=True, help="No progress bars.")
+@click.option("--no-cuda-graphs", is_flag=True, help="Issue every decode kernel from Python (for comparison).")
+@click.option("--no-prefetch", is_flag=True, help="Do not prefetch the next layer's predicted experts.")
 @_one_line_errors
 def convert(source: str, out: Path, revision: str | None, force: bool, dense_fp8: bool, quiet: bool) -> None:
     """Repack a Hugging Face checkpoint (SOURCE: directory or hub repo id) into a pack at OUT."""
@@ -320,12 +322,14 @@ def trace_replay(trace_file: Path, capacities: tuple[int, ...], policies: tuple[
 @click.option("--offload-dir", type=click.Path(path_type=Path), help="Where the baseline's disk offload goes "
               "(default: beside the pack).")
 @click.option("--quiet", is_flag=True, help="No progress bars.")
+@click.option("--no-cuda-graphs", is_flag=True, help="Issue every decode kernel from Python (for comparison).")
+@click.option("--no-prefetch", is_flag=True, help="Do not prefetch the next layer's predicted experts.")
 @_one_line_errors
 def bench(pack: Path, vram_budget: str | None, ram_budget: str | None, policy: str, hot_set: str | None,
           no_direct_io: bool, no_verify_records: bool, prompt_len: int, gen: int, json_path: Path | None, device: str,
           dtype: str, emulate_layers: int | None, baseline: str | None, baseline_layers: int, baseline_prompt_len: int,
           baseline_gen: int, seed: int, repeats: int, copy_probe: str | None, disk_probe: str,
-          offload_dir: Path | None, quiet: bool) -> None:
+          offload_dir: Path | None, quiet: bool, no_cuda_graphs: bool, no_prefetch: bool) -> None:
     """Time prefill and decode of PACK through the tiered store, against the machine's bandwidth roofline
     and (with --baseline) transformers + accelerate offload at the same budget. The store is always
     used: a budget left out gives its tier room for every record."""
@@ -338,7 +342,7 @@ def bench(pack: Path, vram_budget: str | None, ram_budget: str | None, policy: s
         baseline_layers=baseline_layers, baseline_prompt_len=baseline_prompt_len, baseline_gen=baseline_gen,
         seed=seed, repeats=repeats, direct_io=not no_direct_io, verify_records=not no_verify_records,
         copy_probe=copy_probe, disk_probe=disk_probe, offload_dir=offload_dir, json_path=json_path,
-        progress=not quiet,
+        progress=not quiet, cuda_graphs=not no_cuda_graphs, prefetch=not no_prefetch,
     )
     click.echo(table(report))
     if json_path is not None:

@@ -75,3 +75,7 @@ class ResidentSlots(ExpertSlots, Protocol):
     def record_use(self, layer: int, experts: torch.Tensor) -> None:
         """Count a forward's requests (expert ids [T, k] on the device) in the source's stats."""
         ...
+
+    def count_replay(self, layer: int) -> None:
+        """Count one token's requests of `layer` for a MoE block replayed from a CUDA graph."""
+        ...

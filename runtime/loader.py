@@ -66,11 +66,16 @@ def load_engine(
     fetcher: ExpertFetcher | None = None,
     verify_records: bool = True,
     store: StoreOptions | None = None,
+    cuda_graphs: bool = True,
 ) -> LoadedEngine:
+    """`cuda_graphs`: replay decode steps from CUDA graphs where the expert source allows it (a GPU
+    and every expert resident); off, every kernel is issued from Python (for comparison)."""
     pack = Pack.open(pack_path)
     torch_device = parse_device(device)
     torch_dtype = parse_dtype(dtype, torch_device)
     tiered = None
+    if fetcher is None and store is None and torch_device.type == "cuda":
+        store = StoreOptions()  # a GPU reads experts through the store: resident when they all fit
     if fetcher is None and store is not None:
         from flashpack.runtime.store import build_store
 
@@ -87,5 +92,7 @@ def load_engine(
     )
     if tiered is not None and not isinstance(tiered, ResidentSlots):
         model.prefetch_next_layer(store.prefetch)
+    if cuda_graphs and isinstance(tiered, ResidentSlots) and torch_device.type == "cuda":
+        model.capture_decode_graphs(tiered.count_replay)
     tokenizer = PackTokenizer.load(pack.root)
     return LoadedEngine(pack, model, tokenizer, Generator(model, tokenizer), tiered)

@@ -69,6 +69,8 @@ def run_bench(
     offload_dir: Path | None = None,
     json_path: Path | None = None,
     progress: bool = False,
+    cuda_graphs: bool = True,
+    prefetch: bool = True,
 ) -> dict:
     """Benchmark `pack`; returns the report (and writes it to `json_path` when given).
 
@@ -104,9 +106,11 @@ def run_bench(
     store = StoreOptions(
         vram_budget=None if engine_budgets["vram"] is None else str(engine_budgets["vram"]),
         ram_budget=None if engine_budgets["ram"] is None else str(engine_budgets["ram"]),
-        policy=policy, hot_set=hot_set, direct_io=direct_io,
+        policy=policy, hot_set=hot_set, direct_io=direct_io, prefetch=prefetch,
     )
-    engine = load_engine(pack, device, dtype, verify_records=verify_records, store=store)
+    engine = load_engine(pack, device, dtype, verify_records=verify_records, store=store, cuda_graphs=cuda_graphs)
+    engine_setup = {"expert_source": type(engine.store).__name__, "cuda_graphs": engine.model.decode_graphs is not None,
+                    "prefetch": any(layer.moe.next_moe is not None for layer in engine.model.layers)}
     try:
         tokenizer = engine.tokenizer.tokenizer
         eos = cfg.eos_token_id if cfg.eos_token_id is not None and cfg.eos_token_id >= 0 else None
@@ -173,6 +177,7 @@ def run_bench(
             "baseline": baseline, "baseline_layers": baseline_layers if baseline else None,
             "baseline_prompt_tokens": len(baseline_prompt) if baseline else None,
             "baseline_gen_tokens": baseline_gen if baseline else None,
+            **engine_setup,
         },
         "budgets": budgets,
         "sizes": sizes.to_dict(),

@@ -48,15 +48,28 @@ class DecoderLayer(nn.Module):
 
         `pending` [T, H] is a block output still to be added to every stream with unit weight
         before this layer (the MTP head's projected token embedding)."""
+        streams = self.add_inputs(streams, tokens, state, pending)
+        block_input, inject = self.attn_hc.mix(streams)
+        return self.feed_forward(streams, self.sequence_mixer(block_input, state), inject)
+
+    def add_inputs(
+        self, streams: torch.Tensor, tokens: torch.Tensor, state: SequenceState, pending: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """The MTP head's pending block output and this layer's PLE rows (read on the host)."""
         if pending is not None:
             streams = self.attn_hc.combine(streams, pending, None)
         if self.ple is not None:
             streams = streams + self.ple(streams, tokens, state.ple[self.layer])
-        block_input, inject = self.attn_hc.mix(streams)
+        return streams
+
+    def sequence_mixer(self, block_input: torch.Tensor, state: SequenceState) -> torch.Tensor:
+        """DeltaNet or QSA attention over block_input [T, H], continuing this layer's state."""
         if self.linear:
-            block_output = self.mixer(block_input, state.deltanet[self.layer])
-        else:
-            block_output = self.mixer(block_input, state.attention[self.layer])
+            return self.mixer(block_input, state.deltanet[self.layer])
+        return self.mixer(block_input, state.attention[self.layer])
+
+    def feed_forward(self, streams: torch.Tensor, block_output: torch.Tensor, inject: torch.Tensor) -> torch.Tensor:
+        """Combine the mixer's output into the streams, then the MoE block around its own mix."""
         streams = self.attn_hc.combine(streams, block_output, inject)
         block_input, inject = self.mlp_hc.mix(streams)
         return self.mlp_hc.combine(streams, self.moe(block_input), inject)

@@ -114,7 +114,8 @@ class GatedDeltaNet(nn.Module):
         g = -self.A_log.float().exp() * F.softplus(F.linear(x, self.in_proj_a).float() + self.dt_bias)
 
         rule = recurrent_gated_delta_rule if length == 1 else chunk_gated_delta_rule
-        out, state.recurrent = rule(q, k, v, g, beta, state.recurrent)
+        out, recurrent = rule(q, k, v, g, beta, state.recurrent)
+        state.recurrent.copy_(recurrent)  # in place: a captured CUDA graph keeps reading this buffer
         z = F.linear(x, self.in_proj_z).reshape(length, self.value_heads, self.value_head_dim)
         out = self.norm(out.to(x.dtype), z).reshape(length, self.value_dim)
         return F.linear(out, self.out_proj)
@@ -122,6 +123,6 @@ class GatedDeltaNet(nn.Module):
     def causal_conv(self, x: torch.Tensor, state: DeltaNetState) -> torch.Tensor:
         """Depthwise causal conv + activation over x [T, C], continuing from state.conv [C, K - 1]."""
         full = torch.cat([state.conv, x.transpose(0, 1)], dim=-1)  # [C, K - 1 + T]
-        state.conv = full[:, full.shape[1] - state.conv.shape[1]:].clone()
+        state.conv.copy_(full[:, full.shape[1] - state.conv.shape[1]:])
         out = F.conv1d(full[None], self.conv_weight, groups=full.shape[0])[0]
         return self.act(out).transpose(0, 1)

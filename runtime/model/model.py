@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from flashpack.runtime.experts import ExpertFetcher
+from flashpack.runtime.model.decode_graphs import DecodeGraphs
 from flashpack.runtime.model.decoder_layer import DecoderLayer
 from flashpack.runtime.model.hyper_connection import GatedResidual
 from flashpack.runtime.model.rope import Rotary
@@ -43,11 +44,20 @@ class Qwen4ExpModel(nn.Module):
             DecoderLayer(cfg, source, fetcher, layer, f"layers.{layer}.", self.rotary, dtype, device)
             for layer in range(cfg.num_hidden_layers)
         )
+        self.decode_graphs: DecodeGraphs | None = None
         self.final_mixer = GatedResidual(cfg, source, "hyper_connection_mixer.", dtype, device, inject=False)
         if cfg.tie_word_embeddings:
             self.lm_head = self.embed_tokens
         else:
             self.register_buffer("lm_head", load_dense(source, "lm_head.weight", dtype, device), persistent=False)
+
+    def capture_decode_graphs(self, count_replay=None) -> None:
+        """Replay each decode step's fixed-shape layer work from CUDA graphs (decode_graphs.py).
+        Only for a GPU and an expert source that needs no host round trip (ResidentSlots);
+        `count_replay(layer)` counts a replayed MoE block's requests."""
+        if self.device.type != "cuda":
+            raise ValueError("CUDA graphs need the engine on a CUDA device")
+        self.decode_graphs = DecodeGraphs(self.layers, count_replay)
 
     def prefetch_next_layer(self, enabled: bool = True) -> None:
         """Let each MoE block name the next layer's likely experts to a tiered store in decode."""
@@ -64,8 +74,11 @@ class Qwen4ExpModel(nn.Module):
             raise ValueError(f"forward takes a non-empty 1-D tensor of token ids, got shape {tuple(tokens.shape)}")
         tokens = tokens.to(self.device)
         streams = self.embed(tokens).repeat(1, self.config.hc_count)  # [T, hc*H]
-        for layer in self.layers:
-            streams = layer(streams, tokens, state)
+        if self.decode_graphs is not None and tokens.shape[0] == 1:
+            streams = self.decode_graphs.run(streams, tokens, state)
+        else:
+            for layer in self.layers:
+                streams = layer(streams, tokens, state)
         state.position += tokens.shape[0]
         hidden = streams[-1:] if last_only else streams
         return StepOutput(logits=self.logits(hidden), streams=streams)

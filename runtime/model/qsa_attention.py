@@ -18,6 +18,7 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from flashpack.layout.model_config import TextConfig
 from flashpack.runtime.model.norms import RMSNorm
@@ -26,6 +27,9 @@ from flashpack.runtime.state import AttentionCache
 from flashpack.runtime.weights import WeightSource, load_dense
 
 QUERY_CHUNK = 1024  # prompt queries attended per step
+# cuDNN's attention builds an execution plan per new shape (65 ms each on an H200), and decode has a
+# new key length every token: keep to the backends that take any length as it comes.
+ATTENTION_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 class BlockIndexer(nn.Module):
@@ -150,7 +154,8 @@ class QSAAttention(nn.Module):
 
     def attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None):
         """q [T, heads, hd], keys/values [kv_heads, L, hd], mask bool [T, L] or None -> [heads, T, hd]."""
-        return F.scaled_dot_product_attention(
-            q.transpose(0, 1)[None], keys[None], values[None], attn_mask=None if mask is None else mask[None, None],
-            scale=self.head_dim ** -0.5, enable_gqa=self.heads != self.kv_heads,
-        )[0]
+        with sdpa_kernel(ATTENTION_BACKENDS):
+            return F.scaled_dot_product_attention(
+                q.transpose(0, 1)[None], keys[None], values[None], attn_mask=None if mask is None else mask[None, None],
+                scale=self.head_dim ** -0.5, enable_gqa=self.heads != self.kv_heads,
+            )[0]

@@ -93,7 +93,7 @@ def build_store(
         host_reserved=host_reserved,
     )
     if allow_resident and plan.device_slots >= len(manifest.document["experts"]["records"]):
-        return ResidentExperts(pack, device, verify_records=verify_records)
+        return ResidentExperts(pack, device, verify_records=verify_records, plan=plan)
     store = TieredStore(pack, plan, device=device, policy=policy, verify_records=verify_records,
                         reader_threads=reader_threads, direct_io=direct_io, rebalance=rebalance, poison=poison)
     if profile is not None:

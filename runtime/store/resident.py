@@ -19,6 +19,7 @@ from flashpack.errors import FlashpackError
 from flashpack.layout.pack import Pack
 from flashpack.layout.records import record_hash
 from flashpack.runtime.kernels.bank import ExpertBank
+from flashpack.runtime.store.budget import StorePlan
 from flashpack.runtime.store.reader import aligned_empty
 from flashpack.runtime.store.stats import StoreStats
 
@@ -33,8 +34,11 @@ class ResidentHandle:
 
 
 class ResidentExperts:
-    def __init__(self, pack: Pack, device: torch.device | str, verify_records: bool = True, progress: bool = True):
-        self.pack, self.device = pack, torch.device(device)
+    def __init__(
+        self, pack: Pack, device: torch.device | str, verify_records: bool = True, progress: bool = True,
+        plan: StorePlan | None = None,
+    ):
+        self.pack, self.device, self.plan = pack, torch.device(device), plan  # plan: the budget it came from
         manifest = pack.manifest
         self.geometry = manifest.geometry
         stride = manifest.document["experts"]["record_stride"]
@@ -79,9 +83,17 @@ class ResidentExperts:
 
     def record_use(self, layer: int, experts: torch.Tensor) -> None:
         """Count a forward's expert requests (all device hits). One token's top-k are distinct, so
-        decode counts without reading anything back; a prompt counts its unique experts."""
+        decode counts without reading anything back; a prompt counts its unique experts. Nothing
+        is counted while a CUDA graph is captured: the graph runner counts its replays."""
+        if experts.is_cuda and torch.cuda.is_current_stream_capturing():
+            return
         used = experts.shape[1] if experts.shape[0] == 1 else int(torch.unique(experts).numel())
         self.stats.bump(layer, requests=used, device_hits=used)
+
+    def count_replay(self, layer: int) -> None:
+        """One decode token's requests of `layer`, for a MoE block replayed from a CUDA graph."""
+        top_k = self.pack.manifest.config.num_experts_per_tok
+        self.stats.bump(layer, requests=top_k, device_hits=top_k)
 
     def stream(self, layer: int, experts: list[int]) -> Iterator[list[ResidentHandle]]:
         try:

@@ -1,0 +1,94 @@
+"""CUDA graphs for one-token decode steps: the decoder layers' fixed-shape work replayed, not re-issued.
+
+A decode step launches some hundred small kernels per layer; issued one by one from Python, the
+host, not the GPU, sets the pace. Most of a layer has the same shapes at every step and reads and
+writes the same buffers (DeltaNet keeps its state in place, a resident expert source looks slots
+up on the device), so it is captured once and replayed. What stays eager:
+
+    PLE rows          gathered on the host from the pack by the step's token ids
+    QSA attention     its key count grows every step (and the indexer picks blocks past the budget)
+
+so a layer runs as [PLE eager] -> graph(mix [-> DeltaNet] ...) -> [attention eager -> graph(feed-forward)].
+Each captured call runs eagerly the first time (which compiles and warms kernels), is captured the
+second time and replayed from then on. Graphs read the DeltaNet state buffers of the sequence they
+were captured with; a step with another sequence's state (a new request, a restored snapshot)
+drops them and starts over. A resident expert source's stats are counted per replay here, since a
+replay runs no Python.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from flashpack.runtime.model.decoder_layer import DecoderLayer
+from flashpack.runtime.state import SequenceState
+
+
+class CapturedCall:
+    """fn(*tensors) -> tensor or tuple of tensors: eager once, then captured, then replayed."""
+
+    def __init__(self, fn: Callable, pool):
+        self.fn, self.pool = fn, pool
+        self.calls = 0
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.inputs: list[torch.Tensor] = []
+        self.outputs = None
+
+    def __call__(self, *inputs: torch.Tensor):
+        self.calls += 1
+        if self.calls == 1:
+            return self.fn(*inputs)
+        if self.graph is None:
+            self.inputs = [x.clone() for x in inputs]
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph, pool=self.pool):
+                self.outputs = self.fn(*self.inputs)
+        else:
+            for static, x in zip(self.inputs, inputs):
+                static.copy_(x)
+        self.graph.replay()
+        return self.outputs
+
+
+class DecodeGraphs:
+    def __init__(self, layers: nn.ModuleList, count_replay: Callable[[int], None] | None = None):
+        self.layers = layers
+        self.count_replay = count_replay  # count_replay(layer): a replayed MoE's requests
+        self._bound_to: tuple[int, ...] | None = None
+        self._state: SequenceState | None = None
+        self._pieces: list[tuple[DecoderLayer, CapturedCall, CapturedCall | None]] = []
+
+    def run(self, streams: torch.Tensor, tokens: torch.Tensor, state: SequenceState) -> torch.Tensor:
+        """streams [1, hc*H] through every decoder layer for one token; advances `state`."""
+        self._bind(state)
+        self._state = state
+        for layer, first, feed_forward in self._pieces:
+            streams = layer.add_inputs(streams, tokens, state)
+            if feed_forward is None:  # DeltaNet: the whole rest of the layer is one graph
+                streams = first(streams)
+            else:
+                block_input, inject = first(streams)
+                streams = feed_forward(streams, layer.sequence_mixer(block_input, state), inject)
+            if self.count_replay is not None and (feed_forward or first).graph is not None:
+                self.count_replay(layer.layer)
+        return streams
+
+    def _bind(self, state: SequenceState) -> None:
+        key = tuple(t.data_ptr() for s in state.deltanet.values() for t in (s.conv, s.recurrent))
+        if key == self._bound_to:
+            return
+        self._bound_to, pool = key, torch.cuda.graph_pool_handle()
+        self._pieces = []
+        for layer in self.layers:
+            if layer.linear:
+                def whole(streams, layer=layer):
+                    block_input, inject = layer.attn_hc.mix(streams)
+                    return layer.feed_forward(streams, layer.sequence_mixer(block_input, self._state), inject)
+
+                self._pieces.append((layer, CapturedCall(whole, pool), None))
+            else:
+                self._pieces.append((layer, CapturedCall(layer.attn_hc.mix, pool),
+                                     CapturedCall(layer.feed_forward, pool)))

@@ -2,21 +2,22 @@
 # One device call: CUDA tests (while the pack builds), build `full --layers $LAYERS`, `flashpack bench`
 # at three budgets emulating 48 layers (transformers baseline at 24/64), decode profiles. Results in $OUT.
 # Run with carry ["wheels"] (transformers 5.23 + jsonschema wheels; /work/.library/device/README.md).
-# STAGES picks steps (default all): tests unbounded budgets long profile.
+# STAGES picks steps (default all, in this order): tests unbounded budgets profile eager long.
 set -o pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site wheels/*.whl || exit 1
 mkdir -p /tmp/pkg && ln -sfn "$PWD" /tmp/pkg/flashpack
 export PYTHONPATH=/tmp/pkg:/tmp/site PYTHONUNBUFFERED=1
-LAYERS=${LAYERS:-4} GEN=${GEN:-32} PROMPT=${PROMPT:-512} W=/tmp/fp STAGES=${STAGES:-"tests unbounded budgets long profile"}
+LAYERS=${LAYERS:-4} GEN=${GEN:-32} PROMPT=${PROMPT:-512} W=/tmp/fp STAGES=${STAGES:-"tests unbounded budgets eager profile long"}
 has() { [[ " $STAGES " == *" $1 "* ]]; }
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee $OUT/gpu.txt
 start=$(date +%s)
-( timeout 420 python3 -m flashpack.cli synth full $W/src --format nvfp4 --layers $LAYERS --ple-rows-per-head 20000 \
+( timeout 420 python3 -m flashpack.cli synth full $W/src --format nvfp4 --layers $LAYERS --ple-rows-per-head 2000 \
     --text-only --force >/dev/null && timeout 150 python3 -m flashpack.cli convert $W/src $W/full.pack --force >/dev/null 2>&1 \
   ; echo "build rc=$? $(( $(date +%s) - start )) s" >> $OUT/gpu.txt ) &
 build=$!
 if has tests; then
-  timeout 200 python3 -m pytest tests/kernels tests/runtime/test_engine_slots.py tests/store/test_store_stream.py -q -x \
+  timeout 240 python3 -m pytest tests/kernels tests/runtime/test_engine_slots.py tests/runtime/test_decode_graphs.py \
+    tests/store/test_store_stream.py tests/store/test_store_fetch.py -q -x \
     -p no:cacheprovider 2>&1 | tail -4 | tee $OUT/tests.log
 fi
 wait $build; cat $OUT/gpu.txt; [ -f $W/full.pack/manifest.json ] || exit 1
@@ -28,8 +29,8 @@ bench() {  # name, vram, ram, extra args
 has unbounded && bench unbounded "" "" --prompt-len $PROMPT --gen $GEN
 has budgets && bench 24g-64g 24GiB 64GiB --prompt-len $PROMPT --gen $GEN --baseline transformers --baseline-layers 2
 has budgets && bench 8g-32g 8GiB 32GiB --prompt-len $PROMPT --gen $GEN
-has long && bench 24g-64g-32k 24GiB 64GiB --prompt-len 32768 --gen 4
 if has profile; then
   timeout 90 python3 bench/profile_decode.py $W/full.pack --name resident --out $OUT 2>&1 | tail -1
-  timeout 90 python3 bench/profile_decode.py $W/full.pack --vram-budget 4.5GiB --ram-budget 8GiB --name tiered --out $OUT 2>&1 | tail -1
 fi
+has eager && bench unbounded-eager "" "" --prompt-len $PROMPT --gen $GEN --no-cuda-graphs
+has long && bench 24g-64g-32k 24GiB 64GiB --prompt-len 32768 --gen 4

@@ -95,8 +95,6 @@ def synth(preset: str, out: Path, weight_format: str, seed: int, layers: int | N
 @click.option("--force", is_flag=True, help="Replace OUT if it exists.")
 @click.option("--dense-fp8", is_flag=True, help="Store large dense matrices as FP8 with one scale per row.")
 @click.option("--quiet", is_flag=True, help="No progress bars.")
-@click.option("--no-cuda-graphs", is_flag=True, help="Issue every decode kernel from Python (for comparison).")
-@click.option("--no-prefetch", is_flag=True, help="Do not prefetch the next layer's predicted experts.")
 @_one_line_errors
 def convert(source: str, out: Path, revision: str | None, force: bool, dense_fp8: bool, quiet: bool) -> None:
     """Repack a Hugging Face checkpoint (SOURCE: directory or hub repo id) into a pack at OUT."""

@@ -2,12 +2,12 @@
 # One device call: CUDA tests (while the pack builds), build `full --layers $LAYERS`, `flashpack bench`
 # at three budgets emulating 48 layers (transformers baseline at 24/64), decode profiles. Results in $OUT.
 # Run with carry ["wheels"] (transformers 5.23 + jsonschema wheels; /work/.library/device/README.md).
-# STAGES picks steps (default all, in this order): tests unbounded budgets profile eager long.
+# STAGES picks steps (default all, in this order): tests layers unbounded budgets profile eager long.
 set -o pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site wheels/*.whl || exit 1
 mkdir -p /tmp/pkg && ln -sfn "$PWD" /tmp/pkg/flashpack
 export PYTHONPATH=/tmp/pkg:/tmp/site PYTHONUNBUFFERED=1
-LAYERS=${LAYERS:-4} GEN=${GEN:-32} PROMPT=${PROMPT:-512} W=/tmp/fp STAGES=${STAGES:-"tests unbounded budgets eager profile long"}
+LAYERS=${LAYERS:-4} GEN=${GEN:-32} PROMPT=${PROMPT:-512} W=/tmp/fp STAGES=${STAGES:-"tests layers unbounded budgets profile eager long"}
 has() { [[ " $STAGES " == *" $1 "* ]]; }
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee $OUT/gpu.txt
 start=$(date +%s)
@@ -26,6 +26,7 @@ bench() {  # name, vram, ram, extra args
   timeout ${BENCH_TIMEOUT:-150} python3 -m flashpack.cli bench $W/full.pack --device cuda ${vram:+--vram-budget $vram} \
     ${ram:+--ram-budget $ram} --emulate-layers 48 --json $OUT/bench-$name.json --quiet "$@" 2>&1 | tail -22
 }
+has layers && timeout 150 python3 bench/layer_costs.py $W/full.pack --out $OUT 2>&1 | tail -1
 has unbounded && bench unbounded "" "" --prompt-len $PROMPT --gen $GEN
 has budgets && bench 24g-64g 24GiB 64GiB --prompt-len $PROMPT --gen $GEN --baseline transformers --baseline-layers 2
 has budgets && bench 8g-32g 8GiB 32GiB --prompt-len $PROMPT --gen $GEN

@@ -22,7 +22,7 @@ from tqdm import tqdm
 from flashpack.runtime.bench.clock import median_seconds, synchronize
 from flashpack.runtime.bench.phases import difference, phase_summary, snapshot
 
-WARMUP_PROMPT = 16
+WARMUP_PROMPT = 64  # past the decode kernels (16 tokens): the prefill kernels compile in the warm-up, not in TTFT
 WARMUP_DECODE = 2
 
 

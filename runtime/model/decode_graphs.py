@@ -61,8 +61,12 @@ class DecodeGraphs:
         self._state: SequenceState | None = None
         self._pieces: list[tuple[DecoderLayer, CapturedCall, CapturedCall | None]] = []
 
-    def run(self, streams: torch.Tensor, tokens: torch.Tensor, state: SequenceState) -> torch.Tensor:
-        """streams [1, hc*H] through every decoder layer for one token; advances `state`."""
+    def run(
+        self, streams: torch.Tensor, tokens: torch.Tensor, state: SequenceState,
+        after_layer: Callable[[DecoderLayer], None] | None = None,
+    ) -> torch.Tensor:
+        """streams [1, hc*H] through every decoder layer for one token; advances `state`.
+        `after_layer(layer)` is called after each layer's work is issued (bench/layer_costs.py)."""
         self._bind(state)
         self._state = state
         for layer, first, feed_forward in self._pieces:
@@ -74,6 +78,8 @@ class DecodeGraphs:
                 streams = feed_forward(streams, layer.sequence_mixer(block_input, state), inject)
             if self.count_replay is not None and (feed_forward or first).graph is not None:
                 self.count_replay(layer.layer)
+            if after_layer is not None:
+                after_layer(layer)
         return streams
 
     def _bind(self, state: SequenceState) -> None:

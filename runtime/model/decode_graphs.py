@@ -6,9 +6,11 @@ writes the same buffers (DeltaNet keeps its state in place, a resident expert so
 up on the device), so it is captured once and replayed. What stays eager:
 
     PLE rows          gathered on the host from the pack by the step's token ids
-    QSA attention     its key count grows every step (and the indexer picks blocks past the budget)
+    QSA's cache       appending the new keys, pooling blocks, the indexer's pick and the attention
+                      itself: the key count grows every step
 
-so a layer runs as [PLE eager] -> graph(mix [-> DeltaNet] ...) -> [attention eager -> graph(feed-forward)].
+so a DeltaNet layer runs as [PLE eager] -> graph(mix, DeltaNet, feed-forward), and a QSA layer as
+graph(mix, projections at the step's position) -> eager cache attention -> graph(output, feed-forward).
 Each captured call runs eagerly the first time (which compiles and warms kernels), is captured the
 second time and replayed from then on. Graphs read the DeltaNet state buffers of the sequence they
 were captured with; a step with another sequence's state (a new request, a restored snapshot)
@@ -54,9 +56,15 @@ class CapturedCall:
 
 
 class DecodeGraphs:
-    def __init__(self, layers: nn.ModuleList, count_replay: Callable[[int], None] | None = None):
+    def __init__(
+        self, layers: nn.ModuleList, count_replay: Callable[[int], None] | None = None,
+        make_call: Callable[[Callable], CapturedCall] | None = None,
+    ):
+        """`make_call(fn)` wraps each piece (default: a CapturedCall sharing one graph pool); the
+        CPU tests pass a plain call to check how the layers are cut into pieces."""
         self.layers = layers
         self.count_replay = count_replay  # count_replay(layer): a replayed MoE's requests
+        self.make_call = make_call
         self._bound_to: tuple[int, ...] | None = None
         self._state: SequenceState | None = None
         self._pieces: list[tuple[DecoderLayer, CapturedCall, CapturedCall | None]] = []
@@ -74,8 +82,11 @@ class DecodeGraphs:
             if feed_forward is None:  # DeltaNet: the whole rest of the layer is one graph
                 streams = first(streams)
             else:
-                block_input, inject = first(streams)
-                streams = feed_forward(streams, layer.sequence_mixer(block_input, state), inject)
+                cache = state.attention[layer.layer]
+                positions = torch.full((1,), cache.length, dtype=torch.int64, device=streams.device)
+                inject, q, gate, k, v, index_q, index_k = first(streams, positions)
+                attended = layer.mixer.attend_cache(q, k, v, index_q, index_k, cache)
+                streams = feed_forward(streams, attended, gate, inject)
             if self.count_replay is not None and (feed_forward or first).graph is not None:
                 self.count_replay(layer.layer)
             if after_layer is not None:
@@ -86,15 +97,24 @@ class DecodeGraphs:
         key = tuple(t.data_ptr() for s in state.deltanet.values() for t in (s.conv, s.recurrent))
         if key == self._bound_to:
             return
-        self._bound_to, pool = key, torch.cuda.graph_pool_handle()
-        self._pieces = []
+        self._bound_to, self._pieces = key, []
+        make_call = self.make_call
+        if make_call is None:
+            pool = torch.cuda.graph_pool_handle()
+            make_call = lambda fn: CapturedCall(fn, pool)  # noqa: E731
         for layer in self.layers:
             if layer.linear:
                 def whole(streams, layer=layer):
                     block_input, inject = layer.attn_hc.mix(streams)
                     return layer.feed_forward(streams, layer.sequence_mixer(block_input, self._state), inject)
 
-                self._pieces.append((layer, CapturedCall(whole, pool), None))
+                self._pieces.append((layer, make_call(whole), None))
             else:
-                self._pieces.append((layer, CapturedCall(layer.attn_hc.mix, pool),
-                                     CapturedCall(layer.feed_forward, pool)))
+                def attention_in(streams, positions, layer=layer):
+                    block_input, inject = layer.attn_hc.mix(streams)
+                    return (inject, *layer.mixer.project(block_input, positions))
+
+                def attention_out(streams, attended, gate, inject, layer=layer):
+                    return layer.feed_forward(streams, layer.mixer.output(attended, gate), inject)
+
+                self._pieces.append((layer, make_call(attention_in), make_call(attention_out)))

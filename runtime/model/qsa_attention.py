@@ -125,16 +125,31 @@ class QSAAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, cache: AttentionCache) -> torch.Tensor:
         """x [T, H] at positions cache.length.. -> [T, H]; appends the T tokens to `cache`."""
-        length, start = x.shape[0], cache.length
-        cos, sin = self.rotary.cos_sin(torch.arange(start, start + length, device=x.device), x.dtype)
+        positions = torch.arange(cache.length, cache.length + x.shape[0], device=x.device)
+        q, gate, k, v, index_q, index_k = self.project(x, positions)
+        return self.output(self.attend_cache(q, k, v, index_q, index_k, cache), gate)
+
+    def project(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """What depends on x and the positions alone (decode replays it from a CUDA graph):
+        x [T, H] -> q [T, heads, hd] (normed, roped), gate [T, heads * hd], k (normed, roped) and
+        v [T, kv_heads, hd], the indexer's queries [T, heads_i, d] and raw keys [T, d]."""
+        length = x.shape[0]
+        cos, sin = self.rotary.cos_sin(positions, x.dtype)
         q, gate = F.linear(x, self.q_proj).view(length, self.heads, 2 * self.head_dim).chunk(2, dim=-1)
         q = apply_rotary(self.q_norm(q), cos, sin)
         k = apply_rotary(self.k_norm(F.linear(x, self.k_proj).view(length, self.kv_heads, self.head_dim)), cos, sin)
         v = F.linear(x, self.v_proj).view(length, self.kv_heads, self.head_dim)
         index_q, index_k = self.indexer.project(x, cos, sin)
+        return q, gate.reshape(length, self.heads * self.head_dim), k, v, index_q, index_k
+
+    def attend_cache(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index_q: torch.Tensor, index_k: torch.Tensor,
+        cache: AttentionCache,
+    ) -> torch.Tensor:
+        """Append the T new keys to `cache`, attend each query to the keys its indexer picks -> [T, heads * hd]."""
+        length, start = q.shape[0], cache.length
         cache.append(k.transpose(0, 1), v.transpose(0, 1), index_k)
         self.indexer.pool_new_blocks(cache, self.rotary)
-
         if length == 1:
             picked = self.indexer.select_indices(index_q, start, cache)
             keys, values = cache.keys, cache.values  # [kv_heads, L, hd]
@@ -148,9 +163,11 @@ class QSAAttention(nn.Module):
                 mask = self.indexer.select_mask(index_q[a:b], start + a, cache)  # [b - a, start + b]
                 pieces.append(self.attend(q[a:b], cache.keys[:, : start + b], cache.values[:, : start + b], mask))
             out = torch.cat(pieces, dim=1)
-        out = out.transpose(0, 1).reshape(length, self.heads * self.head_dim)
-        out = out * torch.sigmoid(gate.reshape(length, self.heads * self.head_dim))
-        return F.linear(out, self.o_proj)
+        return out.transpose(0, 1).reshape(length, self.heads * self.head_dim)
+
+    def output(self, attended: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        """attended [T, heads * hd] gated by sigmoid(gate) -> o_proj -> [T, H]."""
+        return F.linear(attended * torch.sigmoid(gate), self.o_proj)
 
     def attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None):
         """q [T, heads, hd], keys/values [kv_heads, L, hd], mask bool [T, L] or None -> [heads, T, hd]."""

@@ -5,11 +5,11 @@ host, not the GPU, sets the pace. Most of a layer has the same shapes at every s
 writes the same buffers (DeltaNet keeps its state in place, a resident expert source looks slots
 up on the device), so it is captured once and replayed. What stays eager:
 
-    PLE rows          gathered on the host from the pack by the step's token ids
+    PLE rows          hashed and gathered on the host from the pack by the step's token ids
     QSA's cache       appending the new keys, pooling blocks, the indexer's pick and the attention
                       itself: the key count grows every step
 
-so a DeltaNet layer runs as [PLE eager] -> graph(mix, DeltaNet, feed-forward), and a QSA layer as
+so a DeltaNet layer runs as [PLE rows eager] -> graph([PLE addend,] mix, DeltaNet, feed-forward), and a QSA layer as
 graph(mix, projections at the step's position) -> eager cache attention -> graph(output, feed-forward).
 Each captured call runs eagerly the first time (which compiles and warms kernels), is captured the
 second time and replayed from then on. Graphs read the DeltaNet state buffers of the sequence they
@@ -78,9 +78,11 @@ class DecodeGraphs:
         self._bind(state)
         self._state = state
         for layer, first, feed_forward in self._pieces:
-            streams = layer.add_inputs(streams, tokens, state)
             if feed_forward is None:  # DeltaNet: the whole rest of the layer is one graph
-                streams = first(streams)
+                if layer.ple is None:
+                    streams = first(streams)
+                else:
+                    streams = first(streams, layer.ple.embed(tokens, state.ple[layer.layer]))
             else:
                 cache = state.attention[layer.layer]
                 positions = torch.full((1,), cache.length, dtype=torch.int64, device=streams.device)
@@ -95,6 +97,7 @@ class DecodeGraphs:
 
     def _bind(self, state: SequenceState) -> None:
         key = tuple(t.data_ptr() for s in state.deltanet.values() for t in (s.conv, s.recurrent))
+        key += tuple(s.conv.data_ptr() for s in state.ple.values())
         if key == self._bound_to:
             return
         self._bound_to, self._pieces = key, []
@@ -104,12 +107,17 @@ class DecodeGraphs:
             make_call = lambda fn: CapturedCall(fn, pool)  # noqa: E731
         for layer in self.layers:
             if layer.linear:
-                def whole(streams, layer=layer):
+                def whole(streams, ple_rows=None, layer=layer):
+                    if ple_rows is not None:
+                        streams = streams + layer.ple.addend(streams, ple_rows, self._state.ple[layer.layer])
                     block_input, inject = layer.attn_hc.mix(streams)
                     return layer.feed_forward(streams, layer.sequence_mixer(block_input, self._state), inject)
 
                 self._pieces.append((layer, make_call(whole), None))
             else:
+                if layer.ple is not None:
+                    raise ValueError(f"layer {layer.layer}: PLE before a QSA layer is not laid out for CUDA graphs")
+
                 def attention_in(streams, positions, layer=layer):
                     block_input, inject = layer.attn_hc.mix(streams)
                     return (inject, *layer.mixer.project(block_input, positions))

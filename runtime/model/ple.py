@@ -87,7 +87,10 @@ class PLELayer(nn.Module):
 
     def forward(self, streams: torch.Tensor, tokens: torch.Tensor, state: PLEState) -> torch.Tensor:
         """streams [T, hc*H], tokens [T] -> the addend for the streams [T, hc*H]."""
-        embedded = self.embed(tokens, state)
+        return self.addend(streams, self.embed(tokens, state), state)
+
+    def addend(self, streams: torch.Tensor, embedded: torch.Tensor, state: PLEState) -> torch.Tensor:
+        """The device half (decode replays it from a CUDA graph): gate the rows by the streams."""
         key = self.norm_key(F.linear(embedded, self.key_proj)).unflatten(-1, (self.hc, self.hidden))
         value = F.linear(embedded, self.value_proj)  # [T, H]
         query = self.norm_query(streams).unflatten(-1, (self.hc, self.hidden))
@@ -99,6 +102,6 @@ class PLELayer(nn.Module):
     def short_conv(self, x: torch.Tensor, state: PLEState) -> torch.Tensor:
         """Dilated depthwise causal conv + SiLU over x [T, C], continuing from state.conv [C, S]."""
         full = torch.cat([state.conv, x.transpose(0, 1)], dim=-1)  # [C, S + T]
-        state.conv = full[:, full.shape[1] - state.conv.shape[1]:].clone()
+        state.conv.copy_(full[:, full.shape[1] - state.conv.shape[1]:])  # in place, for CUDA graphs
         out = F.conv1d(full[None], self.conv_weight, dilation=self.dilation, groups=full.shape[0])[0]
         return F.silu(out).transpose(0, 1)

@@ -104,3 +104,19 @@ def direct_io_dir(tmp_path):
         yield local
     finally:
         shutil.rmtree(local, ignore_errors=True)
+
+
+@pytest.fixture
+def corrupt_record():
+    """corrupt(pack_root, layer, expert): flip one bit inside that record's bytes on disk."""
+    from flashpack.layout.pack import Pack
+
+    def corrupt(pack_root: Path, layer: int, expert: int) -> None:
+        entry = Pack.open(pack_root).record_entry(layer, expert)
+        with open(pack_root / entry.file, "r+b") as handle:
+            handle.seek(entry.offset + 100)
+            byte = handle.read(1)
+            handle.seek(entry.offset + 100)
+            handle.write(bytes([byte[0] ^ 0x40]))
+
+    return corrupt

@@ -130,17 +130,8 @@ def test_missing_or_resized_pack_file_is_refused_at_open(pack_copy):
         build_store(pack_copy)
 
 
-def _corrupt(pack_root, layer: int, expert: int) -> None:
-    entry = Pack.open(pack_root).record_entry(layer, expert)
-    with open(pack_root / entry.file, "r+b") as handle:
-        handle.seek(entry.offset + 100)
-        byte = handle.read(1)
-        handle.seek(entry.offset + 100)
-        handle.write(bytes([byte[0] ^ 0x40]))
-
-
-def test_corrupt_record_fails_that_request_by_name_and_the_store_keeps_serving(pack_copy):
-    _corrupt(pack_copy, 2, 5)
+def test_corrupt_record_fails_that_request_by_name_and_the_store_keeps_serving(pack_copy, corrupt_record):
+    corrupt_record(pack_copy, 2, 5)
     pack = Pack.open(pack_copy)
     reference = PackExperts(Pack.open(pack_copy), verify_records=False)
     with _store(pack, 8, 4) as store:

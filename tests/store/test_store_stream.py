@@ -56,15 +56,6 @@ def _slot_bytes(store, slot: int, length: int) -> bytes:
     return bytes(store.device_pool.slot(slot)[:length].cpu().numpy())
 
 
-def _corrupt(pack_root, layer: int, expert: int) -> None:
-    entry = Pack.open(pack_root).record_entry(layer, expert)
-    with open(pack_root / entry.file, "r+b") as handle:
-        handle.seek(entry.offset + 100)
-        byte = handle.read(1)
-        handle.seek(entry.offset + 100)
-        handle.write(bytes([byte[0] ^ 0x40]))
-
-
 def _gate_reads(store, pack: Pack, keys: set[tuple[int, int]], gate: threading.Event):
     """Make reads of `keys` block until `gate` is set; returns the list of keys read, in order."""
     where = {(pack.record_entry(*key).file, pack.record_entry(*key).offset): key for key in
@@ -158,8 +149,8 @@ def test_stream_releases_its_slots_when_closed_early_or_the_consumer_raises(stor
         store.check_budgets()
 
 
-def test_stream_names_a_corrupt_record_and_frees_everything(pack_copy):
-    _corrupt(pack_copy, 2, 13)
+def test_stream_names_a_corrupt_record_and_frees_everything(pack_copy, corrupt_record):
+    corrupt_record(pack_copy, 2, 13)
     pack = Pack.open(pack_copy)
     info = _info(pack)
     experts, layers = info.experts, info.layers

@@ -1,9 +1,9 @@
 """The calls the engine makes: `moe_experts` and `fp8_linear`, Triton where it runs, else reference.
 
-backend="auto" takes the Triton kernels on CUDA, and on the CPU only when they were built for the
-interpreter (TRITON_INTERPRET=1 set before this package's kernels were first imported), which is
-how the tests run them; anywhere else it takes the plain-PyTorch reference. "triton" and
-"reference" force one side. Under the interpreter the tile kernels run precision="fp32" (its
+backend="auto" takes the Triton kernels on CUDA and the plain-PyTorch reference anywhere else;
+"triton" and "reference" force one side. The tests force "triton" on a CPU, where the kernels run
+in Triton's interpreter (TRITON_INTERPRET=1 set before this package's kernels were first imported):
+correct but far too slow for an engine, which is why "auto" never picks it. Under the interpreter the tile kernels run precision="fp32" (its
 bf16 tl.dot is wrong); on CUDA they run bf16 tensor cores.
 """
 
@@ -37,10 +37,7 @@ def use_triton(device: torch.device | str, backend: str = "auto") -> bool:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if backend != "auto":
         return backend == "triton"
-    device = torch.device(device)
-    if not triton_available():
-        return False
-    return device.type == "cuda" or (device.type == "cpu" and kernels_interpreted())
+    return torch.device(device).type == "cuda" and triton_available()
 
 
 def _precision(device: torch.device) -> str:

@@ -167,11 +167,18 @@ class SequenceState:
         )
 
     def restore(self, snapshot: "SequenceState") -> None:
-        """Become a deep copy of `snapshot` (which stays valid for further restores)."""
-        copy = snapshot.snapshot()
-        self.position, self.deltanet, self.attention, self.ple = (
-            copy.position, copy.deltanet, copy.attention, copy.ple,
-        )
+        """Become a deep copy of `snapshot` (which stays valid for further restores).
+
+        Fixed-size state is copied into this state's own buffers, so CUDA graphs captured against
+        them (runtime/model/decode_graphs.py) stay valid across a rollback."""
+        self.position = snapshot.position
+        for layer, saved in snapshot.deltanet.items():
+            self.deltanet[layer].conv.copy_(saved.conv)
+            self.deltanet[layer].recurrent.copy_(saved.recurrent)
+        for layer, saved in snapshot.ple.items():
+            self.ple[layer].context = saved.context.clone()
+            self.ple[layer].conv.copy_(saved.conv)
+        self.attention = {layer: cache.copy() for layer, cache in snapshot.attention.items()}
 
     def nbytes(self) -> int:
         tensors = [t for s in self.deltanet.values() for t in (s.conv, s.recurrent)]

@@ -110,8 +110,11 @@ def test_snapshot_restore_gives_identical_continuation(engine):
     first = [engine(torch.tensor([t]), state).logits for t in (7, EOS, 9, 11)]
     # The snapshot is independent: decoding on `state` did not touch it.
     assert saved.position == len(tokens) and state.position == len(tokens) + 4
+    buffers = [t.data_ptr() for s in state.deltanet.values() for t in (s.conv, s.recurrent)]
     for attempt in range(2):  # the snapshot survives a restore and serves again
         state.restore(saved)
+        # restored in place: CUDA graphs captured against these buffers stay valid
+        assert [t.data_ptr() for s in state.deltanet.values() for t in (s.conv, s.recurrent)] == buffers
         again = [engine(torch.tensor([t]), state).logits for t in (7, EOS, 9, 11)]
         for a, b in zip(first, again):
             assert torch.equal(a, b), f"attempt {attempt}"

@@ -9,12 +9,13 @@ up on the device), so it is captured once and replayed. What stays eager:
     QSA's cache       appending the new keys, pooling blocks, the indexer's pick and the attention
                       itself: the key count grows every step
 
-so a DeltaNet layer runs as [PLE rows eager] -> graph([PLE addend,] mix, DeltaNet, feed-forward), and a QSA layer as
-graph(mix, projections at the step's position) -> eager cache attention -> graph(output, feed-forward).
+so a DeltaNet layer runs as [PLE rows eager] -> graph([PLE addend,] mix, DeltaNet, feed-forward), and
+a QSA layer as graph(mix, projections at the step's position) -> eager cache attention -> graph(output,
+feed-forward).
 Each captured call runs eagerly the first time (which compiles and warms kernels), is captured the
-second time and replayed from then on. Graphs read the DeltaNet state buffers of the sequence they
-were captured with; a step with another sequence's state (a new request, a restored snapshot)
-drops them and starts over. A resident expert source's stats are counted per replay here, since a
+second time and replayed from then on. Graphs read the DeltaNet and PLE state buffers of the
+sequence they were captured with (a restored snapshot is copied into them); a step with another
+sequence's state (a new request) drops them and starts over. A resident expert source's stats are counted per replay here, since a
 replay runs no Python.
 """
 

@@ -35,6 +35,13 @@ class PackWeights:
             return stored
         return dequantize_fp8_rows(stored, self.pack.dense_tensor(entry.row_scale))
 
+    def dense_fp8(self, name: str) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The FP8 values and float32 row scales of a tensor the pack stores as FP8 rows, else None."""
+        entry = self._entries.get(name)
+        if entry is None or entry.row_scale is None:
+            return None
+        return self.pack.dense_tensor(name), self.pack.dense_tensor(entry.row_scale).float()
+
     def ple_rows(self, ple_index: int, rows: torch.Tensor) -> torch.Tensor:
         return self.pack.ple_rows(self._ple_tables[ple_index], rows)
 

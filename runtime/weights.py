@@ -26,6 +26,10 @@ class WeightSource(Protocol):
         """Rows of PLE table `ple_index`: int64 [N] global row ids -> float [N, ple_head_dim]."""
         ...
 
+    # Optional: a source that can hand out FP8-stored projections as stored defines
+    #   dense_fp8(name) -> (float8_e4m3fn values [R, C], float32 row scales [R]) or None
+    # and the engine keeps them FP8 on the device (runtime/model/linear.py).
+
 
 def load_dense(source: WeightSource, name: str, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
     """One dense tensor, cast to the engine dtype and moved to `device` (a fresh, contiguous copy)."""

@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from flashpack.layout.manifest import Manifest
-from flashpack.runtime.store.build import resident_device_bytes
+from flashpack.runtime.store.build import dense_device_bytes, resident_device_bytes
 
 
 @dataclass(frozen=True)
@@ -43,16 +43,12 @@ class ModelSizes:
 def model_sizes(manifest: Manifest, dtype: torch.dtype, device: torch.device | str = "cpu") -> ModelSizes:
     width = torch.empty((), dtype=dtype).element_size()
     tensors = manifest.dense_tensors()
-    scales = {t.row_scale for t in tensors.values() if t.row_scale}
-
-    def nbytes(name: str) -> int:
-        return math.prod(tensors[name].shape) * width
-
-    names = [name for name in tensors if name not in scales]
-    layer_dense = sum(nbytes(n) for n in names if n.startswith("layers."))
+    on_device = dense_device_bytes(manifest, width)
+    names = list(on_device)
+    layer_dense = sum(on_device[n] for n in names if n.startswith("layers."))
     cfg = manifest.config
     head = "embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
-    head_read = nbytes(head) + sum(nbytes(n) for n in names if n.startswith("hyper_connection_mixer."))
+    head_read = on_device[head] + sum(on_device[n] for n in names if n.startswith("hyper_connection_mixer."))
     experts = manifest.document["experts"]
     return ModelSizes(
         layers=cfg.num_hidden_layers,

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from flashpack.layout.model_config import TextConfig
+from flashpack.runtime.model.linear import DenseLinear
 from flashpack.runtime.model.norms import GatedRMSNorm, activation
 from flashpack.runtime.state import DeltaNetState
 from flashpack.runtime.weights import WeightSource, load_dense
@@ -89,20 +90,20 @@ class GatedDeltaNet(nn.Module):
         self.key_head_dim, self.value_head_dim = cfg.linear_key_head_dim, cfg.linear_value_head_dim
         self.act = activation(cfg.hidden_act)
         load = lambda name: load_dense(source, prefix + name, dtype, device)  # noqa: E731
-        self.register_buffer("in_proj_qkv", load("in_proj_qkv.weight"), persistent=False)  # [2Kd + Vd, H]
-        self.register_buffer("in_proj_z", load("in_proj_z.weight"), persistent=False)  # [Vd, H]
+        self.in_proj_qkv = DenseLinear(source, prefix + "in_proj_qkv.weight", dtype, device)  # [2Kd + Vd, H]
+        self.in_proj_z = DenseLinear(source, prefix + "in_proj_z.weight", dtype, device)  # [Vd, H]
         self.register_buffer("in_proj_b", load("in_proj_b.weight"), persistent=False)  # [Hv, H]
         self.register_buffer("in_proj_a", load("in_proj_a.weight"), persistent=False)  # [Hv, H]
         self.register_buffer("conv_weight", load("conv1d.weight"), persistent=False)  # [2Kd + Vd, 1, K]
         self.register_buffer("A_log", load("A_log"), persistent=False)
         self.register_buffer("dt_bias", load("dt_bias"), persistent=False)
-        self.register_buffer("out_proj", load("out_proj.weight"), persistent=False)  # [H, Vd]
+        self.out_proj = DenseLinear(source, prefix + "out_proj.weight", dtype, device)  # [H, Vd]
         self.norm = GatedRMSNorm(load("norm.weight"), cfg.rms_norm_eps, cfg.output_gate_type)
 
     def forward(self, x: torch.Tensor, state: DeltaNetState) -> torch.Tensor:
         """x [T, H] -> [T, H]; advances `state` (conv tail, recurrent state) by T tokens."""
         length = x.shape[0]
-        qkv = self.causal_conv(F.linear(x, self.in_proj_qkv), state)
+        qkv = self.causal_conv(self.in_proj_qkv(x), state)
         q, k, v = torch.split(qkv, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
         q = q.reshape(length, self.key_heads, self.key_head_dim)
         k = k.reshape(length, self.key_heads, self.key_head_dim)
@@ -116,9 +117,9 @@ class GatedDeltaNet(nn.Module):
         rule = recurrent_gated_delta_rule if length == 1 else chunk_gated_delta_rule
         out, recurrent = rule(q, k, v, g, beta, state.recurrent)
         state.recurrent.copy_(recurrent)  # in place: a captured CUDA graph keeps reading this buffer
-        z = F.linear(x, self.in_proj_z).reshape(length, self.value_heads, self.value_head_dim)
+        z = self.in_proj_z(x).reshape(length, self.value_heads, self.value_head_dim)
         out = self.norm(out.to(x.dtype), z).reshape(length, self.value_dim)
-        return F.linear(out, self.out_proj)
+        return self.out_proj(out)
 
     def causal_conv(self, x: torch.Tensor, state: DeltaNetState) -> torch.Tensor:
         """Depthwise causal conv + activation over x [T, C], continuing from state.conv [C, K - 1]."""

@@ -24,6 +24,7 @@ from torch import nn
 from flashpack.layout.model_config import TextConfig
 from flashpack.runtime.experts import ExpertFetcher, ExpertSlots, ResidentSlots
 from flashpack.runtime.kernels import moe_experts
+from flashpack.runtime.model.linear import DenseLinear
 from flashpack.runtime.model.norms import activation
 from flashpack.runtime.weights import WeightSource, load_dense
 
@@ -44,9 +45,9 @@ class SparseMoE(nn.Module):
         self.act = activation(cfg.hidden_act)
         load = lambda name: load_dense(source, prefix + name, dtype, device)  # noqa: E731
         self.register_buffer("router", load("gate.weight"), persistent=False)  # [E, H]
-        self.register_buffer("shared_gate_proj", load("shared_expert.gate_proj.weight"), persistent=False)
-        self.register_buffer("shared_up_proj", load("shared_expert.up_proj.weight"), persistent=False)
-        self.register_buffer("shared_down_proj", load("shared_expert.down_proj.weight"), persistent=False)
+        self.shared_gate_proj = DenseLinear(source, prefix + "shared_expert.gate_proj.weight", dtype, device)
+        self.shared_up_proj = DenseLinear(source, prefix + "shared_expert.up_proj.weight", dtype, device)
+        self.shared_down_proj = DenseLinear(source, prefix + "shared_expert.down_proj.weight", dtype, device)
         self.register_buffer("shared_expert_gate", load("shared_expert_gate.weight"), persistent=False)  # [1, H]
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -76,8 +77,8 @@ class SparseMoE(nn.Module):
         return routed + shared
 
     def shared(self, x: torch.Tensor) -> torch.Tensor:
-        hidden = self.act(F.linear(x, self.shared_gate_proj)) * F.linear(x, self.shared_up_proj)
-        return torch.sigmoid(F.linear(x, self.shared_expert_gate)) * F.linear(hidden, self.shared_down_proj)
+        hidden = self.act(self.shared_gate_proj(x)) * self.shared_up_proj(x)
+        return torch.sigmoid(F.linear(x, self.shared_expert_gate)) * self.shared_down_proj(hidden)
 
     def _expert_ids(self, x: torch.Tensor, experts: torch.Tensor) -> tuple[list[int], list[int]]:
         """The experts this layer needs and, in decode, those the next layer's router would pick

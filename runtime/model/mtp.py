@@ -24,6 +24,7 @@ from flashpack.runtime.experts import ExpertFetcher
 from flashpack.runtime.model.decoder_layer import DecoderLayer
 from flashpack.runtime.model.hyper_connection import GatedResidual
 from flashpack.runtime.model.model import Qwen4ExpModel
+from flashpack.runtime.model.linear import DenseLinear
 from flashpack.runtime.model.norms import RMSNorm
 from flashpack.runtime.state import SequenceState
 from flashpack.runtime.weights import WeightSource, load_dense
@@ -44,8 +45,8 @@ class MTPHead(nn.Module):
         load = lambda name: load_dense(source, "mtp." + name, dtype, device)  # noqa: E731
         self.norm_embedding = RMSNorm(load("pre_fc_norm_embedding.weight"), cfg.rms_norm_eps)
         self.norm_hidden = RMSNorm(load("pre_fc_norm_hidden.weight"), cfg.rms_norm_eps)
-        self.register_buffer("fc_embedding", load("fc_embedding.weight"), persistent=False)  # [H, H]
-        self.register_buffer("fc_hidden", load("fc_hidden.weight"), persistent=False)  # [H, H]
+        self.fc_embedding = DenseLinear(source, "mtp.fc_embedding.weight", dtype, device)  # [H, H]
+        self.fc_hidden = DenseLinear(source, "mtp.fc_hidden.weight", dtype, device)  # [H, H]
         self.layers = nn.ModuleList(
             DecoderLayer(
                 cfg, source, fetcher, cfg.num_hidden_layers + j, f"mtp.layers.{j}.", model.rotary, dtype, device,
@@ -68,9 +69,9 @@ class MTPHead(nn.Module):
         cfg = self.config
         next_tokens = next_tokens.to(self.device)
         embedded = self.norm_embedding(F.embedding(next_tokens, self.embed_tokens))
-        embedded = F.linear(embedded, self.fc_embedding)  # [T, H]
+        embedded = self.fc_embedding(embedded)  # [T, H]
         hidden = self.norm_hidden(streams).unflatten(-1, (cfg.hc_count, cfg.hidden_size))
-        hidden = F.linear(hidden, self.fc_hidden).flatten(-2)  # [T, hc*H]
+        hidden = self.fc_hidden(hidden).flatten(-2)  # [T, hc*H]
         hidden = self.layers[step % len(self.layers)](hidden, next_tokens, state, pending=embedded)
         mixed, _ = self.final_mixer.mix(hidden)
         return DraftOutput(logits=F.linear(mixed, self.lm_head), streams=hidden)

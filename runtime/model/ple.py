@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from flashpack.layout.model_config import TextConfig
+from flashpack.runtime.model.linear import DenseLinear
 from flashpack.runtime.model.norms import RMSNorm
 from flashpack.runtime.state import PLEState
 from flashpack.runtime.weights import WeightSource, load_dense
@@ -68,8 +69,8 @@ class PLELayer(nn.Module):
         self.hc, self.hidden, self.dilation = cfg.hc_count, cfg.hidden_size, cfg.ngram_size
         self.dtype, self.device = dtype, device
         load = lambda name: load_dense(source, prefix + name, dtype, device)  # noqa: E731
-        self.register_buffer("key_proj", load("key_proj.weight"), persistent=False)  # [hc*H, E]
-        self.register_buffer("value_proj", load("value_proj.weight"), persistent=False)  # [H, E]
+        self.key_proj = DenseLinear(source, prefix + "key_proj.weight", dtype, device)  # [hc*H, E]
+        self.value_proj = DenseLinear(source, prefix + "value_proj.weight", dtype, device)  # [H, E]
         self.register_buffer("conv_weight", load("conv1d.weight"), persistent=False)  # [hc*H, 1, K]
         eps = cfg.rms_norm_eps
         self.norm_key = RMSNorm(load("norm_key.weight"), eps, group_size=cfg.hidden_size)
@@ -91,8 +92,8 @@ class PLELayer(nn.Module):
 
     def addend(self, streams: torch.Tensor, embedded: torch.Tensor, state: PLEState) -> torch.Tensor:
         """The device half (decode replays it from a CUDA graph): gate the rows by the streams."""
-        key = self.norm_key(F.linear(embedded, self.key_proj)).unflatten(-1, (self.hc, self.hidden))
-        value = F.linear(embedded, self.value_proj)  # [T, H]
+        key = self.norm_key(self.key_proj(embedded)).unflatten(-1, (self.hc, self.hidden))
+        value = self.value_proj(embedded)  # [T, H]
         query = self.norm_query(streams).unflatten(-1, (self.hc, self.hidden))
         gate = (key * query).sum(dim=-1, keepdim=True) / math.sqrt(self.hidden)  # [T, hc, 1]
         gate = gate.abs().clamp_min(1e-6).sqrt() * gate.sign()  # signed square root

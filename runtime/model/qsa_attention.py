@@ -21,6 +21,7 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from flashpack.layout.model_config import TextConfig
+from flashpack.runtime.model.linear import DenseLinear
 from flashpack.runtime.model.norms import RMSNorm
 from flashpack.runtime.model.rope import Rotary, apply_rotary
 from flashpack.runtime.state import AttentionCache
@@ -115,10 +116,11 @@ class QSAAttention(nn.Module):
         self.heads, self.kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         self.rotary = rotary
         load = lambda name: load_dense(source, prefix + name, dtype, device)  # noqa: E731
-        self.register_buffer("q_proj", load("q_proj.weight"), persistent=False)  # [heads * 2 * hd, H]
-        self.register_buffer("k_proj", load("k_proj.weight"), persistent=False)  # [kv_heads * hd, H]
-        self.register_buffer("v_proj", load("v_proj.weight"), persistent=False)
-        self.register_buffer("o_proj", load("o_proj.weight"), persistent=False)  # [H, heads * hd]
+        project = lambda name: DenseLinear(source, prefix + name, dtype, device)  # noqa: E731
+        self.q_proj = project("q_proj.weight")  # [heads * 2 * hd, H]
+        self.k_proj = project("k_proj.weight")  # [kv_heads * hd, H]
+        self.v_proj = project("v_proj.weight")
+        self.o_proj = project("o_proj.weight")  # [H, heads * hd]
         self.q_norm = RMSNorm(load("q_norm.weight"), cfg.rms_norm_eps)
         self.k_norm = RMSNorm(load("k_norm.weight"), cfg.rms_norm_eps)
         self.indexer = BlockIndexer(cfg, source, prefix + "indexer.", dtype, device)
@@ -135,10 +137,10 @@ class QSAAttention(nn.Module):
         v [T, kv_heads, hd], the indexer's queries [T, heads_i, d] and raw keys [T, d]."""
         length = x.shape[0]
         cos, sin = self.rotary.cos_sin(positions, x.dtype)
-        q, gate = F.linear(x, self.q_proj).view(length, self.heads, 2 * self.head_dim).chunk(2, dim=-1)
+        q, gate = self.q_proj(x).view(length, self.heads, 2 * self.head_dim).chunk(2, dim=-1)
         q = apply_rotary(self.q_norm(q), cos, sin)
-        k = apply_rotary(self.k_norm(F.linear(x, self.k_proj).view(length, self.kv_heads, self.head_dim)), cos, sin)
-        v = F.linear(x, self.v_proj).view(length, self.kv_heads, self.head_dim)
+        k = apply_rotary(self.k_norm(self.k_proj(x).view(length, self.kv_heads, self.head_dim)), cos, sin)
+        v = self.v_proj(x).view(length, self.kv_heads, self.head_dim)
         index_q, index_k = self.indexer.project(x, cos, sin)
         return q, gate.reshape(length, self.heads * self.head_dim), k, v, index_q, index_k
 
@@ -167,7 +169,7 @@ class QSAAttention(nn.Module):
 
     def output(self, attended: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         """attended [T, heads * hd] gated by sigmoid(gate) -> o_proj -> [T, H]."""
-        return F.linear(attended * torch.sigmoid(gate), self.o_proj)
+        return self.o_proj(attended * torch.sigmoid(gate))
 
     def attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None):
         """q [T, heads, hd], keys/values [kv_heads, L, hd], mask bool [T, L] or None -> [heads, T, hd]."""

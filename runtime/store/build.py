@@ -24,11 +24,20 @@ from flashpack.runtime.store.store import TieredStore
 _DTYPE_BYTES = {"bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2, "float32": 4, "fp32": 4}
 
 
+def dense_device_bytes(manifest: Manifest, width: int) -> dict[str, int]:
+    """Bytes each dense tensor takes on the engine's device: projections stored as FP8 rows stay FP8
+    (1 byte an element + a float32 scale a row, runtime/model/linear.py), the rest `width` bytes an element."""
+    tensors = manifest.dense_tensors()
+    scales = {t.row_scale for t in tensors.values() if t.row_scale}
+    return {name: math.prod(t.shape) + 4 * t.shape[0] if t.row_scale else math.prod(t.shape) * width
+            for name, t in tensors.items() if name not in scales}
+
+
 def resident_device_bytes(
     manifest: Manifest, dtype: str | torch.dtype = "auto", kv_bytes: int = 0, device: str | torch.device = "cpu",
 ) -> int:
-    """Bytes the engine holds on the device outside the expert pool: dense weights (FP8 rows
-    dequantised to `dtype`; their row scales are folded in), one fetch's dequantised experts
+    """Bytes the engine holds on the device outside the expert pool: dense weights (FP8 rows stay
+    FP8, the rest in `dtype`: `dense_device_bytes`), one fetch's dequantised experts
     (float32 today: top_k x 3 x H x I x 4), and `kv_bytes` the caller reserves for KV/state.
     dtype "auto" is the engine's: BF16 on a GPU, FP32 on a CPU."""
     if dtype == "auto":
@@ -37,9 +46,7 @@ def resident_device_bytes(
         width = torch.empty((), dtype=dtype).element_size()
     else:
         width = _DTYPE_BYTES.get(dtype, 2)
-    tensors = manifest.dense_tensors()
-    scales = {t.row_scale for t in tensors.values() if t.row_scale}
-    dense = sum(math.prod(t.shape) * width for name, t in tensors.items() if name not in scales)
+    dense = sum(dense_device_bytes(manifest, width).values())
     cfg = manifest.config
     work = cfg.num_experts_per_tok * 3 * cfg.hidden_size * cfg.moe_intermediate_size * 4
     return dense + work + kv_bytes

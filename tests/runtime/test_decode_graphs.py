@@ -53,7 +53,7 @@ def test_graph_control_a_changed_weight_shows(tiny_pack):
     prompt = torch.randint(0, 1000, (20,), generator=torch.Generator().manual_seed(1))
     graphed = load_engine(tiny_pack, "cuda", dtype="float32", store=StoreOptions())
     before = _decode(graphed, prompt, 4)
-    graphed.model.layers[0].moe.shared_down_proj.mul_(3.0)
+    graphed.model.layers[0].moe.shared_down_proj.weight.mul_(3.0)
     after = _decode(graphed, prompt, 4)
     assert float((after[-1] - before[-1]).norm() / before[-1].norm()) > 1e-3
 

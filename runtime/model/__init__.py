@@ -9,7 +9,8 @@
     mtp = MTPHead(model, source, fetcher)              # draft the token after next:
     draft = mtp(out.streams[-1:], torch.tensor([token]), state)   # DraftOutput(logits, streams)
 
-Files: norms, rope, hyper_connection, ple, deltanet, qsa_attention, moe, decoder_layer, model, mtp.
+Files: norms, rope, linear (BF16 or FP8-row projections), hyper_connection, ple, deltanet, qsa_attention,
+moe, decoder_layer, decode_graphs (CUDA-graph decode), model, mtp.
 """
 
 from flashpack.runtime.model.model import Qwen4ExpModel, StepOutput

@@ -80,7 +80,8 @@ def main() -> None:
     per_layer = {kind: statistics.median(kinds[kind]) / counts[kind] for kind in counts if counts[kind]}
     fixed = statistics.median(kinds["fixed"])
     synced_step = fixed + sum(statistics.median(kinds[k]) for k in counts)
-    full_attention = args.full_layers // cfg.full_attention_interval
+    interval = cfg.num_hidden_layers // max(1, sum(not layer.linear for layer in layers))  # 4: 3 DeltaNet + 1 QSA
+    full_attention = args.full_layers // interval
     full_counts = {"ple": counts["ple"], "deltanet": args.full_layers - full_attention - counts["ple"],
                    "attention": full_attention}
     full_synced = fixed + sum(per_layer.get(k, 0.0) * n for k, n in full_counts.items())

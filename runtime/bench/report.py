@@ -86,6 +86,8 @@ def table(report: dict) -> str:
         (f"ceilings: device {_rate(bw['device']['bytes_per_s'])} (copy), host->device "
          f"{_rate(bw['host_to_device']['bytes_per_s'])}, disk {_rate(bw['disk']['bytes_per_s'])} "
          f"({'O_DIRECT' if bw['disk']['o_direct'] else 'buffered: ' + str(bw['disk']['fallback_reason'])})"),
+        (f"engine: {settings.get('expert_source', '?')}, CUDA graphs {'on' if settings.get('cuda_graphs') else 'off'}, "
+         f"next-layer prefetch {'on' if settings.get('prefetch') else 'off'}"),
         "",
     ]
     failed = theirs.get("error") if theirs else None
@@ -124,10 +126,17 @@ def table(report: dict) -> str:
     rows.append(("decode achieved / roofline", _num(decode_roof["achieved_over_roofline"]), "", ""))
     store = ours["decode"]["store"]
     rows.append(("decode device hit rate", _num(store["hit_rates"]["device"]), "", ""))
+    counters = store.get("counters", {})
+    if counters.get("prefetch_issued"):
+        rows.append(("decode prefetches used", _num(counters.get("prefetch_used", 0) / counters["prefetch_issued"]),
+                     "", f"of {counters['prefetch_issued']}"))
     rows.append(("decode disk bytes / token", _bytes(store["per_token"]["bytes_disk_to_host"]), "", ""))
     rows.append(("decode host->device bytes / token", _bytes(store["per_token"]["bytes_host_to_device"]), "", ""))
     lines.append(head)
     lines += [f"{label:34} {a:>14} {b:>14} {c:>12}" for label, a, b, c in rows]
+    if target != layers:
+        lines += ["", f"{target}-layer figures scale the measured per-layer time evenly over layer kinds; "
+                      "bench/layer_costs.py times each kind apart on a GPU"]
     if failed:
         lines += ["", f"baseline FAILED: {failed}"]
     if theirs:

@@ -68,8 +68,8 @@ def load_engine(
     store: StoreOptions | None = None,
     cuda_graphs: bool = True,
 ) -> LoadedEngine:
-    """`cuda_graphs`: replay decode steps from CUDA graphs where the expert source allows it (a GPU
-    and every expert resident); off, every kernel is issued from Python (for comparison)."""
+    """`cuda_graphs`: on a GPU, replay the fixed-shape work of decode steps from CUDA graphs
+    (runtime/model/decode_graphs.py); off, every kernel is issued from Python (for comparison)."""
     pack = Pack.open(pack_path)
     torch_device = parse_device(device)
     torch_dtype = parse_dtype(dtype, torch_device)
@@ -92,7 +92,7 @@ def load_engine(
     )
     if tiered is not None and not isinstance(tiered, ResidentSlots):
         model.prefetch_next_layer(store.prefetch)
-    if cuda_graphs and isinstance(tiered, ResidentSlots) and torch_device.type == "cuda":
-        model.capture_decode_graphs(tiered.count_replay)
+    if cuda_graphs and tiered is not None and torch_device.type == "cuda":
+        model.capture_decode_graphs(tiered.count_replay if isinstance(tiered, ResidentSlots) else None)
     tokenizer = PackTokenizer.load(pack.root)
     return LoadedEngine(pack, model, tokenizer, Generator(model, tokenizer), tiered)

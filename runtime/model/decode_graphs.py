@@ -11,7 +11,9 @@ up on the device), so it is captured once and replayed. What stays eager:
 
 so a DeltaNet layer runs as [PLE rows eager] -> graph([PLE addend,] mix, DeltaNet, feed-forward), and
 a QSA layer as graph(mix, projections at the step's position) -> eager cache attention -> graph(output,
-feed-forward).
+feed-forward). With a tiered store the routed experts need the host (their ids pick what the store
+loads), so the feed-forward graph stops after the router, the shared expert and the next layer's
+prediction, and the routed experts and the last combine run eagerly between graphs.
 Each captured call runs eagerly the first time (which compiles and warms kernels), is captured the
 second time and replayed from then on. Graphs read the DeltaNet and PLE state buffers of the
 sequence they were captured with (a restored snapshot is copied into them); a step with another
@@ -78,23 +80,41 @@ class DecodeGraphs:
         `after_layer(layer)` is called after each layer's work is issued (bench/layer_costs.py)."""
         self._bind(state)
         self._state = state
-        for layer, first, feed_forward in self._pieces:
-            if feed_forward is None:  # DeltaNet: the whole rest of the layer is one graph
+        for layer, first, second in self._pieces:
+            if second is None:  # DeltaNet: the rest of the layer is one graph
                 if layer.ple is None:
-                    streams = first(streams)
+                    out = first(streams)
                 else:
-                    streams = first(streams, layer.ple.embed(tokens, state.ple[layer.layer]))
+                    out = first(streams, layer.ple.embed(tokens, state.ple[layer.layer]))
             else:
                 cache = state.attention[layer.layer]
                 positions = torch.full((1,), cache.length, dtype=torch.int64, device=streams.device)
                 inject, q, gate, k, v, index_q, index_k = first(streams, positions)
                 attended = layer.mixer.attend_cache(q, k, v, index_q, index_k, cache)
-                streams = feed_forward(streams, attended, gate, inject)
-            if self.count_replay is not None and (feed_forward or first).graph is not None:
+                out = second(streams, attended, gate, inject)
+            streams = out if layer.moe.resident is not None else self._routed_from_store(layer, *out)
+            if self.count_replay is not None and (second or first).graph is not None:
                 self.count_replay(layer.layer)
             if after_layer is not None:
                 after_layer(layer)
         return streams
+
+    @staticmethod
+    def _routed_from_store(layer: DecoderLayer, streams, x, inject, weights, experts, shared, predicted):
+        """The eager middle of a tiered layer: expert ids to the host, the store, the kernels."""
+        routed = layer.moe.routed_from_store(x, weights, experts, predicted)
+        return layer.mlp_hc.combine(streams, routed + shared, inject)
+
+    def _after_mixer(self, layer: DecoderLayer, streams, block_output, inject):
+        """With every expert resident, the whole feed-forward; with a tiered store, everything up
+        to the routed experts (which need the host): (streams, MoE input, its inject, routing
+        weights, expert ids, shared expert output, next layer's predicted ids or None)."""
+        if layer.moe.resident is not None:
+            return layer.feed_forward(streams, block_output, inject)
+        streams = layer.attn_hc.combine(streams, block_output, inject)
+        x, mlp_inject = layer.mlp_hc.mix(streams)
+        weights, experts = layer.moe.route(x)
+        return streams, x, mlp_inject, weights, experts, layer.moe.shared(x), layer.moe.predict_next(x)
 
     def _bind(self, state: SequenceState) -> None:
         key = tuple(t.data_ptr() for s in state.deltanet.values() for t in (s.conv, s.recurrent))
@@ -112,7 +132,7 @@ class DecodeGraphs:
                     if ple_rows is not None:
                         streams = streams + layer.ple.addend(streams, ple_rows, self._state.ple[layer.layer])
                     block_input, inject = layer.attn_hc.mix(streams)
-                    return layer.feed_forward(streams, layer.sequence_mixer(block_input, self._state), inject)
+                    return self._after_mixer(layer, streams, layer.sequence_mixer(block_input, self._state), inject)
 
                 self._pieces.append((layer, make_call(whole), None))
             else:
@@ -124,6 +144,6 @@ class DecodeGraphs:
                     return (inject, *layer.mixer.project(block_input, positions))
 
                 def attention_out(streams, attended, gate, inject, layer=layer):
-                    return layer.feed_forward(streams, layer.mixer.output(attended, gate), inject)
+                    return self._after_mixer(layer, streams, layer.mixer.output(attended, gate), inject)
 
                 self._pieces.append((layer, make_call(attention_in), make_call(attention_out)))

@@ -52,9 +52,9 @@ class Qwen4ExpModel(nn.Module):
             self.register_buffer("lm_head", load_dense(source, "lm_head.weight", dtype, device), persistent=False)
 
     def capture_decode_graphs(self, count_replay=None) -> None:
-        """Replay each decode step's fixed-shape layer work from CUDA graphs (decode_graphs.py).
-        Only for a GPU and an expert source that needs no host round trip (ResidentSlots);
-        `count_replay(layer)` counts a replayed MoE block's requests."""
+        """Replay each decode step's fixed-shape layer work from CUDA graphs (decode_graphs.py), on
+        a GPU with an ExpertSlots source; `count_replay(layer)` counts a replayed resident MoE
+        block's requests."""
         if self.device.type != "cuda":
             raise ValueError("CUDA graphs need the engine on a CUDA device")
         self.decode_graphs = DecodeGraphs(self.layers, count_replay)

@@ -69,26 +69,33 @@ class SparseMoE(nn.Module):
             self.resident.record_use(self.layer, experts)
             slots = self.resident.slot_table[self.layer][experts]
             return moe_experts(x, self.resident.bank, slots, weights) + self.shared(x)
-        wanted, upcoming = self._expert_ids(x, experts)
+        predicted = self.predict_next(x)
         shared = self.shared(x)  # enqueued before the host blocks on copies: it runs meanwhile
-        routed = self._routed_from_slots(x, weights, experts, wanted)
-        if upcoming:
-            self.slots.prefetch(self.next_moe.layer, upcoming)
-        return routed + shared
+        return self.routed_from_store(x, weights, experts, predicted) + shared
 
     def shared(self, x: torch.Tensor) -> torch.Tensor:
         hidden = self.act(self.shared_gate_proj(x)) * self.shared_up_proj(x)
         return torch.sigmoid(F.linear(x, self.shared_expert_gate)) * self.shared_down_proj(hidden)
 
-    def _expert_ids(self, x: torch.Tensor, experts: torch.Tensor) -> tuple[list[int], list[int]]:
-        """The experts this layer needs and, in decode, those the next layer's router would pick
-        from this input, read back to the host in one transfer."""
-        wanted = torch.unique(experts)  # ascending
+    def predict_next(self, x: torch.Tensor) -> torch.Tensor | None:
+        """In decode, the experts the next layer's router picks from this layer's input [T, k]."""
         if self.next_moe is None or x.shape[0] > PREDICT_MAX_TOKENS:
-            return wanted.tolist(), []
-        _, predicted = self.next_moe.route(x)
-        ids = torch.cat([wanted, torch.unique(predicted)]).tolist()
-        return ids[:wanted.numel()], ids[wanted.numel():]
+            return None
+        return self.next_moe.route(x)[1]
+
+    def routed_from_store(
+        self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, predicted: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """The routed experts through a tiered store: read the ids back in one transfer, run the
+        kernels as the store lands the records, then prefetch the predicted next-layer experts
+        into the gap that follows (the decode graphs replay everything around this)."""
+        wanted = torch.unique(experts)  # ascending
+        ids = (wanted if predicted is None else torch.cat([wanted, torch.unique(predicted)])).tolist()
+        wanted, upcoming = ids[:wanted.numel()], ids[wanted.numel():]
+        routed = self._routed_from_slots(x, weights, experts, wanted)
+        if upcoming:
+            self.slots.prefetch(self.next_moe.layer, upcoming)
+        return routed
 
     def _routed_from_slots(
         self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, wanted: list[int],

@@ -1,9 +1,10 @@
-"""CUDA-graph decode against eager decode on the same engine weights (GPU only).
+"""CUDA-graph decode against eager decode on the same engine weights.
 
-Replays run the very kernels the eager path issues, so logits must agree to float32 rounding
-(rel 1e-6) at every step, also after a snapshot is restored (the graphs rebind to the restored
-buffers) and for a second sequence; the resident source must count one token's top-k per layer
-per step either way.
+On a GPU: replays run the very kernels the eager path issues, so logits must agree to float32
+rounding (rel 1e-6) at every step, with every expert resident and with a tiered store, also after
+a snapshot is restored (restored in place: the graphs stay bound) and for a second sequence (they
+are captured again); the expert source must count the same requests either way. On a CPU: the
+same cut into pieces, each run plainly, must compute exactly what the layers compute.
 """
 
 from __future__ import annotations
@@ -34,11 +35,25 @@ def _decode(engine, prompt: torch.Tensor, steps: int, restore_at: int | None = N
     return logits
 
 
+def _store_options(tiny_pack, tiered: bool) -> StoreOptions:
+    """Every record resident, or a device pool of 60 slots in front of the host cache."""
+    if not tiered:
+        return StoreOptions()
+    from flashpack.layout.pack import Pack
+    from flashpack.runtime.store.build import resident_device_bytes
+
+    manifest = Pack.open(tiny_pack).manifest
+    reserved = resident_device_bytes(manifest, "float32", device="cuda")
+    return StoreOptions(vram_budget=str(reserved + 60 * manifest.document["experts"]["record_stride"]))
+
+
 @needs_gpu
-def test_graph_decode_matches_eager(tiny_pack):
+@pytest.mark.parametrize("tiered", [False, True], ids=["resident", "tiered"])
+def test_graph_decode_matches_eager(tiny_pack, tiered):
     prompt = torch.randint(0, 1000, (20,), generator=torch.Generator().manual_seed(0))
-    eager = load_engine(tiny_pack, "cuda", dtype="float32", store=StoreOptions(), cuda_graphs=False)
-    graphed = load_engine(tiny_pack, "cuda", dtype="float32", store=StoreOptions())
+    options = _store_options(tiny_pack, tiered)
+    eager = load_engine(tiny_pack, "cuda", dtype="float32", store=options, cuda_graphs=False)
+    graphed = load_engine(tiny_pack, "cuda", dtype="float32", store=options)
     assert graphed.model.decode_graphs is not None and eager.model.decode_graphs is None
     for _ in range(2):  # a second sequence: new state buffers, graphs captured again
         expected, got = _decode(eager, prompt, 8, restore_at=4), _decode(graphed, prompt, 8, restore_at=4)
@@ -68,6 +83,37 @@ class PlainCall:
 
     def __call__(self, *inputs):
         return self.fn(*inputs)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU test above covers the captured pieces")
+def test_tiered_pieces_compose_to_the_layers_on_cpu(tiny_pack):
+    """With a tiered store the routed experts run eagerly between the graphs (ids to the host, the
+    store, the kernels, the prefetch): same logits and the same store traffic as the layers."""
+    from flashpack.layout.pack import Pack
+    from flashpack.runtime.model import Qwen4ExpModel
+    from flashpack.runtime.model.decode_graphs import DecodeGraphs
+    from flashpack.runtime.pack_source import PackWeights
+    from flashpack.runtime.store import build_store
+
+    pack = Pack.open(tiny_pack)
+    stride = pack.manifest.document["experts"]["record_stride"]
+    stores, models = [], []
+    for _ in range(2):
+        store = build_store(tiny_pack, 60 * stride, 200 * stride, device_reserved=0)
+        model = Qwen4ExpModel(PackWeights(pack), store, dtype=torch.float32)
+        model.prefetch_next_layer()
+        stores.append(store)
+        models.append(model)
+    models[1].decode_graphs = DecodeGraphs(models[1].layers, make_call=PlainCall)
+    prompt = torch.randint(0, 1000, (30,), generator=torch.Generator().manual_seed(5))
+    expected, got = _decode(models[0], prompt, 12), _decode(models[1], prompt, 12)
+    for step, (a, b) in enumerate(zip(got, expected)):
+        assert float((a - b).norm() / b.norm()) < TOLERANCE, f"step {step}"
+    plain, pieces = (store.stats.to_dict() for store in stores)
+    assert pieces["prefetch"]["issued"] > 0
+    assert plain["tiers"] == pieces["tiers"] and plain["prefetch"] == pieces["prefetch"]
+    for store in stores:
+        store.close()
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU test above covers the captured pieces")

@@ -32,9 +32,11 @@ def _one_line_errors(command):
 def _store_options(command):
     """--vram-budget, --ram-budget, --policy, --hot-set, --no-direct-io, --no-verify-records."""
     options = [
-        click.option("--vram-budget", help="Device memory for experts and everything else, e.g. 24GiB "
-                     "(with --ram-budget: the tiered store; default: experts decoded straight from the pack)."),
-        click.option("--ram-budget", help="Pinned host memory for the expert cache, e.g. 64GiB."),
+        click.option("--vram-budget", help="Device memory for experts and everything else, e.g. 24GiB. On a GPU "
+                     "the default is 90% of its free memory; on a CPU without budgets experts are decoded "
+                     "straight from the pack."),
+        click.option("--ram-budget", help="Pinned host memory for the expert cache, e.g. 64GiB (default on a GPU: "
+                     "75% of the available RAM)."),
         click.option("--policy", type=click.Choice(["lfu", "lru", "lfu-decay"]), default="lfu", show_default=True),
         click.option("--hot-set", help="Pre-warm VRAM, then RAM, from this manifest profile (flashpack profile)."),
         click.option("--no-direct-io", is_flag=True, help="Read records through the page cache, not O_DIRECT."),

@@ -9,6 +9,7 @@ for one layer's top_k is refused here, at start, with the minimum in the message
 from __future__ import annotations
 
 import math
+import os
 from pathlib import Path
 
 import torch
@@ -52,6 +53,16 @@ def resident_device_bytes(
     return dense + work + kv_bytes
 
 
+FREE_VRAM_SHARE, FREE_RAM_SHARE = 0.9, 0.75  # headroom for the allocator, activations, the OS
+
+
+def machine_free_bytes(device: str | torch.device) -> tuple[int, int]:
+    """Default budgets on a GPU: a share of the device's free memory and of the available RAM."""
+    free_vram, _ = torch.cuda.mem_get_info(torch.device(device))
+    available_ram = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    return int(free_vram * FREE_VRAM_SHARE), int(available_ram * FREE_RAM_SHARE)
+
+
 def build_store(
     pack: Pack | Path | str,
     vram_budget: str | int | None = None,
@@ -71,7 +82,8 @@ def build_store(
     poison: bool = False,
     allow_resident: bool = False,
 ) -> TieredStore | ResidentExperts:
-    """A ready store. Budgets: "24GiB"-style strings or bytes; None = room for every record.
+    """A ready store. Budgets: "24GiB"-style strings or bytes; None = room for every record on a
+    CPU, and on a GPU 90 % of its free memory and 75 % of the available RAM (`machine_free_bytes`).
 
     With `allow_resident` (the engine on a GPU), a device budget that holds every record gives a
     `ResidentExperts` instead: all records loaded once, slots looked up on the device.
@@ -90,12 +102,15 @@ def build_store(
             raise FlashpackError(f"pack has no hot set {hot_set!r} (has: {names})")
     if device_reserved is None:
         device_reserved = resident_device_bytes(manifest, dtype, kv_bytes, device)
+    vram, ram = parse_budget(vram_budget, "--vram-budget"), parse_budget(ram_budget, "--ram-budget")
+    if torch.device(device).type == "cuda":  # no budget on a GPU: what the machine has free, not every record
+        vram, ram = (free if given is None else given for given, free in zip((vram, ram), machine_free_bytes(device)))
     plan = plan_store(
         record_stride=manifest.document["experts"]["record_stride"],
         total_records=len(manifest.document["experts"]["records"]),
         top_k=manifest.config.num_experts_per_tok,
-        vram_budget=parse_budget(vram_budget, "--vram-budget"),
-        ram_budget=parse_budget(ram_budget, "--ram-budget"),
+        vram_budget=vram,
+        ram_budget=ram,
         device_reserved=device_reserved,
         host_reserved=host_reserved,
     )

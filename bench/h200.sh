@@ -2,18 +2,20 @@
 # One device call: CUDA tests (while the pack builds), build `full --layers $LAYERS`, `flashpack bench`
 # at three budgets emulating 48 layers (transformers baseline at 24/64), decode profiles. Results in $OUT.
 # Run with carry ["wheels"] (transformers 5.23 + jsonschema wheels; /work/.library/device/README.md).
-# STAGES picks steps (default all, in this order): tests layers unbounded budgets profile eager long.
+# STAGES picks steps (default all, in this order): tests layers unbounded budgets fp8 profile eager long.
+# fp8 also converts a --dense-fp8 pack from the same snapshot and benches 8/32 and unbounded on it.
 set -o pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site wheels/*.whl || exit 1
 mkdir -p /tmp/pkg && ln -sfn "$PWD" /tmp/pkg/flashpack
 export PYTHONPATH=/tmp/pkg:/tmp/site PYTHONUNBUFFERED=1
-LAYERS=${LAYERS:-4} GEN=${GEN:-32} PROMPT=${PROMPT:-512} W=/tmp/fp STAGES=${STAGES:-"tests layers unbounded budgets profile eager long"}
+LAYERS=${LAYERS:-4} GEN=${GEN:-32} PROMPT=${PROMPT:-512} W=/tmp/fp STAGES=${STAGES:-"tests layers unbounded budgets fp8 profile eager long"}
 has() { [[ " $STAGES " == *" $1 "* ]]; }
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee $OUT/gpu.txt
 start=$(date +%s)
 ( timeout 420 python3 -m flashpack.cli synth full $W/src --format nvfp4 --layers $LAYERS --ple-rows-per-head 2000 \
     --text-only --force >/dev/null && timeout 150 python3 -m flashpack.cli convert $W/src $W/full.pack --force >/dev/null 2>&1 \
-  ; echo "build rc=$? $(( $(date +%s) - start )) s" >> $OUT/gpu.txt ) &
+  ; echo "build rc=$? $(( $(date +%s) - start )) s" >> $OUT/gpu.txt \
+  ; if has fp8; then timeout 150 python3 -m flashpack.cli convert $W/src $W/full-fp8.pack --dense-fp8 --force >/dev/null 2>&1; fi ) &
 build=$!
 if has tests; then
   timeout 240 python3 -m pytest tests/kernels tests/runtime/test_engine_slots.py tests/runtime/test_decode_graphs.py \
@@ -21,9 +23,9 @@ if has tests; then
     -p no:cacheprovider 2>&1 | tail -4 | tee $OUT/tests.log
 fi
 wait $build; cat $OUT/gpu.txt; [ -f $W/full.pack/manifest.json ] || exit 1
-bench() {  # name, vram, ram, extra args
+bench() {  # name, vram, ram, extra args (PACK=full-fp8 for the --dense-fp8 pack)
   local name=$1 vram=$2 ram=$3; shift 3
-  timeout ${BENCH_TIMEOUT:-150} python3 -m flashpack.cli bench $W/full.pack --device cuda ${vram:+--vram-budget $vram} \
+  timeout ${BENCH_TIMEOUT:-150} python3 -m flashpack.cli bench $W/${PACK:-full}.pack --device cuda ${vram:+--vram-budget $vram} \
     ${ram:+--ram-budget $ram} --emulate-layers 48 --json $OUT/bench-$name.json --quiet "$@" 2>&1 | tail -22
 }
 has layers && timeout 150 python3 bench/layer_costs.py $W/full.pack --out $OUT 2>&1 | tail -1
@@ -34,4 +36,7 @@ if has profile; then
   timeout 90 python3 bench/profile_decode.py $W/full.pack --name resident --out $OUT 2>&1 | tail -1
 fi
 has eager && bench unbounded-eager "" "" --prompt-len $PROMPT --gen $GEN --no-cuda-graphs
+has eager && bench 24g-64g-eager 24GiB 64GiB --prompt-len $PROMPT --gen $GEN --no-cuda-graphs
+has fp8 && PACK=full-fp8 bench 8g-32g-fp8 8GiB 32GiB --prompt-len $PROMPT --gen $GEN
+has fp8 && PACK=full-fp8 bench unbounded-fp8 "" "" --prompt-len $PROMPT --gen $GEN
 has long && bench 24g-64g-32k 24GiB 64GiB --prompt-len 32768 --gen 4

@@ -4,6 +4,8 @@
 # Run with carry ["wheels"] (transformers 5.23 + jsonschema wheels; /work/.library/device/README.md).
 # STAGES picks steps (default all, in this order): tests layers unbounded budgets fp8 profile eager long.
 # fp8 also converts a --dense-fp8 pack from the same snapshot and benches 8/32 and unbounded on it.
+# Timing on an H200 (2026-11-29): build 263 s (LAYERS=4), each bench 30-90 s; all stages exceed one call's
+# 600 s, and a machine keeps nothing between calls, so split STAGES over calls (each rebuilds).
 set -o pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site wheels/*.whl || exit 1
 mkdir -p /tmp/pkg && ln -sfn "$PWD" /tmp/pkg/flashpack

@@ -88,7 +88,7 @@ class PlainCall:
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU test above covers the captured pieces")
 def test_tiered_pieces_compose_to_the_layers_on_cpu(tiny_pack):
     """With a tiered store the routed experts run eagerly between the graphs (ids to the host, the
-    store, the kernels, the prefetch): same logits and the same store traffic as the layers."""
+    store, the kernels, the prefetch): same logits and the same expert requests as the layers."""
     from flashpack.layout.pack import Pack
     from flashpack.runtime.model import Qwen4ExpModel
     from flashpack.runtime.model.decode_graphs import DecodeGraphs
@@ -109,9 +109,9 @@ def test_tiered_pieces_compose_to_the_layers_on_cpu(tiny_pack):
     expected, got = _decode(models[0], prompt, 12), _decode(models[1], prompt, 12)
     for step, (a, b) in enumerate(zip(got, expected)):
         assert float((a - b).norm() / b.norm()) < TOLERANCE, f"step {step}"
-    plain, pieces = (store.stats.to_dict() for store in stores)
-    assert pieces["prefetch"]["issued"] > 0
-    assert plain["tiers"] == pieces["tiers"] and plain["prefetch"] == pieces["prefetch"]
+    # the same requests; which of them hit depends on when the reader threads land the prefetches
+    plain, pieces = (store.stats.total() for store in stores)
+    assert pieces.requests == plain.requests and pieces.prefetch_issued > 0
     for store in stores:
         store.close()
 

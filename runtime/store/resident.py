@@ -46,7 +46,9 @@ class ResidentExperts:
         layers = max(r.layer for r in records) + 1
         self.stats = StoreStats()
         self.pool = torch.empty((len(records), stride), dtype=torch.uint8, device=self.device)
-        table = torch.full((layers, manifest.config.num_experts), -1, dtype=torch.int32)
+        cfg = manifest.config  # parsed from the manifest on every access: read it once
+        self.top_k = cfg.num_experts_per_tok
+        table = torch.full((layers, cfg.num_experts), -1, dtype=torch.int32)
         self._slots: dict[tuple[int, int], int] = {}
         per_stage = max(1, STAGING_BYTES // stride)
         staging = aligned_empty(per_stage * stride, pin=self.device.type == "cuda").view(per_stage, stride)
@@ -92,8 +94,7 @@ class ResidentExperts:
 
     def count_replay(self, layer: int) -> None:
         """One decode token's requests of `layer`, for a MoE block replayed from a CUDA graph."""
-        top_k = self.pack.manifest.config.num_experts_per_tok
-        self.stats.bump(layer, requests=top_k, device_hits=top_k)
+        self.stats.bump(layer, requests=self.top_k, device_hits=self.top_k)
 
     def stream(self, layer: int, experts: list[int]) -> Iterator[list[ResidentHandle]]:
         try:

@@ -57,6 +57,8 @@ class Qwen4ExpModel(nn.Module):
         block's requests."""
         if self.device.type != "cuda":
             raise ValueError("CUDA graphs need the engine on a CUDA device")
+        if self.layers[0].moe.slots is None:
+            raise ValueError("CUDA graphs need an ExpertSlots source (the store), not dequantised experts")
         self.decode_graphs = DecodeGraphs(self.layers, count_replay)
 
     def prefetch_next_layer(self, enabled: bool = True) -> None:

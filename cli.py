@@ -323,13 +323,14 @@ def trace_replay(trace_file: Path, capacities: tuple[int, ...], policies: tuple[
               "(default: beside the pack).")
 @click.option("--quiet", is_flag=True, help="No progress bars.")
 @click.option("--no-cuda-graphs", is_flag=True, help="Issue every decode kernel from Python (for comparison).")
+@click.option("--no-compile", is_flag=True, help="Capture the decode graphs without torch.compile's fused kernels.")
 @click.option("--no-prefetch", is_flag=True, help="Do not prefetch the next layer's predicted experts.")
 @_one_line_errors
 def bench(pack: Path, vram_budget: str | None, ram_budget: str | None, policy: str, hot_set: str | None,
           no_direct_io: bool, no_verify_records: bool, prompt_len: int, gen: int, json_path: Path | None, device: str,
           dtype: str, emulate_layers: int | None, baseline: str | None, baseline_layers: int, baseline_prompt_len: int,
           baseline_gen: int, seed: int, repeats: int, copy_probe: str | None, disk_probe: str,
-          offload_dir: Path | None, quiet: bool, no_cuda_graphs: bool, no_prefetch: bool) -> None:
+          offload_dir: Path | None, quiet: bool, no_cuda_graphs: bool, no_compile: bool, no_prefetch: bool) -> None:
     """Time prefill and decode of PACK through the tiered store, against the machine's bandwidth roofline
     and (with --baseline) transformers + accelerate offload at the same budget. The store is always
     used: a budget left out gives its tier room for every record."""
@@ -342,7 +343,7 @@ def bench(pack: Path, vram_budget: str | None, ram_budget: str | None, policy: s
         baseline_layers=baseline_layers, baseline_prompt_len=baseline_prompt_len, baseline_gen=baseline_gen,
         seed=seed, repeats=repeats, direct_io=not no_direct_io, verify_records=not no_verify_records,
         copy_probe=copy_probe, disk_probe=disk_probe, offload_dir=offload_dir, json_path=json_path,
-        progress=not quiet, cuda_graphs=not no_cuda_graphs, prefetch=not no_prefetch,
+        progress=not quiet, cuda_graphs=not no_cuda_graphs, compile_layers=not no_compile, prefetch=not no_prefetch,
     )
     click.echo(table(report))
     if json_path is not None:

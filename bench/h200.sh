@@ -21,7 +21,8 @@ start=$(date +%s)
 build=$!
 if has tests; then
   timeout 240 python3 -m pytest tests/kernels tests/runtime/test_engine_slots.py tests/runtime/test_decode_graphs.py \
-    tests/store/test_store_stream.py tests/store/test_store_fetch.py -q -x \
+    tests/runtime/test_delta_rule.py tests/runtime/test_dense_fp8.py tests/store/test_store_stream.py \
+    tests/store/test_store_fetch.py -q -x \
     -p no:cacheprovider 2>&1 | tail -4 | tee $OUT/tests.log
 fi
 wait $build; cat $OUT/gpu.txt; [ -f $W/full.pack/manifest.json ] || exit 1
@@ -36,6 +37,8 @@ has budgets && bench 24g-64g 24GiB 64GiB --prompt-len $PROMPT --gen $GEN --basel
 has budgets && bench 8g-32g 8GiB 32GiB --prompt-len $PROMPT --gen $GEN
 if has profile; then
   timeout 90 python3 bench/profile_decode.py $W/full.pack --name resident --out $OUT 2>&1 | tail -1
+  timeout 90 python3 bench/profile_decode.py $W/full.pack --name tiered-24g --vram-budget 2GiB --ram-budget 6GiB \
+    --out $OUT 2>&1 | tail -1
 fi
 has eager && bench unbounded-eager "" "" --prompt-len $PROMPT --gen $GEN --no-cuda-graphs
 has eager && bench 24g-64g-eager 24GiB 64GiB --prompt-len $PROMPT --gen $GEN --no-cuda-graphs

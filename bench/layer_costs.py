@@ -3,10 +3,11 @@ pack cut to a few layers up to the full 48.
 
     python bench/layer_costs.py PACK --out DIR
 
-Times S greedy steps two ways: as they run (asynchronous, the real step time), and with a device
-synchronize after each layer so each layer's time (issue + run) can be told apart by kind: the
-PLE layer, DeltaNet layers, QSA attention layers, and the fixed part (embedding, final mixer,
-lm_head, argmax). The full model's step is then estimated as
+Times S greedy steps two ways: as they run (asynchronous, one graph for all layers: the real step
+time), and with a graph per layer and a device synchronize after each, so each layer's time (issue
++ run) can be told apart by kind: the PLE layer, DeltaNet layers, QSA attention layers, and the
+fixed part (embedding, PLE rows, final mixer, lm_head, argmax). The full model's step is then
+estimated as
     fixed + ple_layer + (linear_layers - ple_layers) * deltanet + attention_layers * attention
 from the synchronised costs (an upper bound: it removes the overlap of host and device work),
 and also scaled by the ratio asynchronous / synchronised measured on the pack itself.
@@ -23,6 +24,7 @@ from pathlib import Path
 import torch
 
 from flashpack.runtime.loader import StoreOptions, load_engine
+from flashpack.runtime.model.decode_graphs import DecodeGraphs
 
 
 def main() -> None:
@@ -48,6 +50,9 @@ def main() -> None:
         token = int(model(torch.tensor([token]), state).logits.argmax())
     async_step = (time.perf_counter() - start) / args.steps
 
+    model.decode_graphs = DecodeGraphs(model.layers, engine.store.count_replay, per_layer=True)
+    for _ in range(4):
+        token = int(model(torch.tensor([token]), state).logits.argmax())
     kinds: dict[str, list[float]] = {"fixed": [], "ple": [], "deltanet": [], "attention": []}
     for _ in range(args.steps):
         torch.cuda.synchronize()
@@ -62,8 +67,8 @@ def main() -> None:
             per_step[kind] += now - mark
             mark = now
 
-        tokens = torch.tensor([token], device=model.device)
-        streams = model.embed(tokens).repeat(1, cfg.hc_count)
+        tokens = torch.tensor([token])
+        streams = model.embed(tokens.to(model.device)).repeat(1, cfg.hc_count)
         torch.cuda.synchronize()
         per_step["fixed"] += time.perf_counter() - mark
         mark = time.perf_counter()

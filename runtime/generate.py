@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -58,11 +58,17 @@ class GenerationResult:
         return (self.completion_tokens - 1) / decode_time if self.completion_tokens > 1 and decode_time > 0 else 0.0
 
 
+# Attention room reserved up front for this many generated tokens at most (9 MB per QSA layer at
+# full size); a longer generation grows the caches by doubling.
+RESERVE_MAX_TOKENS = 4096
+
+
 @dataclass
 class Generator:
     model: object  # runtime.model.Qwen4ExpModel (forward(tokens, state, last_only) / new_state())
     tokenizer: object  # runtime.tokenizer.PackTokenizer
     max_context: int = 0  # 0: the model's max_position_embeddings
+    _state: object = field(default=None, init=False, repr=False)  # runtime.state.SequenceState, reused
 
     def stream(
         self,
@@ -81,7 +87,7 @@ class Generator:
         sampler = Sampler(params, device="cpu")
         detok = IncrementalDetokenizer(self.tokenizer.tokenizer)
         stops = StopStringFilter(params.stop_strings)
-        state = self.model.new_state()
+        state = self._fresh_state(min(limit, len(prompt_ids) + min(params.max_tokens, RESERVE_MAX_TOKENS) + 1))
         start = time.perf_counter()
         logits = self.model.forward(torch.tensor(prompt_ids), state, last_only=True).logits[-1]
         generated, first_token_seconds = 0, 0.0
@@ -115,6 +121,15 @@ class Generator:
             logits = self.model.forward(torch.tensor([token]), state, last_only=True).logits[-1]
         timings = {"first_token_seconds": first_token_seconds, "total_seconds": time.perf_counter() - start}
         yield GenerationEvent(stops.flush(), None, finish, timings)
+
+    def _fresh_state(self, tokens: int):
+        """The one sequence state, reset in place with room for `tokens`: the engine runs one
+        sequence at a time, and decode graphs captured against its buffers stay valid."""
+        if self._state is None:
+            self._state = self.model.new_state()
+        self._state.restore(self.model.new_state())
+        self._state.reserve(tokens)
+        return self._state
 
     def generate(self, prompt_ids: list[int], params: SamplingParams, **kwargs) -> GenerationResult:
         pieces, token_ids, last = [], [], None

@@ -67,9 +67,12 @@ def load_engine(
     verify_records: bool = True,
     store: StoreOptions | None = None,
     cuda_graphs: bool = True,
+    compile_layers: bool = True,
 ) -> LoadedEngine:
     """`cuda_graphs`: on a GPU, replay the fixed-shape work of decode steps from CUDA graphs
-    (runtime/model/decode_graphs.py); off, every kernel is issued from Python (for comparison)."""
+    (runtime/model/decode_graphs.py); off, every kernel is issued from Python (for comparison).
+    `compile_layers`: fuse the graphs' small kernels with torch.compile first (the first decode
+    steps of a process compile, for a minute or so; later processes reuse Inductor's disk cache)."""
     pack = Pack.open(pack_path)
     torch_device = parse_device(device)
     torch_dtype = parse_dtype(dtype, torch_device)
@@ -93,6 +96,7 @@ def load_engine(
     if tiered is not None and not isinstance(tiered, ResidentSlots):
         model.prefetch_next_layer(store.prefetch)
     if cuda_graphs and tiered is not None and torch_device.type == "cuda":
-        model.capture_decode_graphs(tiered.count_replay if isinstance(tiered, ResidentSlots) else None)
+        count_replay = tiered.count_replay if isinstance(tiered, ResidentSlots) else None
+        model.capture_decode_graphs(count_replay, compile_layers=compile_layers)
     tokenizer = PackTokenizer.load(pack.root)
     return LoadedEngine(pack, model, tokenizer, Generator(model, tokenizer), tiered)

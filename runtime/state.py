@@ -9,7 +9,9 @@
 
 `snapshot()` returns a deep copy; `restore(snapshot)` copies it back (the snapshot stays usable),
 which is what prompt reuse and speculative rollback build on. Attention buffers grow by doubling,
-so appending one token costs O(1) amortised, never a copy of the whole prefix.
+so appending one token costs O(1) amortised, never a copy of the whole prefix. They start zeroed
+and are restored in place when they have room, because CUDA-graph decode reads them whole
+(masked past the length) at fixed addresses.
 """
 
 from __future__ import annotations
@@ -48,10 +50,10 @@ class AttentionCache:
     ):
         self.ratio, self.length, self.blocks = ratio, 0, 0
         capacity = -(-max(capacity, ratio) // ratio) * ratio
-        self._keys = torch.empty(kv_heads, capacity, head_dim, dtype=dtype, device=device)
-        self._values = torch.empty_like(self._keys)
-        self._index_keys = torch.empty(capacity, index_dim, dtype=dtype, device=device)
-        self._block_keys = torch.empty(capacity // ratio, index_dim, dtype=dtype, device=device)
+        self._keys = torch.zeros(kv_heads, capacity, head_dim, dtype=dtype, device=device)
+        self._values = torch.zeros_like(self._keys)
+        self._index_keys = torch.zeros(capacity, index_dim, dtype=dtype, device=device)
+        self._block_keys = torch.zeros(capacity // ratio, index_dim, dtype=dtype, device=device)
 
     @property
     def keys(self) -> torch.Tensor:  # [kv_heads, length, head_dim], roped
@@ -72,6 +74,21 @@ class AttentionCache:
     @property
     def capacity(self) -> int:
         return self._keys.shape[1]
+
+    def buffers(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(keys, values, index keys, block keys) at full capacity: what a decode graph reads and
+        writes in place; entries past length / blocks are stale or zero."""
+        return self._keys, self._values, self._index_keys, self._block_keys
+
+    def reserve(self, length: int) -> None:
+        """Room for `length` tokens (buffers may move: graphs bound to them must be captured again)."""
+        if length > self.capacity:
+            self._grow(length)
+
+    def advance(self, new: int) -> None:
+        """Count `new` tokens written in place (by a decode graph) and the blocks they complete."""
+        self.length += new
+        self.blocks = self.length // self.ratio
 
     def append(self, keys: torch.Tensor, values: torch.Tensor, index_keys: torch.Tensor) -> None:
         """keys, values [kv_heads, T, head_dim]; index_keys [T, index_dim]."""
@@ -99,6 +116,17 @@ class AttentionCache:
         self._index_keys = _resized(self._index_keys, 0, capacity, self.length)
         self._block_keys = _resized(self._block_keys, 0, capacity // self.ratio, self.blocks)
 
+    def load(self, other: "AttentionCache") -> None:
+        """Become a copy of `other`, in this cache's own buffers when they have room."""
+        if other.length > self.capacity:
+            self._keys, self._values, self._index_keys, self._block_keys = other.copy().buffers()
+        else:
+            self._keys[:, : other.length] = other.keys
+            self._values[:, : other.length] = other.values
+            self._index_keys[: other.length] = other.index_keys
+            self._block_keys[: other.blocks] = other.block_keys
+        self.length, self.blocks = other.length, other.blocks
+
     def copy(self) -> "AttentionCache":
         """A deep copy holding only the filled part (it grows again on append)."""
         clone = AttentionCache.__new__(AttentionCache)
@@ -117,7 +145,7 @@ class AttentionCache:
 def _resized(buffer: torch.Tensor, dim: int, size: int, filled: int) -> torch.Tensor:
     shape = list(buffer.shape)
     shape[dim] = size
-    out = torch.empty(shape, dtype=buffer.dtype, device=buffer.device)
+    out = torch.zeros(shape, dtype=buffer.dtype, device=buffer.device)
     out.narrow(dim, 0, filled).copy_(buffer.narrow(dim, 0, filled))
     return out
 
@@ -157,6 +185,12 @@ class SequenceState:
             attention[cfg.num_hidden_layers + mtp_layer] = _attention_cache(cfg, dtype, device)
         return cls(position=0, deltanet=deltanet, attention=attention, ple=ple)
 
+    def reserve(self, tokens: int) -> None:
+        """Room for `tokens` positions in every attention cache, so none has to grow (and move, which
+        makes decode graphs bound to it be captured again) within a sequence of that length."""
+        for cache in self.attention.values():
+            cache.reserve(tokens)
+
     def snapshot(self) -> "SequenceState":
         """A deep copy, independent of this state from now on."""
         return SequenceState(
@@ -169,8 +203,9 @@ class SequenceState:
     def restore(self, snapshot: "SequenceState") -> None:
         """Become a deep copy of `snapshot` (which stays valid for further restores).
 
-        Fixed-size state is copied into this state's own buffers, so CUDA graphs captured against
-        them (runtime/model/decode_graphs.py) stay valid across a rollback."""
+        State is copied into this state's own buffers (attention caches too, while they have
+        room), so CUDA graphs captured against them (runtime/model/decode_graphs.py) stay valid
+        across a rollback."""
         self.position = snapshot.position
         for layer, saved in snapshot.deltanet.items():
             self.deltanet[layer].conv.copy_(saved.conv)
@@ -178,7 +213,8 @@ class SequenceState:
         for layer, saved in snapshot.ple.items():
             self.ple[layer].context = saved.context.clone()
             self.ple[layer].conv.copy_(saved.conv)
-        self.attention = {layer: cache.copy() for layer, cache in snapshot.attention.items()}
+        for layer, saved in snapshot.attention.items():
+            self.attention[layer].load(saved)
 
     def nbytes(self) -> int:
         tensors = [t for s in self.deltanet.values() for t in (s.conv, s.recurrent)]

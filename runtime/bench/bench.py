@@ -70,6 +70,7 @@ def run_bench(
     json_path: Path | None = None,
     progress: bool = False,
     cuda_graphs: bool = True,
+    compile_layers: bool = True,
     prefetch: bool = True,
 ) -> dict:
     """Benchmark `pack`; returns the report (and writes it to `json_path` when given).
@@ -108,8 +109,11 @@ def run_bench(
         ram_budget=None if engine_budgets["ram"] is None else str(engine_budgets["ram"]),
         policy=policy, hot_set=hot_set, direct_io=direct_io, prefetch=prefetch,
     )
-    engine = load_engine(pack, device, dtype, verify_records=verify_records, store=store, cuda_graphs=cuda_graphs)
-    engine_setup = {"expert_source": type(engine.store).__name__, "cuda_graphs": engine.model.decode_graphs is not None,
+    engine = load_engine(pack, device, dtype, verify_records=verify_records, store=store, cuda_graphs=cuda_graphs,
+                         compile_layers=compile_layers)
+    graphs = engine.model.decode_graphs
+    engine_setup = {"expert_source": type(engine.store).__name__, "cuda_graphs": graphs is not None,
+                    "compiled_layers": graphs is not None and compile_layers,
                     "prefetch": any(layer.moe.next_moe is not None for layer in engine.model.layers)}
     try:
         tokenizer = engine.tokenizer.tokenizer

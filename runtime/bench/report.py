@@ -86,7 +86,8 @@ def table(report: dict) -> str:
         (f"ceilings: device {_rate(bw['device']['bytes_per_s'])} (copy), host->device "
          f"{_rate(bw['host_to_device']['bytes_per_s'])}, disk {_rate(bw['disk']['bytes_per_s'])} "
          f"({'O_DIRECT' if bw['disk']['o_direct'] else 'buffered: ' + str(bw['disk']['fallback_reason'])})"),
-        (f"engine: {settings.get('expert_source', '?')}, CUDA graphs {'on' if settings.get('cuda_graphs') else 'off'}, "
+        (f"engine: {settings.get('expert_source', '?')}, CUDA graphs {'on' if settings.get('cuda_graphs') else 'off'}"
+         f"{' (compiled layers)' if settings.get('compiled_layers') else ''}, "
          f"next-layer prefetch {'on' if settings.get('prefetch') else 'off'}"),
         "",
     ]

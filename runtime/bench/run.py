@@ -4,8 +4,9 @@ counters taken apart per phase.
 The engine's step function is called directly (`model.forward(tokens, state, last_only=True)`), so
 no tokenizer or sampler work is timed; the first token is the argmax of the prefill's logits and
 each decode step feeds the previous argmax. A warm-up (a short prompt of other ids, two decode
-steps) runs first, untimed: it loads kernels and leaves the store's caches as a server would have
-them, partly warm. Every clock read is preceded by a device synchronize. With several repeats,
+steps) runs first, untimed: it loads kernels, captures the decode graphs and leaves the store's
+caches as a server would have them, partly warm. Every run uses one sequence state, reset in place
+and with room reserved for the longest run, so the graphs captured in the warm-up are replayed. Every clock read is preceded by a device synchronize. With several repeats,
 each starts a fresh sequence on the same (warmer) store; times are the medians, store traffic the
 mean per token over all repeats.
 """
@@ -80,8 +81,8 @@ def greedy(model, state, tokens: torch.Tensor) -> tuple[int, torch.Tensor]:
 
 
 @torch.no_grad()
-def warm_up(model, prompt: list[int], decode: int = WARMUP_DECODE) -> None:
-    state = model.new_state()
+def warm_up(model, state, prompt: list[int], decode: int = WARMUP_DECODE) -> None:
+    state.restore(model.new_state())
     token, _ = greedy(model, state, torch.tensor(prompt, dtype=torch.long))
     for _ in range(decode):
         token, _ = greedy(model, state, torch.tensor([token]))
@@ -89,9 +90,9 @@ def warm_up(model, prompt: list[int], decode: int = WARMUP_DECODE) -> None:
 
 
 @torch.no_grad()
-def timed_run(model, store, prompt: list[int], gen: int, progress: bool = False) -> dict:
+def timed_run(model, store, state, prompt: list[int], gen: int, progress: bool = False) -> dict:
     device = model.device
-    state = model.new_state()
+    state.restore(model.new_state())
     tokens = torch.tensor(prompt, dtype=torch.long)
     before = snapshot(store)
     synchronize(device)
@@ -135,9 +136,11 @@ def run_engine(engine, prompt: list[int], gen: int, warmup_prompt: list[int], re
                progress: bool = False) -> EngineResult:
     """Warm up, then `repeats` timed prefill + `gen` decode steps; `engine` is a LoadedEngine with a store."""
     model, store = engine.model, engine.store
-    warm_up(model, warmup_prompt)
+    state = model.new_state()
+    state.reserve(max(len(prompt), len(warmup_prompt)) + gen + 1)
+    warm_up(model, state, warmup_prompt)
     result = EngineResult(len(prompt), gen)
     for _ in tqdm(range(repeats), desc="repeats", disable=not progress or repeats == 1, leave=False):
-        result.repeats.append(timed_run(model, store, prompt, gen, progress))
+        result.repeats.append(timed_run(model, store, state, prompt, gen, progress))
     result.fixed_seconds = fixed_seconds(model, len(prompt))
     return result

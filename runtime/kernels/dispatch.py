@@ -44,6 +44,7 @@ def _precision(device: torch.device) -> str:
     return "bf16" if device.type == "cuda" else "fp32"
 
 
+@torch.compiler.disable  # the Triton kernels are launched as they are from compiled decode steps
 def moe_experts(
     x: torch.Tensor, bank: ExpertBank, slots: torch.Tensor, weights: torch.Tensor,
     out: torch.Tensor | None = None, backend: str = "auto", decode_max_tokens: int = DECODE_MAX_TOKENS,
@@ -68,6 +69,7 @@ def moe_experts(
                                        block_m=block_m)
 
 
+@torch.compiler.disable
 def fp8_linear(
     x: torch.Tensor, values: torch.Tensor, row_scale: torch.Tensor,
     out: torch.Tensor | None = None, backend: str = "auto",

@@ -51,15 +51,15 @@ class Qwen4ExpModel(nn.Module):
         else:
             self.register_buffer("lm_head", load_dense(source, "lm_head.weight", dtype, device), persistent=False)
 
-    def capture_decode_graphs(self, count_replay=None) -> None:
+    def capture_decode_graphs(self, count_replay=None, compile_layers: bool = True) -> None:
         """Replay each decode step's fixed-shape layer work from CUDA graphs (decode_graphs.py), on
-        a GPU with an ExpertSlots source; `count_replay(layer)` counts a replayed resident MoE
-        block's requests."""
+        a GPU with an ExpertSlots source; `count_replay(layer)` counts a resident MoE block's
+        requests; `compile_layers` fuses the graphs' small kernels with torch.compile first."""
         if self.device.type != "cuda":
             raise ValueError("CUDA graphs need the engine on a CUDA device")
         if self.layers[0].moe.slots is None:
             raise ValueError("CUDA graphs need an ExpertSlots source (the store), not dequantised experts")
-        self.decode_graphs = DecodeGraphs(self.layers, count_replay)
+        self.decode_graphs = DecodeGraphs(self.layers, count_replay, compile_layers=compile_layers)
 
     def prefetch_next_layer(self, enabled: bool = True) -> None:
         """Let each MoE block name the next layer's likely experts to a tiered store in decode."""
@@ -74,13 +74,13 @@ class Qwen4ExpModel(nn.Module):
         """tokens int64 [T] (the next T tokens of the sequence) -> StepOutput; advances `state` by T."""
         if tokens.ndim != 1 or tokens.shape[0] == 0:
             raise ValueError(f"forward takes a non-empty 1-D tensor of token ids, got shape {tuple(tokens.shape)}")
-        tokens = tokens.to(self.device)
-        streams = self.embed(tokens).repeat(1, self.config.hc_count)  # [T, hc*H]
+        host_tokens = tokens.cpu()  # the PLE layers hash them on the host: no read-back mid-step
+        streams = self.embed(tokens.to(self.device)).repeat(1, self.config.hc_count)  # [T, hc*H]
         if self.decode_graphs is not None and tokens.shape[0] == 1:
-            streams = self.decode_graphs.run(streams, tokens, state)
+            streams = self.decode_graphs.run(streams, host_tokens, state)
         else:
             for layer in self.layers:
-                streams = layer(streams, tokens, state)
+                streams = layer(streams, host_tokens, state)
         state.position += tokens.shape[0]
         hidden = streams[-1:] if last_only else streams
         return StepOutput(logits=self.logits(hidden), streams=streams)

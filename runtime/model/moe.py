@@ -89,20 +89,33 @@ class SparseMoE(nn.Module):
         """The routed experts through a tiered store: read the ids back in one transfer, run the
         kernels as the store lands the records, then prefetch the predicted next-layer experts
         into the gap that follows (the decode graphs replay everything around this)."""
-        wanted = torch.unique(experts)  # ascending
-        ids = (wanted if predicted is None else torch.cat([wanted, torch.unique(predicted)])).tolist()
-        wanted, upcoming = ids[:wanted.numel()], ids[wanted.numel():]
-        routed = self._routed_from_slots(x, weights, experts, wanted)
+        host_experts = None
+        if x.shape[0] <= PREDICT_MAX_TOKENS:  # a few ids: one read-back, deduplicated on the host
+            ids = torch.cat([experts.flatten(), *([] if predicted is None else [predicted.flatten()])]).tolist()
+            host_experts = ids[:experts.numel()]
+            wanted, upcoming = sorted(set(host_experts)), sorted(set(ids[experts.numel():]))
+        else:
+            wanted = torch.unique(experts)  # ascending
+            ids = (wanted if predicted is None else torch.cat([wanted, torch.unique(predicted)])).tolist()
+            wanted, upcoming = ids[:wanted.numel()], ids[wanted.numel():]
+        routed = self._routed_from_slots(x, weights, experts, wanted, host_experts)
         if upcoming:
             self.slots.prefetch(self.next_moe.layer, upcoming)
         return routed
 
     def _routed_from_slots(
         self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, wanted: list[int],
+        host_experts: list[int] | None = None,
     ) -> torch.Tensor:
+        """`host_experts`: `experts` read back (decode), so the slots can be looked up on the host."""
         out = None
         with closing(self.slots.stream(self.layer, wanted)) as chunks:  # closing releases the last chunk
             for chunk in chunks:
+                if host_experts is not None and len(chunk) == len(wanted):
+                    slot_of = {handle.expert: handle.slot for handle in chunk}
+                    slots = torch.tensor([slot_of[e] for e in host_experts], dtype=torch.int32).view(experts.shape)
+                    out = moe_experts(x, self.slots.bank, slots.to(x.device), weights)
+                    continue
                 lookup = torch.full((self.num_experts,), -1, dtype=torch.int32)
                 lookup[[h.expert for h in chunk]] = torch.tensor([h.slot for h in chunk], dtype=torch.int32)
                 slots = lookup.to(x.device)[experts]  # [T, k], -1: not in this chunk

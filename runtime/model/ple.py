@@ -41,9 +41,9 @@ class NGramHasher:
     def __init__(self, cfg: TextConfig, ple_index: int):
         self.ngram_size, self.per_order, self.eos = cfg.ngram_size, cfg.heads_per_ngram, cfg.eos_token_id
         self.multipliers = cfg.ple_multipliers(ple_index)
-        sizes = cfg.ple_head_vocab_sizes(ple_index)
-        self.vocab_sizes = torch.tensor(sizes, dtype=torch.int64)
-        self.offsets = torch.tensor(cfg.ple_head_offsets(ple_index), dtype=torch.int64)
+        self.head_sizes, self.head_offsets = cfg.ple_head_vocab_sizes(ple_index), cfg.ple_head_offsets(ple_index)
+        self.vocab_sizes = torch.tensor(self.head_sizes, dtype=torch.int64)
+        self.offsets = torch.tensor(self.head_offsets, dtype=torch.int64)
 
     def rows(self, history: torch.Tensor, new: int) -> torch.Tensor:
         """history int64 [ngram_size - 1 + new] (CPU) -> row ids [new, ngram_heads] for the last `new` tokens."""
@@ -57,6 +57,24 @@ class NGramHasher:
             ids = torch.remainder(mixed[:, None], self.vocab_sizes[None, heads])
             blocks.append(ids + self.offsets[None, heads])
         return torch.cat(blocks, dim=-1)[-new:]
+
+    def last_rows(self, history: list[int]) -> list[int]:
+        """`rows` for the last token of `history` alone, in plain Python: a decode step hashes one
+        token, where a dozen tiny tensor ops would cost far more than the arithmetic. The
+        multipliers are below 2^63 / vocab, so the products fit int64 exactly as in `rows`."""
+        last = len(history) - 1
+        shifted = []
+        for shift in range(self.ngram_size):
+            crosses_document = self.eos in history[last - shift:last]
+            shifted.append((self.eos if crosses_document else history[last - shift]) * self.multipliers[shift])
+        ids = []
+        for order in range(2, self.ngram_size + 1):
+            mixed = 0
+            for value in shifted[:order]:
+                mixed ^= value
+            for head in range((order - 2) * self.per_order, (order - 1) * self.per_order):
+                ids.append(mixed % self.head_sizes[head] + self.head_offsets[head])
+        return ids
 
 
 class PLELayer(nn.Module):
@@ -78,8 +96,15 @@ class PLELayer(nn.Module):
         self.norm_conv = RMSNorm(load("norm_conv.weight"), eps, group_size=cfg.hidden_size)
 
     def embed(self, tokens: torch.Tensor, state: PLEState) -> torch.Tensor:
-        """tokens int64 [T] -> concatenated n-gram rows [T, ple_embed_dim]; advances the n-gram context."""
-        history = torch.cat([state.context, tokens.cpu()])
+        """tokens int64 [T] (on the host, or read back) -> concatenated n-gram rows [T, ple_embed_dim];
+        advances the n-gram context."""
+        tokens = tokens.cpu()
+        if tokens.shape[0] == 1:
+            history = state.context.tolist() + tokens.tolist()
+            state.context = torch.tensor(history[1:], dtype=torch.int64)
+            rows = torch.tensor(self.hasher.last_rows(history), dtype=torch.int64)
+            return self.source.ple_rows(self.ple_index, rows).to(device=self.device, dtype=self.dtype).reshape(1, -1)
+        history = torch.cat([state.context, tokens])
         rows = self.hasher.rows(history, tokens.shape[0])  # [T, heads]
         state.context = history[history.shape[0] - state.context.shape[0]:].clone()
         unique, inverse = torch.unique(rows.flatten(), return_inverse=True)

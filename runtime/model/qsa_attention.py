@@ -9,6 +9,14 @@ blocks plus the incomplete tail. Decode therefore reads at most budget + ratio -
 
 Attention itself: q_proj yields per head a query and a same-sized output gate (sigmoid); q/k norms
 per head (zero-centred); partial rotary; KV heads shared by groups of query heads.
+
+Decode has two forms. `attend_cache` (eager) appends at the cache's host-side length and attends
+to exactly the picked keys. `attend_step` (replayed from a CUDA graph, so every shape is fixed
+and the position is a device tensor) writes in place at the position, re-pools the block holding
+it (complete once its last token is in; until then the stale pool is masked), and attends over
+the whole buffer with a mask of the same picked keys. They agree to rounding, and exactly in
+which keys they use, except that where the indexer's k-th and (k+1)-th block scores tie, top-k
+over the padded buffer may keep the other tied block.
 """
 
 from __future__ import annotations
@@ -59,6 +67,32 @@ class BlockIndexer(nn.Module):
         starts = torch.arange(first, complete, device=tokens.device) * self.ratio
         cos, sin = rotary.cos_sin(starts, tokens.dtype)
         cache.append_blocks(apply_rotary(self.k_norm(pooled)[:, None], cos, sin)[:, 0])
+
+    def pool_block_at(self, cache: AttentionCache, position: torch.Tensor, rotary: Rotary) -> None:
+        """Decode graphs: pool, norm and rope the block holding `position` (int64 [1], device)
+        into the block keys, in place; it is final once the block's last token is written."""
+        _, _, index_keys, block_keys = cache.buffers()
+        block = torch.div(position, self.ratio, rounding_mode="floor")
+        start = block * self.ratio
+        tokens = index_keys.index_select(0, start + torch.arange(self.ratio, device=position.device))
+        pooled = tokens.float().mean(dim=0, keepdim=True).to(tokens.dtype)
+        cos, sin = rotary.cos_sin(start, tokens.dtype)
+        block_keys.index_copy_(0, block, apply_rotary(self.k_norm(pooled)[:, None], cos, sin)[:, 0])
+
+    def step_keep(self, query: torch.Tensor, position: torch.Tensor, cache: AttentionCache) -> torch.Tensor:
+        """Decode graphs: query [1, heads, d] at `position` (int64 [1], device) -> bool [capacity],
+        the keys `select_indices` picks (all of 0..position while the blocks fit the budget)."""
+        _, _, _, block_keys = cache.buffers()
+        capacity, device = cache.capacity, query.device
+        complete = torch.div(position + 1, self.ratio, rounding_mode="floor")  # [1]
+        seen = torch.arange(block_keys.shape[0], device=device) < complete
+        scores = self.block_scores(query, block_keys)[0].masked_fill(~seen, float("-inf"))
+        top = scores.topk(min(self.block_topk, block_keys.shape[0])).indices
+        chosen = torch.zeros_like(seen).scatter(0, top, True) & seen
+        chosen = torch.where(complete <= self.block_topk, seen, chosen)
+        tokens = torch.arange(capacity, device=device)
+        in_tail = tokens >= complete * self.ratio
+        return (chosen.repeat_interleave(self.ratio) | in_tail) & (tokens <= position)
 
     def block_scores(self, queries: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
         """queries [T, heads, d], blocks [B, d] -> [T, B] = sum_heads relu(q.k) / sqrt(d), fp32."""
@@ -166,6 +200,28 @@ class QSAAttention(nn.Module):
                 pieces.append(self.attend(q[a:b], cache.keys[:, : start + b], cache.values[:, : start + b], mask))
             out = torch.cat(pieces, dim=1)
         return out.transpose(0, 1).reshape(length, self.heads * self.head_dim)
+
+    def attend_step(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index_q: torch.Tensor, index_k: torch.Tensor,
+        cache: AttentionCache, position: torch.Tensor,
+    ) -> torch.Tensor:
+        """One token at `position` (int64 [1] on the device), fixed shapes for a CUDA graph: write it
+        into the cache in place (the caller reserves room and advances the length) -> [1, heads * hd].
+        The query heads of each KV head attend as a batch of queries to that head alone, so the
+        masked attention needs no GQA support from the kernel."""
+        keys, values, index_keys, _ = cache.buffers()
+        keys.index_copy_(1, position, k.transpose(0, 1))
+        values.index_copy_(1, position, v.transpose(0, 1))
+        index_keys.index_copy_(0, position, index_k)
+        self.indexer.pool_block_at(cache, position, self.rotary)
+        keep = self.indexer.step_keep(index_q, position, cache)
+        grouped = q[0].unflatten(0, (self.kv_heads, -1))[:, None]  # [kv_heads, 1, group, hd]
+        with sdpa_kernel(ATTENTION_BACKENDS):
+            out = F.scaled_dot_product_attention(
+                grouped, keys[:, None], values[:, None], attn_mask=keep[None, None, None, :],
+                scale=self.head_dim ** -0.5,
+            )  # [kv_heads, 1, group, hd]
+        return out.reshape(1, self.heads * self.head_dim)
 
     def output(self, attended: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         """attended [T, heads * hd] gated by sigmoid(gate) -> o_proj -> [T, H]."""

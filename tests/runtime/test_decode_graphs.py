@@ -1,10 +1,12 @@
 """CUDA-graph decode against eager decode on the same engine weights.
 
-On a GPU: replays run the very kernels the eager path issues, so logits must agree to float32
-rounding (rel 1e-6) at every step, with every expert resident and with a tiered store, also after
-a snapshot is restored (restored in place: the graphs stay bound) and for a second sequence (they
-are captured again); the expert source must count the same requests either way. On a CPU: the
-same cut into pieces, each run plainly, must compute exactly what the layers compute.
+On a GPU, in float32, at every step, with every expert resident and with a tiered store, also
+after a snapshot is restored (restored in place: the graphs stay bound) and for a second sequence
+(they are captured again): logits must agree to rel 1e-5 with the layers' pieces replayed as they
+are (graph QSA attends over its whole buffer under a mask, eager over the picked keys: a different
+summation order), and to rel 1e-4 with the pieces compiled (Inductor fuses and reorders the
+reductions); the expert source must count the same requests either way. On a CPU: the same cut
+into pieces, each run plainly, must compute what the layers compute (rel 1e-6).
 """
 
 from __future__ import annotations
@@ -48,17 +50,20 @@ def _store_options(tiny_pack, tiered: bool) -> StoreOptions:
 
 
 @needs_gpu
+@pytest.mark.parametrize("compiled", [False, True], ids=["plain", "compiled"])
 @pytest.mark.parametrize("tiered", [False, True], ids=["resident", "tiered"])
-def test_graph_decode_matches_eager(tiny_pack, tiered):
-    prompt = torch.randint(0, 1000, (20,), generator=torch.Generator().manual_seed(0))
+def test_graph_decode_matches_eager(tiny_pack, tiered, compiled):
+    prompt = torch.randint(0, 1000, (30,), generator=torch.Generator().manual_seed(0))
     options = _store_options(tiny_pack, tiered)
     eager = load_engine(tiny_pack, "cuda", dtype="float32", store=options, cuda_graphs=False)
-    graphed = load_engine(tiny_pack, "cuda", dtype="float32", store=options)
+    graphed = load_engine(tiny_pack, "cuda", dtype="float32", store=options, compile_layers=compiled)
     assert graphed.model.decode_graphs is not None and eager.model.decode_graphs is None
+    tolerance = 1e-4 if compiled else 1e-5
     for _ in range(2):  # a second sequence: new state buffers, graphs captured again
-        expected, got = _decode(eager, prompt, 8, restore_at=4), _decode(graphed, prompt, 8, restore_at=4)
+        # 40 steps: past the indexer's budget, and the attention caches grow (graphs captured again)
+        expected, got = _decode(eager, prompt, 40, restore_at=30), _decode(graphed, prompt, 40, restore_at=30)
         for step, (a, b) in enumerate(zip(got, expected)):
-            assert float((a - b).norm() / b.norm()) < TOLERANCE, f"step {step}"
+            assert float((a - b).norm() / b.norm()) < tolerance, f"step {step}"
     assert graphed.store.stats.total().requests == eager.store.stats.total().requests
 
 
@@ -66,7 +71,7 @@ def test_graph_decode_matches_eager(tiny_pack, tiered):
 def test_graph_control_a_changed_weight_shows(tiny_pack):
     """Replays must read live weights: scaling one layer's router after capture changes the logits."""
     prompt = torch.randint(0, 1000, (20,), generator=torch.Generator().manual_seed(1))
-    graphed = load_engine(tiny_pack, "cuda", dtype="float32", store=StoreOptions())
+    graphed = load_engine(tiny_pack, "cuda", dtype="float32", store=StoreOptions(), compile_layers=False)
     before = _decode(graphed, prompt, 4)
     graphed.model.layers[0].moe.shared_down_proj.weight.mul_(3.0)
     after = _decode(graphed, prompt, 4)
@@ -118,8 +123,8 @@ def test_tiered_pieces_compose_to_the_layers_on_cpu(tiny_pack):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU test above covers the captured pieces")
 def test_pieces_compose_to_the_layers_on_cpu(tiny_pack):
-    """How decode is cut into graph pieces (mix + DeltaNet + feed-forward; mix + QSA projections /
-    eager cache attention / output + feed-forward) must compute exactly what the layers do."""
+    """How decode is cut into graph pieces (every layer in one piece: QSA attending over its
+    whole buffer under a mask) must compute what the layers do, past the indexer's budget."""
     from flashpack.layout.pack import Pack
     from flashpack.runtime.model import Qwen4ExpModel
     from flashpack.runtime.model.decode_graphs import DecodeGraphs

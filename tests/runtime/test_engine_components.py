@@ -7,7 +7,7 @@ import torch
 from reference_model import EOS, prompts, rel_err
 from transformers.models.qwen4_exp import modeling_qwen4_exp as hf
 
-from flashpack.runtime.model.deltanet import chunk_gated_delta_rule, recurrent_gated_delta_rule
+from flashpack.runtime.model.delta_rule import chunk_gated_delta_rule, recurrent_gated_delta_rule
 from flashpack.runtime.state import AttentionCache
 
 
@@ -49,6 +49,21 @@ def test_ngram_rows_match_transformers_across_eos_and_steps(bench, engine):
     actual = torch.cat([mine.embed(torch.tensor(tokens[a:b]), state) for a, b in zip(cuts, cuts[1:])])
     assert torch.equal(actual, expected)
     assert state.context.tolist() == tokens[-(cfg.ngram_size - 1):]
+
+
+def test_one_token_hash_equals_the_tensor_hash_at_full_size():
+    """Decode hashes one token in plain Python ints; with the full preset's multipliers (up to
+    2^63 / vocab) and ids near the vocabulary's top it must equal the int64 tensor form."""
+    from flashpack.convert.synth.presets import SynthOptions, resolve_plan
+    from flashpack.runtime.model.ple import NGramHasher
+
+    cfg = resolve_plan(SynthOptions("full")).cfg
+    hasher = NGramHasher(cfg, 0)
+    gen = torch.Generator().manual_seed(4)
+    histories = torch.randint(cfg.vocab_size - 64, cfg.vocab_size, (200, cfg.ngram_size), generator=gen)
+    histories[torch.rand(histories.shape, generator=gen) < 0.2] = cfg.eos_token_id
+    for history in histories:
+        assert hasher.last_rows(history.tolist()) == hasher.rows(history, 1)[0].tolist()
 
 
 def test_indexer_selection_equals_transformers_mask(bench, engine):

@@ -21,6 +21,12 @@ class _State:
     last: int = 0
     steps: int = 0
 
+    def restore(self, other: "_State") -> None:  # the Generator resets one state per request
+        self.position, self.last, self.steps = other.position, other.last, other.steps
+
+    def reserve(self, tokens: int) -> None:
+        pass
+
 
 @dataclass
 class FakeModel:

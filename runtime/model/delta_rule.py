@@ -1,0 +1,124 @@
+"""The gated delta rule: the recurrence at the heart of Gated DeltaNet, plain and on GPU kernels.
+
+Per value head, with q and k l2-normalised and q scaled by 1/sqrt(Dk), for each token t:
+
+    S = exp(g_t) * S                              decay (g_t <= 0)
+    S = S + k_t (beta_t * (v_t - S^T k_t))^T      delta-rule write
+    o_t = S^T q_t
+
+`recurrent_gated_delta_rule` runs that loop (decode); `chunk_gated_delta_rule` computes the same
+thing a chunk at a time with a triangular solve (prompts). Both are plain fp32 torch and are the
+reference. On CUDA `gated_delta_rule` takes flash-linear-attention's Triton kernels instead
+(package fla-core, the `cuda` extra): they are the kernels transformers' own qwen4_exp calls when
+they are installed, a well-kept library rather than kernels of ours. They do not run in Triton's
+CPU interpreter, so they are checked against the plain forms on a GPU only
+(tests/runtime/test_delta_rule.py).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from flashpack.runtime.kernels import use_triton
+
+
+def fla_available() -> bool:
+    return importlib.util.find_spec("fla") is not None
+
+
+def gated_delta_rule(q, k, v, g, beta, state: torch.Tensor, backend: str = "auto"):
+    """q, k [T, Hk, Dk], each head serving Hv / Hk consecutive value heads; v [T, Hv, Dv]; g, beta
+    [T, Hv] fp32; state [Hv, Dk, Dv] fp32. Returns (out [T, Hv, Dv], new state fp32); `state` itself
+    is left as it was. backend: "auto" (fla on CUDA when installed), "triton" (fla), "reference"."""
+    return gated_delta_rule_for(q.device, backend)(q, k, v, g, beta, state)
+
+
+def gated_delta_rule_for(device: torch.device | str, backend: str = "auto") -> Callable:
+    """`gated_delta_rule`'s implementation for tensors on `device`, picked once (a layer keeps it)."""
+    if use_triton(device, backend) and (backend == "triton" or fla_available()):
+        return fla_gated_delta_rule
+    return plain_gated_delta_rule
+
+
+def plain_gated_delta_rule(q, k, v, g, beta, state: torch.Tensor):
+    groups = v.shape[1] // q.shape[1]
+    if groups > 1:
+        q, k = q.repeat_interleave(groups, dim=1), k.repeat_interleave(groups, dim=1)
+    rule = recurrent_gated_delta_rule if q.shape[0] == 1 else chunk_gated_delta_rule
+    return rule(q, k, v, g, beta, state)
+
+
+@torch.compiler.disable  # Triton kernels of their own: compiled decode steps call them as they are
+def fla_gated_delta_rule(q, k, v, g, beta, state: torch.Tensor):
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_chunk
+    from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule as fla_recurrent
+
+    # One-token steps go to the recurrent kernel (one launch); prompts to the chunked one.
+    rule = fla_recurrent if q.shape[0] == 1 else fla_chunk
+    out, final = rule(
+        q[None], k[None], v[None], g[None].float(), beta[None].to(v.dtype), scale=q.shape[-1] ** -0.5,
+        initial_state=state[None], output_final_state=True, use_qk_l2norm_in_kernel=True,
+    )
+    return out[0], final[0]
+
+
+def _prepare(q, k, v, g, beta):
+    """[T, heads, D] inputs -> fp32 [heads, T, ...] with q, k l2-normalised and q scaled."""
+    q, k, v, g, beta = (x.transpose(0, 1).float() for x in (q, k, v, g, beta))
+    q = q * torch.rsqrt((q * q).sum(-1, keepdim=True) + 1e-6)
+    k = k * torch.rsqrt((k * k).sum(-1, keepdim=True) + 1e-6)
+    return q * q.shape[-1] ** -0.5, k, v, g, beta
+
+
+def recurrent_gated_delta_rule(q, k, v, g, beta, state: torch.Tensor):
+    """q, k [T, Hv, Dk]; v [T, Hv, Dv]; g, beta [T, Hv]; state [Hv, Dk, Dv] fp32.
+
+    Returns (out [T, Hv, Dv] fp32, new state)."""
+    q, k, v, g, beta = _prepare(q, k, v, g, beta)
+    out = torch.empty_like(v)
+    for t in range(q.shape[1]):
+        state = state * g[:, t].exp()[:, None, None]
+        predicted = (state * k[:, t, :, None]).sum(dim=-2)  # S^T k  [Hv, Dv]
+        delta = (v[:, t] - predicted) * beta[:, t, None]
+        state = state + k[:, t, :, None] * delta[:, None, :]
+        out[:, t] = (state * q[:, t, :, None]).sum(dim=-2)
+    return out.transpose(0, 1), state
+
+
+def chunk_gated_delta_rule(q, k, v, g, beta, state: torch.Tensor, chunk: int = 64):
+    """Same contract as `recurrent_gated_delta_rule`, `chunk` tokens per step of the scan.
+
+    Within a chunk (G = cumulative g, decay(i, j) = exp(G_i - G_j)), the values actually written,
+    U, solve (I + A) U = beta * (V - exp(G) K S0) with A[i, j] = beta_i decay(i, j) k_i.k_j for j < i.
+    """
+    q, k, v, g, beta = _prepare(q, k, v, g, beta)
+    length = q.shape[1]
+    pad = (-length) % chunk
+    q, k, v = (F.pad(x, (0, 0, 0, pad)).unflatten(1, (-1, chunk)) for x in (q, k, v))  # [Hv, N, C, D]
+    g, beta = (F.pad(x, (0, pad)).unflatten(1, (-1, chunk)) for x in (g, beta))  # [Hv, N, C]
+
+    G = g.cumsum(-1)
+    upper = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).triu(1)
+    decay = (G[..., :, None] - G[..., None, :]).masked_fill(upper, float("-inf")).exp()  # [Hv, N, C, C]
+    system = (beta[..., None] * (k @ k.transpose(-1, -2)) * decay).tril(-1)
+    system = system + torch.eye(chunk, dtype=q.dtype, device=q.device)
+    u_values = torch.linalg.solve_triangular(system, beta[..., None] * v, upper=False, unitriangular=True)
+    u_state = torch.linalg.solve_triangular(
+        system, beta[..., None] * G.exp()[..., None] * k, upper=False, unitriangular=True
+    )
+    scores = (q @ k.transpose(-1, -2)) * decay  # causal within the chunk, diagonal included
+    q_decayed = q * G.exp()[..., None]
+    k_to_end = k * (G[..., -1:] - G).exp()[..., None]
+    chunk_decay = G[..., -1].exp()  # [Hv, N]
+
+    out = torch.empty_like(v)
+    for n in range(q.shape[1]):
+        u = u_values[:, n] - u_state[:, n] @ state  # [Hv, C, Dv]
+        out[:, n] = q_decayed[:, n] @ state + scores[:, n] @ u
+        state = state * chunk_decay[:, n, None, None] + k_to_end[:, n].transpose(-1, -2) @ u
+    out = out.flatten(1, 2)[:, :length]
+    return out.transpose(0, 1), state

@@ -22,8 +22,8 @@ build=$!
 if has tests; then
   timeout 240 python3 -m pytest tests/kernels tests/runtime/test_engine_slots.py tests/runtime/test_decode_graphs.py \
     tests/runtime/test_delta_rule.py tests/runtime/test_dense_fp8.py tests/store/test_store_stream.py \
-    tests/store/test_store_fetch.py -q -x \
-    -p no:cacheprovider 2>&1 | tail -4 | tee $OUT/tests.log
+    tests/store/test_store_fetch.py -q --tb=short \
+    -p no:cacheprovider 2>&1 | tail -60 | tee $OUT/tests.log
 fi
 wait $build; cat $OUT/gpu.txt; [ -f $W/full.pack/manifest.json ] || exit 1
 bench() {  # name, vram, ram, extra args (PACK=full-fp8 for the --dense-fp8 pack)

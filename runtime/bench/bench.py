@@ -32,7 +32,7 @@ from flashpack.runtime.bench.emulate import (
 from flashpack.runtime.bench.machine import machine_info
 from flashpack.runtime.bench.report import BENCH_VERSION, notes, write_report
 from flashpack.runtime.bench.roofline import phase_traffic, roofline
-from flashpack.runtime.bench.run import WARMUP_PROMPT, run_engine
+from flashpack.runtime.bench.run import run_engine
 from flashpack.runtime.bench.sizes import baseline_fixed_bytes, model_sizes
 from flashpack.runtime.bench.workload import prompt_ids
 from flashpack.runtime.loader import (
@@ -119,7 +119,7 @@ def run_bench(
         tokenizer = engine.tokenizer.tokenizer
         eos = cfg.eos_token_id if cfg.eos_token_id is not None and cfg.eos_token_id >= 0 else None
         prompt = prompt_ids(tokenizer, cfg.vocab_size, prompt_len, seed, eos)
-        warmup = prompt_ids(tokenizer, cfg.vocab_size, min(WARMUP_PROMPT, prompt_len), seed + 1, eos)
+        warmup = prompt_ids(tokenizer, cfg.vocab_size, prompt_len, seed + 1, eos)
         expert_files = sorted({r.file for r in manifest.expert_records()})
         ceilings = measure_ceilings(
             torch_device, engine.pack.root, expert_files,

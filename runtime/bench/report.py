@@ -15,8 +15,9 @@ def notes(layers: int, target: int, baseline_layers: int | None, scale_formula: 
          "prefill tok/s = prompt tokens / TTFT."),
         ("decode: greedy steps after the first token, one token per forward; tok/s = steps / their total time; "
          "every clock read follows a device synchronize."),
-        ("warm-up (untimed): a 16-token prompt of other ids and 2 decode steps, so kernels are loaded and the "
-         "store's caches are as warm as a running server's; with --hot-set the store was pre-warmed too."),
+        ("warm-up (untimed): a prompt of other ids of the same length and 2 decode steps, so kernels are compiled "
+         "for the prompt's shapes, the decode graphs captured and the store's caches as warm as a running server's; "
+         "with --hot-set the store was pre-warmed too."),
         ("store traffic (results.*.store) is the store's own counters over the phase, slot-sized (record_stride); "
          "hit rates: device = device hits / requests, host = host hits / device misses, disk = disk reads / requests."),
         ("roofline: per tier, bytes / measured bandwidth; the bound is the slowest tier; device bytes = dense weights "

@@ -3,8 +3,9 @@ counters taken apart per phase.
 
 The engine's step function is called directly (`model.forward(tokens, state, last_only=True)`), so
 no tokenizer or sampler work is timed; the first token is the argmax of the prefill's logits and
-each decode step feeds the previous argmax. A warm-up (a short prompt of other ids, two decode
-steps) runs first, untimed: it loads kernels, captures the decode graphs and leaves the store's
+each decode step feeds the previous argmax. A warm-up (a prompt of other ids of the same length, so
+every kernel the timed prompt needs is compiled for its shapes, and two decode steps) runs first,
+untimed: it loads kernels, captures the decode graphs and leaves the store's
 caches as a server would have them, partly warm. Every run uses one sequence state, reset in place
 and with room reserved for the longest run, so the graphs captured in the warm-up are replayed. Every clock read is preceded by a device synchronize. With several repeats,
 each starts a fresh sequence on the same (warmer) store; times are the medians, store traffic the
@@ -23,7 +24,6 @@ from tqdm import tqdm
 from flashpack.runtime.bench.clock import median_seconds, synchronize
 from flashpack.runtime.bench.phases import difference, phase_summary, snapshot
 
-WARMUP_PROMPT = 64  # past the decode kernels (16 tokens): the prefill kernels compile in the warm-up, not in TTFT
 WARMUP_DECODE = 2
 
 

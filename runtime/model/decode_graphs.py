@@ -85,17 +85,17 @@ def layer_front(layer: DecoderLayer, streams, position, ple_rows, ple_state, mix
 def resident_feed_forward(layer: DecoderLayer, streams, slot_row, bank):
     """The MoE block with every expert resident: `slot_row` [num_experts] maps ids to bank rows."""
     x, inject = layer.mlp_hc.mix(streams)
-    weights, experts = layer.moe.route(x)
+    weights, experts, shared = layer.moe.gate(x)
     routed = moe_experts(x, bank, slot_row[experts], weights)
-    return layer.mlp_hc.combine(streams, routed + layer.moe.shared(x), inject)
+    return layer.mlp_hc.combine(streams, routed + shared, inject)
 
 
 def tiered_route(layer: DecoderLayer, streams):
     """Up to the routed experts: (MoE input, its inject, routing weights, expert ids, shared expert
     output, next layer's predicted ids or None)."""
     x, inject = layer.mlp_hc.mix(streams)
-    weights, experts = layer.moe.route(x)
-    return x, inject, weights, experts, layer.moe.shared(x), layer.moe.predict_next(x)
+    weights, experts, shared = layer.moe.gate(x)
+    return x, inject, weights, experts, shared, layer.moe.predict_next(x)
 
 
 def expert_combine(layer: DecoderLayer, streams, expert_output, inject):

@@ -14,7 +14,7 @@ from torch import nn
 
 from flashpack.layout.model_config import TextConfig
 from flashpack.runtime.model.delta_rule import gated_delta_rule_for
-from flashpack.runtime.model.linear import DenseLinear
+from flashpack.runtime.model.linear import DenseLinear, StackedLinear
 from flashpack.runtime.model.norms import GatedRMSNorm, activation
 from flashpack.runtime.state import DeltaNetState
 from flashpack.runtime.weights import WeightSource, load_dense
@@ -29,10 +29,9 @@ class GatedDeltaNet(nn.Module):
         self.act = activation(cfg.hidden_act)
         self.delta_rule = gated_delta_rule_for(device)
         load = lambda name: load_dense(source, prefix + name, dtype, device)  # noqa: E731
-        self.in_proj_qkv = DenseLinear(source, prefix + "in_proj_qkv.weight", dtype, device)  # [2Kd + Vd, H]
-        self.in_proj_z = DenseLinear(source, prefix + "in_proj_z.weight", dtype, device)  # [Vd, H]
-        self.register_buffer("in_proj_b", load("in_proj_b.weight"), persistent=False)  # [Hv, H]
-        self.register_buffer("in_proj_a", load("in_proj_a.weight"), persistent=False)  # [Hv, H]
+        # qkv [2Kd + Vd, H], z [Vd, H], b and a [Hv, H]: one stacked projection of x
+        projections = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")
+        self.in_proj = StackedLinear(source, [f"{prefix}{name}.weight" for name in projections], dtype, device)
         self.register_buffer("conv_weight", load("conv1d.weight"), persistent=False)  # [2Kd + Vd, 1, K]
         self.register_buffer("A_log", load("A_log"), persistent=False)
         self.register_buffer("dt_bias", load("dt_bias"), persistent=False)
@@ -42,17 +41,18 @@ class GatedDeltaNet(nn.Module):
     def forward(self, x: torch.Tensor, state: DeltaNetState) -> torch.Tensor:
         """x [T, H] -> [T, H]; advances `state` (conv tail, recurrent state) by T tokens."""
         length = x.shape[0]
-        qkv = self.causal_conv(self.in_proj_qkv(x), state)
+        qkv, z, b, a = self.in_proj(x)
+        qkv = self.causal_conv(qkv, state)
         q, k, v = torch.split(qkv, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
         q = q.reshape(length, self.key_heads, self.key_head_dim)
         k = k.reshape(length, self.key_heads, self.key_head_dim)
         v = v.reshape(length, self.value_heads, self.value_head_dim)
-        beta = torch.sigmoid(F.linear(x, self.in_proj_b))
-        g = -self.A_log.float().exp() * F.softplus(F.linear(x, self.in_proj_a).float() + self.dt_bias)
+        beta = torch.sigmoid(b)
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
 
         out, recurrent = self.delta_rule(q, k, v, g, beta, state.recurrent)
         state.recurrent.copy_(recurrent)  # in place: a captured CUDA graph keeps reading this buffer
-        z = self.in_proj_z(x).reshape(length, self.value_heads, self.value_head_dim)
+        z = z.reshape(length, self.value_heads, self.value_head_dim)
         out = self.norm(out.to(x.dtype), z).reshape(length, self.value_dim)
         return self.out_proj(out)
 

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from flashpack.layout.model_config import TextConfig
+from flashpack.runtime.model.linear import StackedLinear
 from flashpack.runtime.model.norms import RMSNorm
 from flashpack.runtime.weights import WeightSource, load_dense
 
@@ -31,20 +32,23 @@ class GatedResidual(nn.Module):
         self.hc, self.hidden = cfg.hc_count, cfg.hidden_size
         load = lambda name: load_dense(source, prefix + name, dtype, device)  # noqa: E731
         self.norm = RMSNorm(load("hc_norm.weight"), cfg.rms_norm_eps, group_size=cfg.hidden_size)
-        self.register_buffer("mix_down", load("input_mix_weight_down.weight"), persistent=False)  # [R, hc*H]
+        # The low-rank mix's down projection [R, hc*H] and the injection weights [hc, hc*H] both read
+        # the normalised streams: one stacked projection.
+        names = ["input_mix_weight_down.weight"] + (["block_inject_weight.weight"] if inject else [])
+        self.in_proj = StackedLinear(source, [prefix + name for name in names], dtype, device)
         self.register_buffer("mix_up", load("input_mix_weight_up.weight"), persistent=False)  # [hc*H, R]
-        inject_weight = load("block_inject_weight.weight") if inject else None  # [hc, hc*H]
-        self.register_buffer("inject_weight", inject_weight, persistent=False)
+        self.inject = inject
 
     def mix(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """streams [T, hc*H] -> block input [T, H], injection weights [T, hc] (None for a final mixer)."""
         normed = self.norm(streams)
-        gate = F.silu(F.linear(normed, self.mix_down) / self.hc)
+        down, *inject = self.in_proj(normed)
+        gate = F.silu(down / self.hc)
         gate = torch.sigmoid(F.linear(gate, self.mix_up)).unflatten(-1, (self.hc, self.hidden))
         block_input = (gate * normed.unflatten(-1, (self.hc, self.hidden))).mean(dim=-2)
-        if self.inject_weight is None:
+        if not self.inject:
             return block_input, None
-        return block_input, 2 * torch.sigmoid(F.linear(normed, self.inject_weight) / self.hc)
+        return block_input, 2 * torch.sigmoid(inject[0] / self.hc)
 
     def combine(
         self, streams: torch.Tensor, block_output: torch.Tensor, inject: torch.Tensor | None

@@ -1,12 +1,18 @@
-"""`DenseLinear`: one dense projection, kept on the device the way the pack stores it.
+"""Dense projections, kept on the device the way the pack stores them.
 
 A BF16-stored weight (cast to the engine dtype) runs `F.linear`. A weight stored as FP8 rows with a
 float32 scale per row (`flashpack convert --dense-fp8`) stays FP8 in memory, half the bytes every
 decode step reads and half the VRAM the dense part takes, and runs `fp8_linear` (the Triton kernels
 on CUDA, the plain reference elsewhere): x @ (values * row_scale)^T accumulated in float32.
+
+`StackedLinear` runs several projections of the same input as one: their weights are stacked by
+rows (one stack per storage form), so a decode step reads them in one matrix-vector product
+instead of one small, latency-bound launch each. `DenseLinear` is a stack of one.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -16,19 +22,42 @@ from flashpack.runtime.kernels import fp8_linear
 from flashpack.runtime.weights import WeightSource, load_dense
 
 
-class DenseLinear(nn.Module):
-    def __init__(self, source: WeightSource, name: str, dtype: torch.dtype, device: torch.device | str):
+class StackedLinear(nn.Module):
+    def __init__(self, source: WeightSource, names: Sequence[str], dtype: torch.dtype, device: torch.device | str):
         super().__init__()
-        stored = source.dense_fp8(name) if hasattr(source, "dense_fp8") else None
-        if stored is None:
-            self.register_buffer("weight", load_dense(source, name, dtype, device), persistent=False)
-            self.register_buffer("values", None)
-            self.register_buffer("row_scale", None)
-        else:
-            values, row_scale = stored
-            self.register_buffer("weight", None)
-            self.register_buffer("values", values.to(device).contiguous(), persistent=False)  # fp8 [out, in]
-            self.register_buffer("row_scale", row_scale.to(device, torch.float32).contiguous(), persistent=False)
+        stored = [source.dense_fp8(name) if hasattr(source, "dense_fp8") else None for name in names]
+        plain = [load_dense(source, name, dtype, device) for name, fp8 in zip(names, stored) if fp8 is None]
+        fp8 = [fp8 for fp8 in stored if fp8 is not None]
+        self.is_fp8 = [fp8 is not None for fp8 in stored]
+        self.plain_rows = [w.shape[0] for w in plain]
+        self.fp8_rows = [values.shape[0] for values, _ in fp8]
+        self.register_buffer("weight", torch.cat(plain) if plain else None, persistent=False)
+        values = torch.cat([v for v, _ in fp8]).to(device) if fp8 else None
+        scales = torch.cat([s for _, s in fp8]).to(device, torch.float32) if fp8 else None
+        self.register_buffer("values", values, persistent=False)  # fp8 [out, in]
+        self.register_buffer("row_scale", scales, persistent=False)
+
+    def part(self, x: torch.Tensor, index: int) -> torch.Tensor:
+        """Projection `index` of `names` alone (its rows of the stack)."""
+        is_fp8 = self.is_fp8[index]
+        rows = self.fp8_rows if is_fp8 else self.plain_rows
+        position = sum(1 for earlier in self.is_fp8[:index] if earlier == is_fp8)
+        start, count = sum(rows[:position]), rows[position]
+        if is_fp8:
+            return fp8_linear(x, self.values[start:start + count], self.row_scale[start:start + count])
+        return F.linear(x, self.weight[start:start + count])
+
+    def forward(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """x [..., in] -> each projection's output, in the order of `names`."""
+        plain = iter(F.linear(x, self.weight).split(self.plain_rows, -1) if self.weight is not None else ())
+        fp8 = iter(fp8_linear(x, self.values, self.row_scale).split(self.fp8_rows, -1) if self.values is not None
+                   else ())
+        return [next(fp8) if is_fp8 else next(plain) for is_fp8 in self.is_fp8]
+
+
+class DenseLinear(StackedLinear):
+    def __init__(self, source: WeightSource, name: str, dtype: torch.dtype, device: torch.device | str):
+        super().__init__(source, [name], dtype, device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.weight is not None:

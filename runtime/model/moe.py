@@ -24,9 +24,9 @@ from torch import nn
 from flashpack.layout.model_config import TextConfig
 from flashpack.runtime.experts import ExpertFetcher, ExpertSlots, ResidentSlots
 from flashpack.runtime.kernels import moe_experts
-from flashpack.runtime.model.linear import DenseLinear
+from flashpack.runtime.model.linear import DenseLinear, StackedLinear
 from flashpack.runtime.model.norms import activation
-from flashpack.runtime.weights import WeightSource, load_dense
+from flashpack.runtime.weights import WeightSource
 
 PREDICT_MAX_TOKENS = 4  # decode and speculative verification; a prompt fetches every expert anyway
 
@@ -43,16 +43,25 @@ class SparseMoE(nn.Module):
         self.next_moe: SparseMoE | None = None  # whose experts to prefetch (set by the model)
         self.num_experts, self.top_k, self.renormalise = cfg.num_experts, cfg.num_experts_per_tok, cfg.norm_topk_prob
         self.act = activation(cfg.hidden_act)
-        load = lambda name: load_dense(source, prefix + name, dtype, device)  # noqa: E731
-        self.register_buffer("router", load("gate.weight"), persistent=False)  # [E, H]
-        self.shared_gate_proj = DenseLinear(source, prefix + "shared_expert.gate_proj.weight", dtype, device)
-        self.shared_up_proj = DenseLinear(source, prefix + "shared_expert.up_proj.weight", dtype, device)
+        # The router [E, H], the shared expert's gate and up [I, H] and its gate [1, H]: one stacked
+        # projection of the block input (the router also runs alone, to predict from a layer before).
+        names = ("gate.weight", "shared_expert.gate_proj.weight", "shared_expert.up_proj.weight",
+                 "shared_expert_gate.weight")
+        self.in_proj = StackedLinear(source, [prefix + name for name in names], dtype, device)
         self.shared_down_proj = DenseLinear(source, prefix + "shared_expert.down_proj.weight", dtype, device)
-        self.register_buffer("shared_expert_gate", load("shared_expert_gate.weight"), persistent=False)  # [1, H]
+
+    def gate(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [T, H] -> (routing weights [T, k], expert ids [T, k], shared expert output [T, H])."""
+        logits, gate, up, shared_gate = self.in_proj(x)
+        weights, experts = self._top_k(logits)
+        shared = torch.sigmoid(shared_gate) * self.shared_down_proj(self.act(gate) * up)
+        return weights, experts, shared
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, H] -> (weights [T, k] in x's dtype, expert ids [T, k])."""
-        logits = F.linear(x, self.router)
+        return self._top_k(self.in_proj.part(x, 0))
+
+    def _top_k(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
         weights, experts = torch.topk(probs, self.top_k, dim=-1)
         if self.renormalise:
@@ -61,21 +70,14 @@ class SparseMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, H] -> [T, H]."""
-        weights, experts = self.route(x)
-        if self.slots is None:
-            routed = self._routed_dequantised(x, weights, experts)
-            return routed + self.shared(x)
+        weights, experts, shared = self.gate(x)  # the shared expert is enqueued before the host
+        if self.slots is None:                   # blocks on copies: it runs meanwhile
+            return self._routed_dequantised(x, weights, experts) + shared
         if self.resident is not None:
             self.resident.record_use(self.layer, experts)
             slots = self.resident.slot_table[self.layer][experts]
-            return moe_experts(x, self.resident.bank, slots, weights) + self.shared(x)
-        predicted = self.predict_next(x)
-        shared = self.shared(x)  # enqueued before the host blocks on copies: it runs meanwhile
-        return self.routed_from_store(x, weights, experts, predicted) + shared
-
-    def shared(self, x: torch.Tensor) -> torch.Tensor:
-        hidden = self.act(self.shared_gate_proj(x)) * self.shared_up_proj(x)
-        return torch.sigmoid(F.linear(x, self.shared_expert_gate)) * self.shared_down_proj(hidden)
+            return moe_experts(x, self.resident.bank, slots, weights) + shared
+        return self.routed_from_store(x, weights, experts, self.predict_next(x)) + shared
 
     def predict_next(self, x: torch.Tensor) -> torch.Tensor | None:
         """In decode, the experts the next layer's router picks from this layer's input [T, k]."""

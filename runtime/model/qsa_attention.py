@@ -29,7 +29,7 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from flashpack.layout.model_config import TextConfig
-from flashpack.runtime.model.linear import DenseLinear
+from flashpack.runtime.model.linear import DenseLinear, StackedLinear
 from flashpack.runtime.model.norms import RMSNorm
 from flashpack.runtime.model.rope import Rotary, apply_rotary
 from flashpack.runtime.state import AttentionCache
@@ -47,13 +47,13 @@ class BlockIndexer(nn.Module):
         self.heads, self.dim = cfg.indexer_n_heads, cfg.indexer_head_dim
         self.ratio, self.block_topk = cfg.indexer_compress_ratio, cfg.indexer_budget // cfg.indexer_compress_ratio
         load = lambda name: load_dense(source, prefix + name, dtype, device)  # noqa: E731
-        self.register_buffer("qk_proj", load("index_qk_proj.weight"), persistent=False)  # [(heads + 1) * d, H]
         self.q_norm = RMSNorm(load("q_layernorm.weight"), cfg.rms_norm_eps)
         self.k_norm = RMSNorm(load("k_layernorm.weight"), cfg.rms_norm_eps)
 
-    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [T, H] -> queries [T, heads, d] (normed, roped), raw keys [T, d]."""
-        q, keys = F.linear(x, self.qk_proj).split([self.heads * self.dim, self.dim], dim=-1)
+    def project(self, qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """qk [T, (heads + 1) * d] (x through index_qk_proj, stacked with the attention's own
+        projections) -> queries [T, heads, d] (normed, roped), raw keys [T, d]."""
+        q, keys = qk.split([self.heads * self.dim, self.dim], dim=-1)
         q = apply_rotary(self.q_norm(q.unflatten(-1, (self.heads, self.dim))), cos, sin)
         return q, keys
 
@@ -151,9 +151,9 @@ class QSAAttention(nn.Module):
         self.rotary = rotary
         load = lambda name: load_dense(source, prefix + name, dtype, device)  # noqa: E731
         project = lambda name: DenseLinear(source, prefix + name, dtype, device)  # noqa: E731
-        self.q_proj = project("q_proj.weight")  # [heads * 2 * hd, H]
-        self.k_proj = project("k_proj.weight")  # [kv_heads * hd, H]
-        self.v_proj = project("v_proj.weight")
+        # q [heads * 2 * hd, H], k and v [kv_heads * hd, H], the indexer's [(heads_i + 1) * d, H]
+        names = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "indexer.index_qk_proj.weight")
+        self.in_proj = StackedLinear(source, [prefix + name for name in names], dtype, device)
         self.o_proj = project("o_proj.weight")  # [H, heads * hd]
         self.q_norm = RMSNorm(load("q_norm.weight"), cfg.rms_norm_eps)
         self.k_norm = RMSNorm(load("k_norm.weight"), cfg.rms_norm_eps)
@@ -171,11 +171,12 @@ class QSAAttention(nn.Module):
         v [T, kv_heads, hd], the indexer's queries [T, heads_i, d] and raw keys [T, d]."""
         length = x.shape[0]
         cos, sin = self.rotary.cos_sin(positions, x.dtype)
-        q, gate = self.q_proj(x).view(length, self.heads, 2 * self.head_dim).chunk(2, dim=-1)
+        q, k, v, index_qk = self.in_proj(x)
+        q, gate = q.view(length, self.heads, 2 * self.head_dim).chunk(2, dim=-1)
         q = apply_rotary(self.q_norm(q), cos, sin)
-        k = apply_rotary(self.k_norm(self.k_proj(x).view(length, self.kv_heads, self.head_dim)), cos, sin)
-        v = self.v_proj(x).view(length, self.kv_heads, self.head_dim)
-        index_q, index_k = self.indexer.project(x, cos, sin)
+        k = apply_rotary(self.k_norm(k.view(length, self.kv_heads, self.head_dim)), cos, sin)
+        v = v.view(length, self.kv_heads, self.head_dim)
+        index_q, index_k = self.indexer.project(index_qk, cos, sin)
         return q, gate.reshape(length, self.heads * self.head_dim), k, v, index_q, index_k
 
     def attend_cache(

@@ -62,8 +62,8 @@ def test_graph_decode_matches_eager(tiny_pack, tiered, compiled):
     for _ in range(2):  # a second sequence: new state buffers, graphs captured again
         # 40 steps: past the indexer's budget, and the attention caches grow (graphs captured again)
         expected, got = _decode(eager, prompt, 40, restore_at=30), _decode(graphed, prompt, 40, restore_at=30)
-        for step, (a, b) in enumerate(zip(got, expected)):
-            assert float((a - b).norm() / b.norm()) < tolerance, f"step {step}"
+        errors = [float((a - b).norm() / b.norm()) for a, b in zip(got, expected)]
+        assert max(errors) < tolerance, f"worst step {errors.index(max(errors))}: {errors}"
     assert graphed.store.stats.total().requests == eager.store.stats.total().requests
 
 

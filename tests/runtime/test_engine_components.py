@@ -83,7 +83,7 @@ def test_indexer_selection_equals_transformers_mask(bench, engine):
     cache = AttentionCache(cfg.num_key_value_heads, cfg.head_dim, cfg.indexer_head_dim,
                            cfg.indexer_compress_ratio, torch.float32, "cpu", capacity=8)
     rope_cos, rope_sin = mine.rotary.cos_sin(torch.arange(length), torch.float32)
-    queries, keys = mine.indexer.project(x, rope_cos, rope_sin)
+    queries, keys = mine.indexer.project(mine.in_proj.part(x, 3), rope_cos, rope_sin)
     cache.append(torch.zeros(cfg.num_key_value_heads, length, cfg.head_dim),
                  torch.zeros(cfg.num_key_value_heads, length, cfg.head_dim), keys)
     mine.indexer.pool_new_blocks(cache, mine.rotary)
@@ -94,6 +94,9 @@ def test_indexer_selection_equals_transformers_mask(bench, engine):
         picked = mine.indexer.select_indices(queries[position:position + 1], position, cache)
         row = torch.arange(position + 1) if picked is None else picked.sort().values
         assert torch.equal(row, expected[position].nonzero().flatten())
+        # the decode graphs' form: a mask over the whole buffer (the blocks past the position masked)
+        keep = mine.indexer.step_keep(queries[position:position + 1], torch.tensor([position]), cache)
+        assert torch.equal(keep.nonzero().flatten(), row)
 
 
 def test_pooled_block_keys_are_incremental_and_exact(engine):

@@ -20,7 +20,7 @@ start=$(date +%s)
   ; if has fp8; then timeout 150 python3 -m flashpack.cli convert $W/src $W/full-fp8.pack --dense-fp8 --force >/dev/null 2>&1; fi ) &
 build=$!
 if has tests; then
-  timeout 240 python3 -m pytest tests/kernels tests/runtime/test_engine_slots.py tests/runtime/test_decode_graphs.py \
+  timeout 330 python3 -m pytest tests/kernels tests/runtime/test_engine_slots.py tests/runtime/test_decode_graphs.py \
     tests/runtime/test_delta_rule.py tests/runtime/test_dense_fp8.py tests/store/test_store_stream.py \
     tests/store/test_store_fetch.py -q --tb=short \
     -p no:cacheprovider 2>&1 | tail -60 | tee $OUT/tests.log

@@ -59,8 +59,10 @@ def fla_gated_delta_rule(q, k, v, g, beta, state: torch.Tensor):
 
     # One-token steps go to the recurrent kernel (one launch); prompts to the chunked one.
     rule = fla_recurrent if q.shape[0] == 1 else fla_chunk
+    # By keyword: the two entry points order their optional arguments differently (the recurrent
+    # one takes per-key and per-value decays between g and beta).
     out, final = rule(
-        q[None], k[None], v[None], g[None].float(), beta[None].to(v.dtype), scale=q.shape[-1] ** -0.5,
+        q[None], k[None], v[None], g=g[None].float(), beta=beta[None].to(v.dtype), scale=q.shape[-1] ** -0.5,
         initial_state=state[None], output_final_state=True, use_qk_l2norm_in_kernel=True,
     )
     return out[0], final[0]

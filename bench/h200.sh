@@ -2,8 +2,10 @@
 # One device call: CUDA tests (while the pack builds), build `full --layers $LAYERS`, `flashpack bench`
 # at three budgets emulating 48 layers (transformers baseline at 24/64), decode profiles. Results in $OUT.
 # Run with carry ["wheels"] (transformers 5.23 + jsonschema wheels; /work/.library/device/README.md).
-# STAGES picks steps (default all, in this order): tests layers unbounded budgets fp8 profile eager long.
-# fp8 also converts a --dense-fp8 pack from the same snapshot and benches 8/32 and unbounded on it.
+# STAGES picks steps (default all): tests layers unbounded budgets fp8 profile eager long.
+# fp8 also converts a --dense-fp8 pack from the same snapshot and benches 8/32 (BF16 dense weights alone
+# exceed an 8 GB card at 48 layers) and unbounded on it. budgets runs 24/64 with the transformers
+# baseline unless BASELINE is set (BASELINE= skips it).
 # Timing on an H200 (2026-11-29): build 263 s (LAYERS=4), each bench 30-90 s; all stages exceed one call's
 # 600 s, and a machine keeps nothing between calls, so split STAGES over calls (each rebuilds).
 set -o pipefail
@@ -23,7 +25,7 @@ if has tests; then
   timeout 330 python3 -m pytest tests/kernels tests/runtime/test_engine_slots.py tests/runtime/test_decode_graphs.py \
     tests/runtime/test_delta_rule.py tests/runtime/test_dense_fp8.py tests/store/test_store_stream.py \
     tests/store/test_store_fetch.py -q --tb=short \
-    -p no:cacheprovider 2>&1 | tail -60 | tee $OUT/tests.log
+    -p no:cacheprovider -p no:logging 2>&1 | tail -60 | tee $OUT/tests.log
 fi
 wait $build; cat $OUT/gpu.txt; [ -f $W/full.pack/manifest.json ] || exit 1
 bench() {  # name, vram, ram, extra args (PACK=full-fp8 for the --dense-fp8 pack)
@@ -33,8 +35,8 @@ bench() {  # name, vram, ram, extra args (PACK=full-fp8 for the --dense-fp8 pack
 }
 has layers && timeout 150 python3 bench/layer_costs.py $W/full.pack --out $OUT 2>&1 | tail -1
 has unbounded && bench unbounded "" "" --prompt-len $PROMPT --gen $GEN
-has budgets && bench 24g-64g 24GiB 64GiB --prompt-len $PROMPT --gen $GEN --baseline transformers --baseline-layers 2
-has budgets && bench 8g-32g 8GiB 32GiB --prompt-len $PROMPT --gen $GEN
+has fp8 && PACK=full-fp8 bench 8g-32g-fp8 8GiB 32GiB --prompt-len $PROMPT --gen $GEN
+has budgets && bench 24g-64g 24GiB 64GiB --prompt-len $PROMPT --gen $GEN ${BASELINE---baseline transformers --baseline-layers 2}
 if has profile; then
   timeout 90 python3 bench/profile_decode.py $W/full.pack --name resident --out $OUT 2>&1 | tail -1
   timeout 90 python3 bench/profile_decode.py $W/full.pack --name tiered-24g --vram-budget 2GiB --ram-budget 6GiB \
@@ -42,6 +44,5 @@ if has profile; then
 fi
 has eager && bench unbounded-eager "" "" --prompt-len $PROMPT --gen $GEN --no-cuda-graphs
 has eager && bench 24g-64g-eager 24GiB 64GiB --prompt-len $PROMPT --gen $GEN --no-cuda-graphs
-has fp8 && PACK=full-fp8 bench 8g-32g-fp8 8GiB 32GiB --prompt-len $PROMPT --gen $GEN
 has fp8 && PACK=full-fp8 bench unbounded-fp8 "" "" --prompt-len $PROMPT --gen $GEN
 has long && bench 24g-64g-32k 24GiB 64GiB --prompt-len 32768 --gen 4

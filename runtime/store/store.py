@@ -82,9 +82,7 @@ class ExpertHandle:
         return self._store.device_pool.slot(self.slot)
 
     def release(self) -> None:
-        if not self._released:
-            self._released = True
-            self._store._release(self)
+        self._store._release([self])
 
 
 class TieredStore(TransferJobs):
@@ -176,11 +174,11 @@ class TieredStore(TransferJobs):
                     staged, remaining = self._request(layer, remaining, partial=True, max_misses=misses, block=False)
                 self._await(current)
                 yield current
-                self._release_all(current)
+                self._release(current)
                 current, staged = staged, []
         finally:
-            self._release_all(current)
-            self._release_all(staged)
+            self._release(current)
+            self._release(staged)
         if self.rebalancer is not None:
             # decode-sized requests only: a prefill streams every expert through the layer's
             # slots, and its misses and ghost hits say nothing about the room decoding needs
@@ -258,11 +256,6 @@ class TieredStore(TransferJobs):
         if failure is not None:
             raise failure
 
-    @staticmethod
-    def _release_all(handles: list[ExpertHandle]) -> None:
-        for handle in handles:
-            handle.release()
-
     # ---- asynchronous API -------------------------------------------------------------------
 
     def request(self, layer: int, experts: Iterable[int]) -> list[ExpertHandle]:
@@ -278,7 +271,7 @@ class TieredStore(TransferJobs):
             self._await(handles)
             return {handle.expert: self._dequantize(handle, self.device_pool.slot(handle.slot)) for handle in handles}
         finally:
-            self._release_all(handles)
+            self._release(handles)
 
     def _dequantize(self, handle: ExpertHandle, raw: torch.Tensor) -> ExpertWeights:
         decoded = decode_record(self.geometry, raw[:self.geometry.length],
@@ -418,17 +411,24 @@ class TieredStore(TransferJobs):
             self.stats.bump(evicted[0], evictions_host=1)
         return host_slot
 
-    def _release(self, handle: ExpertHandle) -> None:
-        key = (handle.layer, handle.expert)
+    def _release(self, handles: list[ExpertHandle]) -> None:
+        """Unpin the handles' slots (each once), under one lock and one CUDA event: a decode layer
+        releases its top-k together, and per-handle events and wake-ups cost more than the lookups."""
+        handles = [handle for handle in handles if not handle._released]
+        if not handles:
+            return
         event = None
-        if self._copy_stream is not None:  # the slot may be overwritten only after its readers ran
+        if self._copy_stream is not None:  # the slots may be overwritten only after their readers ran
             event = torch.cuda.Event()
             event.record(torch.cuda.current_stream(self.device))
         with self._changed:
-            if self.device_slots.get(key) is handle._entry:
-                self.device_slots.unpin(key)
-                if event is not None:
-                    self._slot_free_events[handle.slot] = event
+            for handle in handles:
+                handle._released = True
+                key = (handle.layer, handle.expert)
+                if self.device_slots.get(key) is handle._entry:
+                    self.device_slots.unpin(key)
+                    if event is not None:
+                        self._slot_free_events[handle.slot] = event
             self._changed.notify_all()
 
     # ---- capacity, pre-warming, lifecycle ---------------------------------------------------

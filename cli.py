@@ -38,7 +38,8 @@ def _store_options(command):
         click.option("--ram-budget", help="Pinned host memory for the expert cache, e.g. 64GiB (default on a GPU: "
                      "75% of the available RAM)."),
         click.option("--policy", type=click.Choice(["lfu", "lru", "lfu-decay"]), default="lfu", show_default=True),
-        click.option("--hot-set", help="Pre-warm VRAM, then RAM, from this manifest profile (flashpack profile)."),
+        click.option("--hot-set", help="Pre-warm VRAM, then RAM, from this manifest profile (flashpack profile); "
+                     "'*' pre-warms every record the two tiers hold."),
         click.option("--no-direct-io", is_flag=True, help="Read records through the page cache, not O_DIRECT."),
         click.option("--no-verify-records", is_flag=True, help="Skip the xxh64 check of records on first read."),
     ]

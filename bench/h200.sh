@@ -2,24 +2,24 @@
 # One device call: CUDA tests (while the pack builds), build `full --layers $LAYERS`, `flashpack bench`
 # at three budgets emulating 48 layers (transformers baseline at 24/64), decode profiles. Results in $OUT.
 # Run with carry ["wheels"] (transformers 5.23 + jsonschema wheels; /work/.library/device/README.md).
-# STAGES picks steps (default all): tests layers unbounded budgets fp8 profile eager long.
-# fp8 also converts a --dense-fp8 pack from the same snapshot and benches 8/32 (BF16 dense weights alone
-# exceed an 8 GB card at 48 layers) and unbounded on it. budgets runs 24/64 with the transformers
-# baseline unless BASELINE is set (BASELINE= skips it).
-# Timing on an H200 (2026-11-29): build 263 s (LAYERS=4), each bench 30-90 s; all stages exceed one call's
+# STAGES picks steps (default all, run in this order): tests layers unbounded fp8 budgets long baseline
+# profile eager fp8-unbounded. fp8 also converts a --dense-fp8 pack from the same snapshot and benches
+# 8/32 on it (BF16 dense weights alone exceed an 8 GB card at 48 layers). budgets, long (a 32k prompt)
+# and baseline (with transformers + accelerate beside) run 24/64 with every record pre-warmed (--hot-set '*').
+# Timing on an H200 (2026-11-29): build 285 s (LAYERS=4) + 65 s for the FP8 pack, each bench 30-120 s; all stages exceed one call's
 # 600 s, and a machine keeps nothing between calls, so split STAGES over calls (each rebuilds).
 set -o pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site wheels/*.whl || exit 1
 mkdir -p /tmp/pkg && ln -sfn "$PWD" /tmp/pkg/flashpack
 export PYTHONPATH=/tmp/pkg:/tmp/site PYTHONUNBUFFERED=1
-LAYERS=${LAYERS:-4} GEN=${GEN:-32} PROMPT=${PROMPT:-512} W=/tmp/fp STAGES=${STAGES:-"tests layers unbounded budgets fp8 profile eager long"}
+LAYERS=${LAYERS:-4} GEN=${GEN:-32} PROMPT=${PROMPT:-512} W=/tmp/fp STAGES=${STAGES:-"tests layers unbounded fp8 budgets long baseline profile eager fp8-unbounded"}
 has() { [[ " $STAGES " == *" $1 "* ]]; }
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee $OUT/gpu.txt
 start=$(date +%s)
 ( timeout 420 python3 -m flashpack.cli synth full $W/src --format nvfp4 --layers $LAYERS --ple-rows-per-head 2000 \
     --text-only --force >/dev/null && timeout 150 python3 -m flashpack.cli convert $W/src $W/full.pack --force >/dev/null 2>&1 \
   ; echo "build rc=$? $(( $(date +%s) - start )) s" >> $OUT/gpu.txt \
-  ; if has fp8; then timeout 150 python3 -m flashpack.cli convert $W/src $W/full-fp8.pack --dense-fp8 --force >/dev/null 2>&1; fi ) &
+  ; if has fp8 || has fp8-unbounded; then timeout 150 python3 -m flashpack.cli convert $W/src $W/full-fp8.pack --dense-fp8 --force >/dev/null 2>&1; fi ) &
 build=$!
 if has tests; then
   timeout 330 python3 -m pytest tests/kernels tests/runtime/test_engine_slots.py tests/runtime/test_decode_graphs.py \
@@ -36,13 +36,15 @@ bench() {  # name, vram, ram, extra args (PACK=full-fp8 for the --dense-fp8 pack
 has layers && timeout 150 python3 bench/layer_costs.py $W/full.pack --out $OUT 2>&1 | tail -1
 has unbounded && bench unbounded "" "" --prompt-len $PROMPT --gen $GEN
 has fp8 && PACK=full-fp8 bench 8g-32g-fp8 8GiB 32GiB --prompt-len $PROMPT --gen $GEN
-has budgets && bench 24g-64g 24GiB 64GiB --prompt-len $PROMPT --gen $GEN ${BASELINE---baseline transformers --baseline-layers 2}
+has budgets && bench 24g-64g 24GiB 64GiB --prompt-len $PROMPT --gen $GEN --hot-set '*'
+has long && bench 24g-64g-32k 24GiB 64GiB --prompt-len 32768 --gen 4 --hot-set '*'
+has baseline && bench 24g-64g-baseline 24GiB 64GiB --prompt-len $PROMPT --gen $GEN --hot-set '*' \
+  --baseline transformers --baseline-layers 2
 if has profile; then
   timeout 90 python3 bench/profile_decode.py $W/full.pack --name resident --out $OUT 2>&1 | tail -1
-  timeout 90 python3 bench/profile_decode.py $W/full.pack --name tiered-24g --vram-budget 2GiB --ram-budget 6GiB \
+  timeout 90 python3 bench/profile_decode.py $W/full.pack --name tiered-24g --vram-budget 4GiB --ram-budget 6GiB \
     --out $OUT 2>&1 | tail -1
 fi
 has eager && bench unbounded-eager "" "" --prompt-len $PROMPT --gen $GEN --no-cuda-graphs
 has eager && bench 24g-64g-eager 24GiB 64GiB --prompt-len $PROMPT --gen $GEN --no-cuda-graphs
-has fp8 && PACK=full-fp8 bench unbounded-fp8 "" "" --prompt-len $PROMPT --gen $GEN
-has long && bench 24g-64g-32k 24GiB 64GiB --prompt-len 32768 --gen 4
+has fp8-unbounded && PACK=full-fp8 bench unbounded-fp8 "" "" --prompt-len $PROMPT --gen $GEN

@@ -22,6 +22,7 @@ from flashpack.runtime.store.policy import DEFAULT_POLICY, make_policy
 from flashpack.runtime.store.resident import ResidentExperts
 from flashpack.runtime.store.store import TieredStore
 
+ALL_RECORDS = "*"  # the hot set that pre-warms every record
 _DTYPE_BYTES = {"bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2, "float32": 4, "fp32": 4}
 
 
@@ -90,12 +91,14 @@ def build_store(
 
     `device_reserved` overrides the estimate of what else lives on the device (see
     `resident_device_bytes`); `hot_set` names a profile in the manifest's hot_sets to pre-warm
-    the device pool, then the host cache, from."""
+    the device pool, then the host cache, from; `ALL_RECORDS` ("*") pre-warms every record, in
+    expert order, as far as the two tiers hold them (what a machine whose RAM holds the experts
+    reaches after a while of serving, at the price of reading the expert files once at start)."""
     pack = pack if isinstance(pack, Pack) else Pack.open(pack)
     make_policy(policy)  # an unknown name fails here, before any memory is taken
     manifest = pack.manifest
     profile = None
-    if hot_set is not None:
+    if hot_set is not None and hot_set != ALL_RECORDS:
         profile = manifest.hot_sets.get(hot_set)
         if profile is None:
             names = ", ".join(sorted(manifest.hot_sets)) or "none; run `flashpack profile` first"
@@ -122,4 +125,7 @@ def build_store(
         from flashpack.runtime.store.hotset import apply_hot_set
 
         apply_hot_set(store, profile)
+    elif hot_set == ALL_RECORDS:
+        experts = manifest.config.num_experts
+        store.prewarm({layer: list(range(experts)) for layer in sorted({r.layer for r in manifest.expert_records()})})
     return store

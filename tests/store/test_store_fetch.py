@@ -240,6 +240,26 @@ def test_prewarm_from_hot_set_shows_in_stats(pack_copy):
         build_store(Pack.open(pack_copy), hot_set="code")
 
 
+def test_prewarm_every_record_leaves_no_disk_reads(pack_copy):
+    """hot_set "*": every record goes to the device pool or the host cache at start, so requests
+    afterwards never read the disk; with a host cache one record short, one record stays out."""
+    pack = Pack.open(pack_copy)
+    stride, experts, layers, top_k = _geometry(pack)
+    records = experts * len(layers)
+    slots = 4 * len(layers)
+    budget = dict(vram_budget=slots * stride, ram_budget=records * stride, device_reserved=0)
+    with build_store(pack, hot_set="*", **budget) as store:
+        stats = store.stats.to_dict()
+        assert stats["tiers"]["host"]["prewarmed"] == records and stats["tiers"]["device"]["prewarmed"] == slots
+        rng = random.Random(1)
+        for _ in range(10):
+            for layer in layers:
+                store.fetch(layer, sorted(rng.sample(range(experts), top_k)))
+        assert store.stats.total().disk_reads == 0 and store.stats.total().host_hits > 0
+    with build_store(pack, hot_set="*", **{**budget, "ram_budget": (records - 1) * stride}) as short:
+        assert short.stats.to_dict()["tiers"]["host"]["prewarmed"] == records - 1
+
+
 def test_fetch_while_a_prefetch_holds_the_layer_share(store_pack, reference):
     """A prefetch (request) pins a layer's whole share; a fetch of that layer for more experts
     still completes, taking other slots, and the prefetched handles stay valid."""

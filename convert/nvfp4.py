@@ -15,34 +15,45 @@ from flashpack.layout.nvfp4 import FP8_MAX, NVFP4_BLOCK, NVFP4Tensor, dequantize
 E2M1_MAX = 6.0
 # Midpoints between neighbouring E2M1 magnitudes; a tie goes to the even code of the pair.
 _MIDPOINTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
+# Rows are encoded a chunk at a time: each elementwise pass then runs in cache, and its temporaries
+# (a few bytes per element) stay small enough for malloc to reuse rather than map fresh pages.
+_CHUNK_ELEMENTS = 1 << 16
 
 
 def quantize_nvfp4(weight: torch.Tensor) -> NVFP4Tensor:
     """float [out, in] (in a multiple of 16) -> NVFP4Tensor."""
     if weight.dim() != 2 or weight.shape[1] % NVFP4_BLOCK:
         raise ValueError(f"NVFP4 needs a 2-D weight whose rows are a multiple of 16, got {tuple(weight.shape)}")
-    x = weight.float()
-    amax = x.abs().max()
+    chunks = weight.split(max(1, _CHUNK_ELEMENTS // weight.shape[1]))
+    block_amax = torch.cat([_block_amax(chunk) for chunk in chunks])
+    amax = block_amax.max()
     global_scale = amax / (E2M1_MAX * FP8_MAX) if amax > 0 else torch.tensor(1.0)
-    blocks = x.unflatten(-1, (-1, NVFP4_BLOCK))
-    block_amax = blocks.abs().amax(dim=-1)
     block_scale = (block_amax / (E2M1_MAX * global_scale)).clamp(max=FP8_MAX).to(torch.float8_e4m3fn)
     effective = block_scale.float() * global_scale
-    scaled = torch.where(effective.unsqueeze(-1) > 0, blocks / effective.unsqueeze(-1), torch.zeros_like(blocks))
-    codes = _round_to_e2m1_codes(scaled.flatten(-2))
-    packed = (codes[..., 0::2] | (codes[..., 1::2] << 4)).to(torch.uint8)
+    # A block whose scale underflows to zero encodes as zeros: its values divided by inf.
+    divisor = torch.where(effective > 0, effective, torch.inf)
+    divisors = divisor.split([chunk.shape[0] for chunk in chunks])
+    packed = torch.cat([_encode(chunk, part) for chunk, part in zip(chunks, divisors)])
     return NVFP4Tensor(packed=packed, block_scale=block_scale, global_scale=global_scale.float().reshape(()))
 
 
-def _round_to_e2m1_codes(scaled: torch.Tensor) -> torch.Tensor:
-    magnitude = scaled.abs()
-    code = torch.zeros_like(magnitude, dtype=torch.int32)
+def _block_amax(rows: torch.Tensor) -> torch.Tensor:
+    """float32 [r, in/16]; abs and max are exact in any float dtype, so the cast can come last."""
+    return rows.abs().unflatten(-1, (-1, NVFP4_BLOCK)).amax(dim=-1).float()
+
+
+def _encode(rows: torch.Tensor, divisor: torch.Tensor) -> torch.Tensor:
+    """uint8 [r, in/2]: E2M1 codes of rows / divisor (one per block), element 2i in the low nibble."""
+    scaled = (rows.float().unflatten(-1, (-1, NVFP4_BLOCK)) / divisor.unsqueeze(-1)).flatten(-2)
+    # Only a nonzero code carries the sign, i.e. values below the first midpoint's negative.
+    negative = scaled < -_MIDPOINTS[0]
+    magnitude = scaled.abs_()
+    codes = torch.zeros_like(magnitude, dtype=torch.uint8)
     for index, midpoint in enumerate(_MIDPOINTS):
         # Between codes `index` and `index + 1` the tie belongs to whichever is even.
-        above = magnitude > midpoint if index % 2 == 0 else magnitude >= midpoint
-        code += above.to(torch.int32)
-    sign = (scaled < 0).to(torch.int32) << 3
-    return torch.where(code == 0, code, code | sign)
+        codes += magnitude > midpoint if index % 2 == 0 else magnitude >= midpoint
+    codes |= negative.to(torch.uint8) << 3
+    return codes[..., 0::2] | (codes[..., 1::2] << 4)
 
 
 def nvfp4_error_bound(weight: torch.Tensor) -> torch.Tensor:

@@ -59,7 +59,10 @@ class CapturedCall:
         if self.graph is None:
             self.inputs = [x.clone() for x in inputs]
             self.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self.graph, pool=self.pool):
+            # thread_local: the store's copy and reader threads keep landing records on their own
+            # streams while a layer is captured; in the default (global) mode any CUDA call of
+            # theirs invalidates the capture (seen on the H200 with a tiered store).
+            with torch.cuda.graph(self.graph, pool=self.pool, capture_error_mode="thread_local"):
                 self.outputs = self.fn(*self.inputs)
         else:
             for static, x in zip(self.inputs, inputs):

@@ -1,18 +1,27 @@
-"""Shared fixtures: tiny snapshots and packs built by the tests themselves (nothing downloaded)."""
+"""Shared fixtures: tiny snapshots and packs built by the tests themselves (nothing downloaded).
+
+On a machine without CUDA the Triton kernels run in Triton's interpreter. TRITON_INTERPRET has to
+be set before triton itself is first imported, not only before our kernels are: triton.language's
+own helpers (sigmoid, cdiv, ...) are jit functions, decorated at import, and torch imports triton
+as soon as torch.compile's machinery loads (the engine's `torch.compiler.disable` marks do that).
+"""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(scope="session", autouse=True)
 def _one_torch_thread():
     """The test models are tiny: extra intra-op threads only add contention on a 2-core CI box
     (a 5 us index_add_ took 60 ms under load with two threads); server worker threads share it."""
-    import torch
-
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     yield

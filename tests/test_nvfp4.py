@@ -126,7 +126,10 @@ def _nvfp4_cases() -> list[torch.Tensor]:
     random[6, 16:32] = 1e-9  # a block whose FP8 scale underflows to zero next to the large ones
     wide = torch.randn(3, 1 << 17, generator=generator) * 1e-3  # rows longer than a chunk
     many = torch.randn(1000, 48, generator=generator)  # a partial last chunk
-    return [random, _exact_ties(), wide, many, random.bfloat16(), random.half(), torch.zeros(2, 32)]
+    nan = random.clone()
+    nan[9, 40] = math.nan  # the reference zeroes such a block and takes the global scale as 1
+    transposed = torch.randn(64, 96, generator=generator).t()  # not contiguous
+    return [random, _exact_ties(), wide, many, random.bfloat16(), random.half(), torch.zeros(2, 32), nan, transposed]
 
 
 @pytest.mark.parametrize("case", range(len(_nvfp4_cases())))

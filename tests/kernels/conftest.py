@@ -1,22 +1,17 @@
 """Kernel tests: CUDA when present, else the Triton interpreter on the CPU, at tiny odd shapes.
 
-TRITON_INTERPRET must be set before the kernel modules are first imported (triton.jit reads it
-when it decorates), so this conftest sets it at collection time on machines without CUDA.
+Without CUDA the kernels run in Triton's interpreter (tests/conftest.py sets TRITON_INTERPRET).
 Records are built with the converter's own quantiser and encoder, and every pool byte outside the
 records is poisoned (kernel_cases.POISON_BYTE) so a stray read shows.
 """
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 sys.path.insert(0, str(Path(__file__).parent))
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import math
 import os
+import threading
 from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -55,10 +56,11 @@ class Distribution:
     a: float  # mean, or lower bound
     b: float  # std, or upper bound
 
-    def sample(self, shape: tuple[int, ...], generator: torch.Generator) -> torch.Tensor:
+    def sample(self, out: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+        """Fills float32 `out` in place and returns it."""
         if self.kind == "normal":
-            return torch.empty(shape).normal_(self.a, self.b, generator=generator)
-        values = torch.empty(shape).uniform_(self.a, self.b, generator=generator)
+            return out.normal_(self.a, self.b, generator=generator)
+        values = out.uniform_(self.a, self.b, generator=generator)
         return values.log_() if self.kind == "log_uniform" else values
 
 
@@ -103,6 +105,7 @@ class ValueSource:
         self.seed = seed
         self.nominal_layers = nominal_layers
         self.adjuster = adjuster
+        self._scratch = threading.local()
 
     def text_blocks(self, spec: TensorSpec) -> Iterator[torch.Tensor]:
         """bf16 row blocks of `spec` (int64, whole, for PLE buffers)."""
@@ -140,8 +143,8 @@ class ValueSource:
 
         def make(index: int, row_start: int) -> torch.Tensor:
             generator = torch.Generator().manual_seed(block_seed(self.seed, name, index))
-            block = distribution.sample((min(rows_per_block, rows - row_start), *shape[1:]), generator)
-            return finish(row_start, block)
+            buffer = self._draw_buffer((min(rows_per_block, rows - row_start), *shape[1:]))
+            return finish(row_start, distribution.sample(buffer, generator))
 
         if len(starts) < _PARALLEL_MIN_BLOCKS:  # small tensors are parallel across tensors instead
             for index, row_start in starts:
@@ -156,6 +159,16 @@ class ValueSource:
                     yield pending.popleft().result()
             while pending:
                 yield pending.popleft().result()
+
+    def _draw_buffer(self, shape: tuple[int, ...]) -> torch.Tensor:
+        """This thread's float32 buffer viewed as `shape`, reused for every block it draws: `finish`
+        copies each block out (to bf16) before the next, and a fresh 4 MB block would be a fresh
+        mmap (see shard_writer.pin_mmap_threshold), i.e. a page fault per 4 KB."""
+        elements = math.prod(shape)
+        buffer = getattr(self._scratch, "buffer", None)
+        if buffer is None or buffer.numel() < elements:
+            buffer = self._scratch.buffer = torch.empty(max(elements, BLOCK_ELEMENTS))
+        return buffer[:elements].view(shape)
 
     def _ple_buffer(self, spec: TensorSpec) -> torch.Tensor:
         index = spec.ple_index

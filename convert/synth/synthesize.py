@@ -1,8 +1,9 @@
 """`flashpack synth`: write a randomly initialised Qwen3.8-Flash-Next snapshot, laid out like the real one.
 
 The snapshot is written into `<out>.partial` and renamed at the end, so an interrupted run never
-leaves something that looks complete. Memory stays bounded by one value block (16 MB of float32)
-plus one quantised expert, whatever the preset.
+leaves something that looks complete. Memory stays bounded, whatever the preset: a few value blocks
+(4 MB of float32 each) per sampling thread, the writer's look-ahead window and, for NVFP4, a window
+of quantised experts.
 """
 
 from __future__ import annotations

@@ -7,10 +7,10 @@ the chosen format. Nothing is computed until the shard writer asks for a tensor'
 
 from __future__ import annotations
 
-import threading
-from collections import OrderedDict
+import os
+from collections import deque
 from collections.abc import Iterator
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 from flashpack.convert.checkpoint_spec import TensorSpec, checkpoint_key, iter_specs
@@ -21,45 +21,56 @@ from flashpack.convert.synth.nvfp4_experts import (
     quantized_entries,
 )
 from flashpack.convert.synth.presets import SynthPlan
-from flashpack.convert.synth.shard_writer import DiskTensor, release_free_memory
+from flashpack.convert.synth.shard_writer import DiskTensor
 from flashpack.convert.synth.vision import iter_vision_tensors
+
+_WORKERS = min(8, os.cpu_count() or 1)
+_WINDOW = 2 * _WORKERS  # experts quantised ahead of the writer: about 3 MB each at real dims
+ExpertKey = tuple[int, int]  # (layer, expert)
+QuantizedExpert = dict[str, dict[str, torch.Tensor]]  # projection -> suffix -> tensor
 
 
 class ExpertQuantizer:
     """Quantises one expert's three projections together, once, for its twelve on-disk tensors.
 
-    The writer asks for them in order on its own thread (they are not prefetched, see
-    shard_writer), so one cached expert suffices; the lock and future only make that safe if a
-    caller does use threads.
+    Sampling and NVFP4 rounding cost far more than writing, so the experts after the one the writer
+    asks for are produced a bounded window ahead on worker threads; an expert is dropped once the
+    writer moves on. The writer must ask for experts in checkpoint order, from one thread.
     """
 
-    _KEEP = 2
-
-    def __init__(self, values: ValueSource, specs_by_expert: dict[tuple[int, int], list[TensorSpec]]):
-        self._values = values
-        self._specs = specs_by_expert
-        self._lock = threading.Lock()
-        self._experts: OrderedDict[tuple[int, int], Future] = OrderedDict()
+    def __init__(self, values: ValueSource, specs_by_expert: dict[ExpertKey, list[TensorSpec]]):
+        self._in_order = _quantized_in_order(values, specs_by_expert)
+        self._current: tuple[ExpertKey, QuantizedExpert] | None = None
 
     def tensor(self, spec: TensorSpec, suffix: str) -> torch.Tensor:
         key = (spec.layer, spec.expert)
-        with self._lock:
-            future = self._experts.get(key)
-            owner = future is None
-            if owner:
-                future = self._experts[key] = Future()
-                while len(self._experts) > self._KEEP:
-                    self._experts.popitem(last=False)
-        if owner:
-            try:
-                weights = {s.projection: self._values.text_tensor(s).float() for s in self._specs[key]}
-                future.set_result(quantize_expert(weights))
-                del weights
-                release_free_memory()
-            except BaseException as error:
-                future.set_exception(error)
-                raise
-        return future.result()[spec.projection][suffix]
+        while self._current is None or self._current[0] != key:
+            self._current = next(self._in_order)
+        return self._current[1][spec.projection][suffix]
+
+
+def _quantized_in_order(
+    values: ValueSource, specs_by_expert: dict[ExpertKey, list[TensorSpec]]
+) -> Iterator[tuple[ExpertKey, QuantizedExpert]]:
+    pool = ThreadPoolExecutor(max_workers=_WORKERS)
+    pending: deque[tuple[ExpertKey, Future[QuantizedExpert]]] = deque()
+    try:
+        for key, specs in specs_by_expert.items():
+            pending.append((key, pool.submit(_quantize, values, specs)))
+            if len(pending) > _WINDOW:
+                done, future = pending.popleft()
+                yield done, future.result()
+    except BaseException:  # GeneratorExit too: a write that stops early drops the queued experts
+        pool.shutdown(wait=False, cancel_futures=True)
+        raise
+    pool.shutdown(wait=False)  # the threads finish the queued experts, then exit
+    while pending:
+        done, future = pending.popleft()
+        yield done, future.result()
+
+
+def _quantize(values: ValueSource, specs: list[TensorSpec]) -> QuantizedExpert:
+    return quantize_expert({spec.projection: values.text_tensor(spec) for spec in specs})
 
 
 def disk_tensors(plan: SynthPlan, values: ValueSource) -> list[DiskTensor]:
@@ -68,7 +79,7 @@ def disk_tensors(plan: SynthPlan, values: ValueSource) -> list[DiskTensor]:
     quantize = plan.options.format == "nvfp4"
     quantizer = None
     if quantize:
-        by_expert: dict[tuple[int, int], list[TensorSpec]] = {}
+        by_expert: dict[ExpertKey, list[TensorSpec]] = {}
         for spec in specs:
             if spec.role == "expert":
                 by_expert.setdefault((spec.layer, spec.expert), []).append(spec)

@@ -18,8 +18,9 @@ token; when one has to grow, its buffers move and the graphs are captured again 
 by doubling, so that is rare). Each captured call runs eagerly the first time (which compiles and
 warms kernels), is captured the second time and replayed from then on. Graphs read the state
 buffers of the sequence they were captured with (a restored snapshot is copied into them); a
-step with another sequence's state (a new request) drops them and starts over. A resident
-expert source's stats are counted per replay here, since a replay runs no Python.
+step with another sequence's state drops them and starts over (the Generator and the bench reset
+one state in place for each new sequence, so theirs stay). A resident
+expert source's requests are counted here, every step, since neither a replay nor the pieces call it.
 `per_layer=True` gives every layer its own graph also when resident (bench/layer_costs.py times
 layers apart that way).
 

@@ -1,13 +1,17 @@
-"""`gated_delta_rule`: grouped q/k heads on the plain path, and flash-linear-attention's kernels
-against the plain forms on a GPU (they do not run in Triton's CPU interpreter)."""
+"""The gated delta rule: the plain chunked form against the plain recurrent one and transformers'
+own, grouped q/k heads, and flash-linear-attention's kernels against the plain forms on a GPU (they
+do not run in Triton's CPU interpreter)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 from reference_model import rel_err
+from transformers.models.qwen4_exp import modeling_qwen4_exp as hf
 
-from flashpack.runtime.model.delta_rule import fla_available, gated_delta_rule, recurrent_gated_delta_rule
+from flashpack.runtime.model.delta_rule import (
+    chunk_gated_delta_rule, fla_available, gated_delta_rule, recurrent_gated_delta_rule,
+)
 
 cuda_fla = pytest.mark.skipif(
     not (torch.cuda.is_available() and fla_available()), reason="needs CUDA and fla-core (the cuda extra)"
@@ -22,6 +26,20 @@ def _inputs(length: int, key_heads: int, value_heads: int, dk: int, dv: int, dev
     beta = torch.rand(length, value_heads, generator=gen)
     state = rand(value_heads, dk, dv) * 0.5
     return tuple(x.to(device) for x in (q, k, v, g, beta, state))
+
+
+@pytest.mark.parametrize("length", [1, 5, 63, 130])
+def test_delta_rule_chunked_equals_recurrent_and_transformers(length):
+    q, k, v, g, beta, state = _inputs(length, key_heads=3, value_heads=3, dk=20, dv=12)
+    out_r, state_r = recurrent_gated_delta_rule(q, k, v, g, beta, state)
+    for chunk in (16, 64):
+        out_c, state_c = chunk_gated_delta_rule(q, k, v, g, beta, state, chunk=chunk)
+        assert rel_err(out_c, out_r) <= 1e-5 and rel_err(state_c, state_r) <= 1e-5
+    ref_out, ref_state = hf.torch_recurrent_gated_delta_rule(
+        q[None], k[None], v[None], g[None], beta[None], initial_state=state[None],
+        output_final_state=True, use_qk_l2norm_in_kernel=True,
+    )
+    assert rel_err(out_r, ref_out[0]) <= 1e-5 and rel_err(state_r, ref_state[0]) <= 1e-5
 
 
 @pytest.mark.parametrize("length", [1, 70])

@@ -12,13 +12,12 @@ import struct
 
 import torch
 import torch.nn.functional as F
-
 from flashpack.layout.nvfp4 import FP8_MAX, NVFP4_BLOCK, NVFP4Tensor, dequantize_nvfp4  # noqa: F401
 
 E2M1_MAX = 6.0
 # Rows are encoded a chunk at a time: each elementwise pass then runs in cache, and its temporaries
 # stay small enough for malloc to reuse rather than map fresh pages (a page fault per 4 KB).
-_CHUNK_ELEMENTS = 1 << 16
+_CHUNK_ELEMENTS = 1 << 17
 
 
 def _grid(step: float, zero_code: int) -> tuple[float, int]:

@@ -4,7 +4,6 @@ import math
 
 import pytest
 import torch
-
 from flashpack.convert.nvfp4 import (
     fp8_rows_error_bound,
     nvfp4_error_bound,

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from flashpack.convert.checkpoint_spec import checkpoint_key, iter_specs
+from flashpack.convert.checkpoint_spec import EXPERT_PROJECTIONS, checkpoint_key, iter_specs
 from flashpack.convert.nvfp4 import nvfp4_error_bound
 from flashpack.convert.synth import synthesize
-from flashpack.convert.synth.nvfp4_experts import expert_key, quantized_entries
+from flashpack.convert.synth.nvfp4_experts import expert_key, quantize_expert, quantized_entries
 from flashpack.convert.synth.presets import SynthOptions, resolve_plan
 from flashpack.convert.synth.routing_law import TARGET_MASS, mass_curve, routing_mass
 from flashpack.convert.synth.shard_writer import INDEX_NAME
@@ -32,7 +32,6 @@ DTYPES = {
     "F32": torch.float32,
     "I64": torch.int64,
 }
-
 
 
 @pytest.fixture(scope="module")
@@ -184,6 +183,20 @@ def test_nvfp4_experts_dequantise_to_the_bf16_values(snapshots, form):
     up = checkpoint_key("layers.2.mlp.experts.5.up_proj.weight_scale_2", form)
     assert torch.equal(load_tensor(quantized, gate), load_tensor(quantized, up))  # fused w13 share one
     assert cfg.num_experts == 32
+
+
+def test_nvfp4_experts_are_the_bf16_experts_quantised(snapshots):
+    """Byte for byte, so the experts quantised ahead on worker threads land under their own keys."""
+    form = "qwen4_exp_text"
+    quantized, original = snapshots[(form, "nvfp4")], snapshots[(form, "bf16")]
+    for prefix in ("layers.0.mlp.experts.0.", "layers.5.mlp.experts.17.", "mtp.layers.0.mlp.experts.31."):
+        bf16 = {p: load_tensor(original, checkpoint_key(f"{prefix}{p}.weight", form)) for p in EXPERT_PROJECTIONS}
+        expected = quantize_expert(torch.cat([bf16["gate_proj"], bf16["up_proj"]]), bf16["down_proj"])
+        for projection, tensors in expected.items():
+            for suffix, want in tensors.items():
+                got = load_tensor(quantized, checkpoint_key(f"{prefix}{projection}.{suffix}", form))
+                assert got.dtype == want.dtype and got.shape == want.shape, (prefix, projection, suffix)
+                assert torch.equal(got.reshape(-1).view(torch.uint8), want.reshape(-1).view(torch.uint8))
 
 
 @pytest.mark.parametrize("form", FORMS)

@@ -112,18 +112,27 @@ class ValueSource:
         if spec.role == "ple_buffer":
             yield self._ple_buffer(spec)
             return
+        yield from self._text_blocks(spec, lambda _, block: block.to(torch.bfloat16))
+
+    def text_into(self, spec: TensorSpec, out: torch.Tensor) -> torch.Tensor:
+        """Writes `spec`'s values into bf16 `out` (of its shape) and returns `out`: each block lands
+        in place, without a bf16 copy of it or a concatenation."""
+        for _ in self._text_blocks(spec, lambda row_start, block: out[row_start : row_start + len(block)].copy_(block)):
+            pass
+        return out
+
+    def _text_blocks(
+        self, spec: TensorSpec, store: Callable[[int, torch.Tensor], torch.Tensor]
+    ) -> Iterator[torch.Tensor]:
         adjuster = self.adjuster
 
         def finish(row_start: int, block: torch.Tensor) -> torch.Tensor:
             if adjuster is not None:
                 block = adjuster.adjust(spec.name, row_start, block)
-            return block.to(torch.bfloat16)
+            return store(row_start, block)
 
         distribution = text_distribution(spec.name, spec.shape, self.nominal_layers)
         yield from self._blocks(spec.name, spec.shape, distribution, finish)
-
-    def text_tensor(self, spec: TensorSpec) -> torch.Tensor:
-        return torch.cat(list(self.text_blocks(spec)))
 
     def vision_blocks(self, tensor: VisionTensor) -> Iterator[torch.Tensor]:
         yield from self._blocks(

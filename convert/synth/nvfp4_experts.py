@@ -42,11 +42,12 @@ def quantized_entries(spec: TensorSpec) -> list[QuantEntry]:
     ]
 
 
-def quantize_expert(weights: dict[str, torch.Tensor]) -> dict[str, dict[str, torch.Tensor]]:
-    """{projection: float [out, in]} -> {projection: {suffix: tensor}} in ModelOpt layout."""
-    inter = weights["gate_proj"].shape[0]
-    gate_up = quantize_nvfp4(torch.cat([weights["gate_proj"], weights["up_proj"]]))
-    down = quantize_nvfp4(weights["down_proj"])
+def quantize_expert(gate_up: torch.Tensor, down: torch.Tensor) -> dict[str, dict[str, torch.Tensor]]:
+    """gate over up [2 * inter, hidden], down [hidden, inter] (float) -> {projection: {suffix: tensor}}
+    in ModelOpt layout."""
+    inter = gate_up.shape[0] // 2
+    gate_up = quantize_nvfp4(gate_up)
+    down = quantize_nvfp4(down)
     parts = {
         "gate_proj": (gate_up.packed[:inter], gate_up.block_scale[:inter], gate_up.global_scale),
         "up_proj": (gate_up.packed[inter:], gate_up.block_scale[inter:], gate_up.global_scale),

@@ -18,11 +18,11 @@ import math
 import os
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-
 from flashpack.convert.safetensors_writer import StreamingSafetensorsWriter
 from flashpack.layout.dtypes import SAFETENSORS_NAMES
 
@@ -69,7 +69,7 @@ def write_sharded(folder: Path, tensors: list[DiskTensor], shard_bytes: int) -> 
     shards = plan_shards(tensors, shard_bytes)
     pin_mmap_threshold()
     weight_map: dict[str, str] = {}
-    with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
+    with _one_thread_per_op(), ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
         ahead = _Prefetcher(pool, tensors)
         for number, shard in enumerate(shards, start=1):
             name = f"model-{number:05d}-of-{len(shards):05d}.safetensors"
@@ -124,6 +124,20 @@ def _write_shard(path: Path, shard: list[DiskTensor], ahead: _Prefetcher) -> Non
     with StreamingSafetensorsWriter(path, declared, {"format": "pt"}) as writer:
         for tensor in shard:
             writer.write_blocks(tensor.key, ahead.blocks(tensor))
+
+
+@contextmanager
+def _one_thread_per_op() -> Iterator[None]:
+    """Values are produced on worker threads (here, in sampling, in NVFP4 quantisation), which keep
+    the cores busy; a torch op parallelised inside one of them starts another OpenMP team per
+    thread, and the teams then fight for the cores (measured on 2 cores: 3.5 M context switches,
+    twice the wall time)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def pin_mmap_threshold() -> None:

@@ -8,12 +8,13 @@ the chosen format. Nothing is computed until the shard writer asks for a tensor'
 from __future__ import annotations
 
 import os
+import threading
 from collections import deque
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
-from flashpack.convert.checkpoint_spec import TensorSpec, checkpoint_key, iter_specs
+from flashpack.convert.checkpoint_spec import EXPERT_PROJECTIONS, TensorSpec, checkpoint_key, iter_specs
 from flashpack.convert.synth.init_values import ValueSource
 from flashpack.convert.synth.nvfp4_experts import (
     expert_key,
@@ -24,8 +25,9 @@ from flashpack.convert.synth.presets import SynthPlan
 from flashpack.convert.synth.shard_writer import DiskTensor
 from flashpack.convert.synth.vision import iter_vision_tensors
 
-_WORKERS = min(8, os.cpu_count() or 1)
+_WORKERS = min(16, os.cpu_count() or 1)
 _WINDOW = 2 * _WORKERS  # experts quantised ahead of the writer: about 3 MB each at real dims
+_THREAD = threading.local()
 ExpertKey = tuple[int, int]  # (layer, expert)
 QuantizedExpert = dict[str, dict[str, torch.Tensor]]  # projection -> suffix -> tensor
 
@@ -70,7 +72,23 @@ def _quantized_in_order(
 
 
 def _quantize(values: ValueSource, specs: list[TensorSpec]) -> QuantizedExpert:
-    return quantize_expert({spec.projection: values.text_tensor(spec) for spec in specs})
+    by_projection = {spec.projection: spec for spec in specs}
+    gate, up, down = (by_projection[projection] for projection in EXPERT_PROJECTIONS)
+    inter = gate.shape[0]
+    gate_up, down_values = _input_buffers(((2 * inter, gate.shape[1]), down.shape))
+    values.text_into(gate, gate_up[:inter])
+    values.text_into(up, gate_up[inter:])
+    return quantize_expert(gate_up, values.text_into(down, down_values))
+
+
+def _input_buffers(shapes: tuple[tuple[int, ...], ...]) -> tuple[torch.Tensor, ...]:
+    """This thread's bf16 buffers of these shapes, reused from expert to expert: the quantised
+    result keeps nothing of its input, and fresh ones would be fresh mmaps, a page fault per 4 KB
+    (see shard_writer.pin_mmap_threshold)."""
+    buffers = getattr(_THREAD, "inputs", ())
+    if tuple(buffer.shape for buffer in buffers) != shapes:
+        buffers = _THREAD.inputs = tuple(torch.empty(shape, dtype=torch.bfloat16) for shape in shapes)
+    return buffers
 
 
 def disk_tensors(plan: SynthPlan, values: ValueSource) -> list[DiskTensor]:

@@ -72,7 +72,7 @@ def load_engine(
     """`cuda_graphs`: on a GPU, replay the fixed-shape work of decode steps from CUDA graphs
     (runtime/model/decode_graphs.py); off, every kernel is issued from Python (for comparison).
     `compile_layers`: fuse the graphs' small kernels with torch.compile first (the first decode
-    steps of a process compile, for a minute or so; later processes reuse Inductor's disk cache)."""
+    steps of a process compile; later processes reuse Inductor's disk cache)."""
     pack = Pack.open(pack_path)
     torch_device = parse_device(device)
     torch_dtype = parse_dtype(dtype, torch_device)

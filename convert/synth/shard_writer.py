@@ -148,9 +148,9 @@ def pin_mmap_threshold() -> None:
     (up to 32 MB), and its trim threshold to twice that; from then on value blocks and quantisation
     temporaries (4-16 MB) come from the heap arenas of whichever threads allocate them, each of
     which may keep 64 MB free. With the writer's and the samplers' threads the peak then depended on
-    the run: 0.41-0.47 GB for the full-preset test, 1.06 GB once in six. Setting the threshold
-    also stops the adjustment. A mapped allocation costs a page fault per 4 KB when first touched,
-    so the hot paths reuse their buffers (sampling) or work in small chunks (NVFP4).
+    the run: 0.41-0.51 GB for the full-preset test, once 1.06 GB. Setting the threshold also stops
+    the adjustment. A mapped allocation costs a page fault per 4 KB when first touched, so the hot
+    paths reuse their buffers (sampling, expert inputs) or work in small chunks (NVFP4).
     """
     if _LIBC is not None:
         _LIBC.mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD)

@@ -47,7 +47,9 @@ class ExpertQuantizer:
     def tensor(self, spec: TensorSpec, suffix: str) -> torch.Tensor:
         key = (spec.layer, spec.expert)
         while self._current is None or self._current[0] != key:
-            self._current = next(self._in_order)
+            self._current = next(self._in_order, None)
+            if self._current is None:
+                raise ValueError(f"expert {key} asked for out of checkpoint order")
         return self._current[1][spec.projection][suffix]
 
 

@@ -127,7 +127,8 @@ class Generator:
         sequence at a time, and decode graphs captured against its buffers stay valid."""
         if self._state is None:
             self._state = self.model.new_state()
-        self._state.restore(self.model.new_state())
+        else:
+            self._state.restore(self.model.new_state())
         self._state.reserve(tokens)
         return self._state
 

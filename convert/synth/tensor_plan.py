@@ -27,7 +27,6 @@ from flashpack.convert.synth.vision import iter_vision_tensors
 
 _WORKERS = min(16, os.cpu_count() or 1)
 _WINDOW = 2 * _WORKERS  # experts quantised ahead of the writer: about 3 MB each at real dims
-_THREAD = threading.local()
 ExpertKey = tuple[int, int]  # (layer, expert)
 QuantizedExpert = dict[str, dict[str, torch.Tensor]]  # projection -> suffix -> tensor
 
@@ -57,10 +56,11 @@ def _quantized_in_order(
     values: ValueSource, specs_by_expert: dict[ExpertKey, list[TensorSpec]]
 ) -> Iterator[tuple[ExpertKey, QuantizedExpert]]:
     pool = ThreadPoolExecutor(max_workers=_WORKERS)
+    scratch = threading.local()  # each worker's input buffers, reused from expert to expert
     pending: deque[tuple[ExpertKey, Future[QuantizedExpert]]] = deque()
     try:
         for key, specs in specs_by_expert.items():
-            pending.append((key, pool.submit(_quantize, values, specs)))
+            pending.append((key, pool.submit(_quantize, values, specs, scratch)))
             if len(pending) > _WINDOW:
                 done, future = pending.popleft()
                 yield done, future.result()
@@ -73,23 +73,23 @@ def _quantized_in_order(
         yield done, future.result()
 
 
-def _quantize(values: ValueSource, specs: list[TensorSpec]) -> QuantizedExpert:
+def _quantize(values: ValueSource, specs: list[TensorSpec], scratch: threading.local) -> QuantizedExpert:
     by_projection = {spec.projection: spec for spec in specs}
     gate, up, down = (by_projection[projection] for projection in EXPERT_PROJECTIONS)
     inter = gate.shape[0]
-    gate_up, down_values = _input_buffers(((2 * inter, gate.shape[1]), down.shape))
+    gate_up, down_values = _input_buffers(scratch, ((2 * inter, gate.shape[1]), down.shape))
     values.text_into(gate, gate_up[:inter])
     values.text_into(up, gate_up[inter:])
     return quantize_expert(gate_up, values.text_into(down, down_values))
 
 
-def _input_buffers(shapes: tuple[tuple[int, ...], ...]) -> tuple[torch.Tensor, ...]:
+def _input_buffers(scratch: threading.local, shapes: tuple[tuple[int, ...], ...]) -> tuple[torch.Tensor, ...]:
     """This thread's bf16 buffers of these shapes, reused from expert to expert: the quantised
     result keeps nothing of its input, and fresh ones would be fresh mmaps, a page fault per 4 KB
     (see shard_writer.pin_mmap_threshold)."""
-    buffers = getattr(_THREAD, "inputs", ())
+    buffers = getattr(scratch, "inputs", ())
     if tuple(buffer.shape for buffer in buffers) != shapes:
-        buffers = _THREAD.inputs = tuple(torch.empty(shape, dtype=torch.bfloat16) for shape in shapes)
+        buffers = scratch.inputs = tuple(torch.empty(shape, dtype=torch.bfloat16) for shape in shapes)
     return buffers
 
 

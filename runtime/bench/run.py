@@ -5,11 +5,11 @@ The engine's step function is called directly (`model.forward(tokens, state, las
 no tokenizer or sampler work is timed; the first token is the argmax of the prefill's logits and
 each decode step feeds the previous argmax. A warm-up (a prompt of other ids of the same length, so
 every kernel the timed prompt needs is compiled for its shapes, and two decode steps) runs first,
-untimed: it loads kernels, captures the decode graphs and leaves the store's
-caches as a server would have them, partly warm. Every run uses one sequence state, reset in place
-and with room reserved for the longest run, so the graphs captured in the warm-up are replayed. Every clock read is preceded by a device synchronize. With several repeats,
-each starts a fresh sequence on the same (warmer) store; times are the medians, store traffic the
-mean per token over all repeats.
+untimed: it loads kernels, captures the decode graphs and leaves the store's caches as a server
+would have them, partly warm. Every run uses one sequence state, reset in place and with room
+reserved for the longest run, so the graphs captured in the warm-up are replayed. Every clock read
+is preceded by a device synchronize. With several repeats, each starts a fresh sequence on the
+same (warmer) store; times are the medians, store traffic the mean per token over all repeats.
 """
 
 from __future__ import annotations

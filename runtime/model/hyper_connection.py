@@ -37,7 +37,6 @@ class GatedResidual(nn.Module):
         names = ["input_mix_weight_down.weight"] + (["block_inject_weight.weight"] if inject else [])
         self.in_proj = StackedLinear(source, [prefix + name for name in names], dtype, device)
         self.register_buffer("mix_up", load("input_mix_weight_up.weight"), persistent=False)  # [hc*H, R]
-        self.inject = inject
 
     def mix(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """streams [T, hc*H] -> block input [T, H], injection weights [T, hc] (None for a final mixer)."""
@@ -46,7 +45,7 @@ class GatedResidual(nn.Module):
         gate = F.silu(down / self.hc)
         gate = torch.sigmoid(F.linear(gate, self.mix_up)).unflatten(-1, (self.hc, self.hidden))
         block_input = (gate * normed.unflatten(-1, (self.hc, self.hidden))).mean(dim=-2)
-        if not self.inject:
+        if not inject:  # a final mixer
             return block_input, None
         return block_input, 2 * torch.sigmoid(inject[0] / self.hc)
 

@@ -70,8 +70,9 @@ class SparseMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, H] -> [T, H]."""
-        weights, experts, shared = self.gate(x)  # the shared expert is enqueued before the host
-        if self.slots is None:                   # blocks on copies: it runs meanwhile
+        # The shared expert is enqueued before the host blocks on expert copies: it runs meanwhile.
+        weights, experts, shared = self.gate(x)
+        if self.slots is None:
             return self._routed_dequantised(x, weights, experts) + shared
         if self.resident is not None:
             self.resident.record_use(self.layer, experts)

@@ -6,7 +6,8 @@
 # profile eager fp8-unbounded. fp8 also converts a --dense-fp8 pack from the same snapshot and benches
 # 8/32 on it (BF16 dense weights alone exceed an 8 GB card at 48 layers). budgets, long (a 32k prompt)
 # and baseline (with transformers + accelerate beside) run 24/64 with every record pre-warmed (--hot-set '*').
-# Timing on an H200 (2026-11-29): build 285 s (LAYERS=4) + 65 s for the FP8 pack, each bench 30-120 s; all stages exceed one call's
+# Timing on an H200 (2026-11-29): build 282-298 s (LAYERS=4, before the faster synth; the FP8 pack's convert
+# comes on top, not timed), each bench 30-120 s; all stages exceed one call's
 # 600 s, and a machine keeps nothing between calls, so split STAGES over calls (each rebuilds).
 set -o pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site wheels/*.whl || exit 1

@@ -2,13 +2,14 @@
 # One device call: CUDA tests (while the pack builds), build `full --layers $LAYERS`, `flashpack bench`
 # at three budgets emulating 48 layers (transformers baseline at 24/64), decode profiles. Results in $OUT.
 # Run with carry ["wheels"] (transformers 5.23 + jsonschema wheels; /work/.library/device/README.md).
-# STAGES picks steps (default all, run in this order): tests layers unbounded fp8 budgets long baseline
-# profile eager fp8-unbounded. fp8 also converts a --dense-fp8 pack from the same snapshot and benches
-# 8/32 on it (BF16 dense weights alone exceed an 8 GB card at 48 layers). budgets, long (a 32k prompt)
-# and baseline (with transformers + accelerate beside) run 24/64 with every record pre-warmed (--hot-set '*').
-# Timing on an H200 (2026-11-29): build 282-298 s (LAYERS=4, before the faster synth; the FP8 pack's convert
-# comes on top, not timed), each bench 30-120 s; all stages exceed one call's
-# 600 s, and a machine keeps nothing between calls, so split STAGES over calls (each rebuilds).
+# STAGES picks steps and their order (default all: tests layers unbounded fp8 budgets long baseline
+# profile eager fp8-unbounded); tests run beside the build, the rest after it. fp8 also converts a
+# --dense-fp8 pack from the same snapshot and benches 8/32 on it (BF16 dense weights alone exceed an
+# 8 GB card at 48 layers). budgets, long (a 32k prompt) and baseline (with transformers + accelerate
+# beside) run 24/64 with every record pre-warmed (--hot-set '*'). TESTS overrides the GPU test list.
+# Timing on an H200 (2026-11-29): build 165 s (LAYERS=4; the FP8 pack's convert follows, untimed),
+# each bench 30-120 s; all stages exceed one call's 600 s, and a machine keeps nothing between
+# calls, so split STAGES over calls (each rebuilds).
 set -o pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site wheels/*.whl || exit 1
 mkdir -p /tmp/pkg && ln -sfn "$PWD" /tmp/pkg/flashpack
@@ -23,10 +24,10 @@ start=$(date +%s)
   ; if has fp8 || has fp8-unbounded; then timeout 150 python3 -m flashpack.cli convert $W/src $W/full-fp8.pack --dense-fp8 --force >/dev/null 2>&1; fi ) &
 build=$!
 if has tests; then
-  timeout 330 python3 -m pytest tests/kernels tests/runtime/test_engine_slots.py tests/runtime/test_decode_graphs.py \
+  timeout 420 python3 -m pytest ${TESTS:-tests/kernels tests/runtime/test_engine_slots.py tests/runtime/test_decode_graphs.py \
     tests/runtime/test_delta_rule.py tests/runtime/test_dense_fp8.py tests/store/test_store_stream.py \
-    tests/store/test_store_fetch.py -q --tb=short \
-    -p no:cacheprovider -p no:logging 2>&1 | tail -60 | tee $OUT/tests.log
+    tests/store/test_store_fetch.py tests/store/test_store_slot_table.py} -q --tb=short \
+    -p no:cacheprovider -p no:logging > $OUT/tests.log 2>&1; tail -40 $OUT/tests.log
 fi
 wait $build; cat $OUT/gpu.txt; [ -f $W/full.pack/manifest.json ] || exit 1
 bench() {  # name, vram, ram, extra args (PACK=full-fp8 for the --dense-fp8 pack)
@@ -34,18 +35,22 @@ bench() {  # name, vram, ram, extra args (PACK=full-fp8 for the --dense-fp8 pack
   timeout ${BENCH_TIMEOUT:-150} python3 -m flashpack.cli bench $W/${PACK:-full}.pack --device cuda ${vram:+--vram-budget $vram} \
     ${ram:+--ram-budget $ram} --emulate-layers 48 --json $OUT/bench-$name.json --quiet "$@" 2>&1 | tail -22
 }
-has layers && timeout 150 python3 bench/layer_costs.py $W/full.pack --out $OUT 2>&1 | tail -1
-has unbounded && bench unbounded "" "" --prompt-len $PROMPT --gen $GEN
-has fp8 && PACK=full-fp8 bench 8g-32g-fp8 8GiB 32GiB --prompt-len $PROMPT --gen $GEN
-has budgets && bench 24g-64g 24GiB 64GiB --prompt-len $PROMPT --gen $GEN --hot-set '*'
-has long && bench 24g-64g-32k 24GiB 64GiB --prompt-len 32768 --gen 4 --hot-set '*'
-has baseline && bench 24g-64g-baseline 24GiB 64GiB --prompt-len $PROMPT --gen $GEN --hot-set '*' \
-  --baseline transformers --baseline-layers 2
-if has profile; then
-  timeout 90 python3 bench/profile_decode.py $W/full.pack --name resident --out $OUT 2>&1 | tail -1
-  timeout 90 python3 bench/profile_decode.py $W/full.pack --name tiered-24g --vram-budget 4GiB --ram-budget 6GiB \
-    --out $OUT 2>&1 | tail -1
-fi
-has eager && bench unbounded-eager "" "" --prompt-len $PROMPT --gen $GEN --no-cuda-graphs
-has eager && bench 24g-64g-eager 24GiB 64GiB --prompt-len $PROMPT --gen $GEN --no-cuda-graphs
-has fp8-unbounded && PACK=full-fp8 bench unbounded-fp8 "" "" --prompt-len $PROMPT --gen $GEN
+for stage in $STAGES; do
+  case $stage in
+    layers) timeout 150 python3 bench/layer_costs.py $W/full.pack --out $OUT 2>&1 | tail -1 ;;
+    unbounded) bench unbounded "" "" --prompt-len $PROMPT --gen $GEN ;;
+    fp8) PACK=full-fp8 bench 8g-32g-fp8 8GiB 32GiB --prompt-len $PROMPT --gen $GEN ;;
+    budgets) bench 24g-64g 24GiB 64GiB --prompt-len $PROMPT --gen $GEN --hot-set '*' ;;
+    long) bench 24g-64g-32k 24GiB 64GiB --prompt-len 32768 --gen 4 --hot-set '*' ;;
+    baseline) bench 24g-64g-baseline 24GiB 64GiB --prompt-len $PROMPT --gen $GEN --hot-set '*' \
+      --baseline transformers --baseline-layers 2 ;;
+    profile)
+      timeout 90 python3 bench/profile_decode.py $W/full.pack --name resident --out $OUT 2>&1 | tail -1
+      timeout 90 python3 bench/profile_decode.py $W/full.pack --name tiered-24g --vram-budget 4GiB --ram-budget 6GiB \
+        --out $OUT 2>&1 | tail -1 ;;
+    eager)
+      bench unbounded-eager "" "" --prompt-len $PROMPT --gen $GEN --no-cuda-graphs
+      bench 24g-64g-eager 24GiB 64GiB --prompt-len $PROMPT --gen $GEN --no-cuda-graphs ;;
+    fp8-unbounded) PACK=full-fp8 bench unbounded-fp8 "" "" --prompt-len $PROMPT --gen $GEN ;;
+  esac
+done

@@ -11,6 +11,14 @@ Two kinds of source sit behind a MoE block; the block asks which one it has:
     ResidentSlots.slot_table[layer, expert] -> slot
         an ExpertSlots source that holds every expert for good (an unbounded budget): the block
         looks slots up on the device, with no host round trip, which CUDA graphs need.
+    TabledSlots.hold_slot_table()[layer, expert] -> code
+        an ExpertSlots source whose experts come and go (the tiered store) that also says on the
+        device where each one is now:
+            code >= 0     its device slot (bank row)
+            code <= -2    host-cache slot -(code + 2): `host_records` lets the step copy it into a
+                          staging row of the bank itself
+            code == -1    only on disk (or still being read or copied): the step is redone
+                          through `stream`
 
 Whatever tiers sit behind a source (device slots, pinned host cache, disk reads) are invisible
 here. MTP layers use layer index num_hidden_layers + mtp_layer.
@@ -25,6 +33,23 @@ from typing import Protocol, runtime_checkable
 import torch
 
 from flashpack.runtime.kernels.bank import ExpertBank
+
+ON_DISK = -1  # a slot-table code (TabledSlots)
+
+
+def host_code(host_slot: int) -> int:
+    """The slot-table code of host-cache slot `host_slot`."""
+    return -(host_slot + 2)
+
+
+@dataclass(frozen=True)
+class HostRecords:
+    """What a decode step needs to stage host-cache records into device rows itself."""
+
+    source: torch.Tensor  # int32 view of the host pool's lowest chunk: the base every address counts from
+    offsets: torch.Tensor  # int64 [host slots] on the device: each host slot's offset from `source`, in words
+    staging: torch.Tensor  # int32 [top_k, stride / 4]: the device pool's staging rows
+    first_staging_slot: int  # the bank row of staging[0]
 
 
 @dataclass
@@ -78,4 +103,28 @@ class ResidentSlots(ExpertSlots, Protocol):
 
     def count_replay(self, layer: int) -> None:
         """Count one token's requests of `layer` for a MoE block replayed from a CUDA graph."""
+        ...
+
+
+@runtime_checkable
+class TabledSlots(ExpertSlots, Protocol):
+    def hold_slot_table(self) -> torch.Tensor:
+        """int32 [layers, num_experts] on the device: where each expert is now (slot_table.py: a
+        device slot, a host slot, or on disk). Those slots keep their bytes until
+        `release_slot_table`, and on CUDA until the work enqueued before it has run."""
+        ...
+
+    def release_slot_table(self) -> None:
+        """The work that reads the held table's slots is enqueued (on the current stream)."""
+        ...
+
+    @property
+    def host_records(self):
+        """A slot_table.HostRecords when the table also names host-cache slots (codes <= -2) for
+        the step to stage into device rows itself; None when it names device slots alone."""
+        ...
+
+    def record_hits(self, layer: int, experts: list[int], staged: list[int] = ()) -> None:
+        """Count a decode step's experts of `layer` found through the table: on the device, and
+        `staged` from the host cache."""
         ...

@@ -128,6 +128,10 @@ def table(report: dict) -> str:
     rows.append(("decode achieved / roofline", _num(decode_roof["achieved_over_roofline"]), "", ""))
     store = ours["decode"]["store"]
     rows.append(("decode device hit rate", _num(store["hit_rates"]["device"]), "", ""))
+    table_steps = ours["decode"].get("steps_from_slot_table")
+    if table_steps:
+        rows.append(("decode steps from the slot table", f"{table_steps['stood']}/{table_steps['steps']}", "",
+                     f"tried {table_steps['tried']}"))
     counters = store.get("counters", {})
     if counters.get("prefetch_issued"):
         rows.append(("decode prefetches used", _num(counters.get("prefetch_used", 0) / counters["prefetch_issued"]),

@@ -49,6 +49,14 @@ class EngineResult:
         tokens = (self.prompt_tokens if phase == "prefill" else self.gen_tokens) * len(self.repeats)
         return phase_summary(summed, tokens)
 
+    def _table_steps(self) -> dict | None:
+        """Decode steps tried from the store's slot table, and those that stood (no expert missing)."""
+        counts = [r["table_steps"] for r in self.repeats if r.get("table_steps") is not None]
+        if not counts:
+            return None
+        return {"tried": sum(c["tried"] for c in counts), "stood": sum(c["stood"] for c in counts),
+                "steps": self.gen_tokens * len(counts)}
+
     def to_dict(self) -> dict:
         ttft, decode = self.ttft_seconds, self.decode_seconds
         step_times = [t for r in self.repeats for t in r["step_seconds"]]
@@ -63,6 +71,7 @@ class EngineResult:
                 "ms_per_token_median_step": 1000 * statistics.median(step_times),
                 "ms_per_token_max_step": 1000 * max(step_times),
                 "store": self.phase_store("decode"),
+                "steps_from_slot_table": self._table_steps(),
             },
             "fixed_seconds": self.fixed_seconds,
             "generated": self.repeats[0]["generated"],
@@ -101,6 +110,7 @@ def timed_run(model, store, state, prompt: list[int], gen: int, progress: bool =
     synchronize(device)
     ttft = time.perf_counter() - start
     middle = snapshot(store)
+    tried_before = _table_steps(model)
     generated, steps = [token], []
     for _ in tqdm(range(gen), desc="decode", unit="tok", disable=not progress, leave=False):
         start = time.perf_counter()
@@ -109,10 +119,19 @@ def timed_run(model, store, state, prompt: list[int], gen: int, progress: bool =
         steps.append(time.perf_counter() - start)
         generated.append(token)
     after = snapshot(store)
+    tried_after = _table_steps(model)
     return {
         "ttft_s": ttft, "decode_seconds": sum(steps), "step_seconds": steps, "generated": generated,
         "prefill_counters": difference(before, middle), "decode_counters": difference(middle, after),
+        "table_steps": None if tried_after is None else {
+            "tried": tried_after[0] - tried_before[0], "stood": tried_after[1] - tried_before[1]},
     }
+
+
+def _table_steps(model) -> tuple[int, int] | None:
+    """(steps tried from the store's slot table, steps that stood) so far, or None (no such steps)."""
+    speculation = model.decode_graphs.speculation if model.decode_graphs is not None else None
+    return None if speculation is None else (speculation.tries, speculation.confirmed)
 
 
 @torch.no_grad()

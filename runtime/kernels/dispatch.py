@@ -1,4 +1,5 @@
-"""The calls the engine makes: `moe_experts` and `fp8_linear`, Triton where it runs, else reference.
+"""The calls the engine makes: `moe_experts`, `fp8_linear` and `stage_records`, Triton where it runs,
+else reference.
 
 backend="auto" takes the Triton kernels on CUDA and the plain-PyTorch reference anywhere else;
 "triton" and "reference" force one side. The tests force "triton" on a CPU, where the kernels run
@@ -14,7 +15,9 @@ import importlib.util
 import torch
 
 from flashpack.runtime.kernels.bank import ExpertBank
-from flashpack.runtime.kernels.reference import expert_swiglu_reference, fp8_linear_reference
+from flashpack.runtime.kernels.reference import (
+    expert_swiglu_reference, fp8_linear_reference, stage_records_reference,
+)
 
 BACKENDS = ("auto", "triton", "reference")
 FP8_MATVEC_MAX_TOKENS = 4
@@ -83,3 +86,16 @@ def fp8_linear(
 
     return fp8_linear_triton(x, values, row_scale, out=out, precision=_precision(x.device),
                              matvec_max_tokens=FP8_MATVEC_MAX_TOKENS)
+
+
+@torch.compiler.disable
+def stage_records(
+    source: torch.Tensor, offsets: torch.Tensor, target: torch.Tensor, backend: str = "auto",
+) -> torch.Tensor:
+    """Copy records into device rows: source int32 [N] (on CUDA, pinned host memory the kernel
+    reads in place), offsets int64 [K] in int32 words (-1: leave the row), target int32 [K, words]."""
+    if not use_triton(target.device, backend):
+        return stage_records_reference(source, offsets, target)
+    from flashpack.runtime.kernels.stage_records import stage_records_triton
+
+    return stage_records_triton(source, offsets, target)

@@ -56,3 +56,13 @@ def fp8_linear_reference(
     """x [..., C], values float8_e4m3fn [R, C], row_scale float32 [R] -> [..., R]: x @ (values * scale)^T."""
     y = _round(x.float(), act_dtype) @ dequantize_fp8_rows(values, row_scale).T
     return y.to(out_dtype or x.dtype)
+
+
+def stage_records_reference(source: torch.Tensor, offsets: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """source int32 [N]; offsets int64 [K] in int32 words, -1 to skip; target int32 [K, words]:
+    target[k] = source[offsets[k]:offsets[k] + words] where offsets[k] >= 0, other rows untouched."""
+    words = target.shape[1]
+    for row, offset in enumerate(offsets.tolist()):
+        if offset >= 0:
+            target[row] = source[offset:offset + words]
+    return target

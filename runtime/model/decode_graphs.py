@@ -4,25 +4,35 @@ A decode step launches some hundred small kernels per layer; issued one by one f
 host, not the GPU, sets the pace. Nearly all of a step has the same shapes every time and reads
 and writes the same buffers: DeltaNet and PLE state are updated in place, QSA attention writes
 the new token into its cache at a device-side position and attends over the whole buffer under
-a mask (`QSAAttention.attend_step`), a resident expert source looks slots up on the device. So:
+a mask (`QSAAttention.attend_step`), and the routed experts' slots can be looked up on the device
+in a slot table. So a step is one graph for all the layers:
 
-    every expert resident   one graph for all the layers of the step
-    a tiered store          one graph per layer, cut where the routed experts need the host:
-                            graph(combine previous layer's experts, [PLE addend,] mix, mixer,
-                            combine, mix, router, shared expert, next layer's prediction) ->
-                            eager(expert ids to the host, the store, the expert kernels) -> ...
+    every expert resident   the source's slot table never misses: the graph is the whole step
+    a tiered store          the store publishes which experts are on the device now
+                            (TabledSlots.hold_slot_table) and the graph runs against that,
+                            reporting every expert it found missing (zero-weighted meanwhile). One
+                            read-back after the step: no miss, the step stands and the store
+                            counts the experts as hits; a miss, the step is redone through the store
+                            from a copy of the state the graph took first. That redo is one
+                            graph per layer, cut at the routed experts:
+                                graph(combine previous layer's experts, [PLE addend,] mix, mixer,
+                                combine, mix, router, shared expert, next layer's prediction) ->
+                                eager(expert ids to the host, the store, the expert kernels) -> ...
+                            A failed try waits 2, 4, ... 64 steps before the next (`Speculation`),
+                            so a budget that misses every step pays for few of them.
 
 What stays eager around them: the PLE rows (hashed and gathered on the host from the step's
-token), the embedding and the logits. Before each step the attention caches reserve room for the
-token; when one has to grow, its buffers move and the graphs are captured again (the caches grow
-by doubling, so that is rare). Each captured call runs eagerly the first time (which compiles and
-warms kernels), is captured the second time and replayed from then on. Graphs read the state
-buffers of the sequence they were captured with (a restored snapshot is copied into them); a
-step with another sequence's state drops them and starts over (the Generator and the bench reset
-one state in place for each new sequence, so theirs stay). A resident
-expert source's requests are counted here, every step, since neither a replay nor the pieces call it.
-`per_layer=True` gives every layer its own graph also when resident (bench/layer_costs.py times
-layers apart that way).
+token, once per step), the embedding and the logits. Before each step the attention caches
+reserve room for the token; when one has to grow, its buffers move and the graphs are captured
+again (the caches grow by doubling, so that is rare). A redone step writes the same attention
+cache entries again, so only DeltaNet and PLE state are copied. Each captured call runs eagerly
+the first time (which compiles and warms kernels), is captured the second time and replayed
+from then on. Graphs read the state buffers of the sequence they were captured with (a restored
+snapshot is copied into them); a step with another sequence's state drops them and starts over
+(the Generator and the bench reset one state in place for each new sequence, so theirs stay). A
+resident expert source's requests are counted here, every step, since neither a replay nor the
+pieces call it. `per_layer=True` gives every layer its own graph also when resident
+(bench/layer_costs.py times layers apart that way).
 
 With `compile_layers`, the pieces are first compiled by torch.compile (TorchInductor), which fuses
 the hundred-odd small kernels of a layer (norms, gates, the hyper-connection mixing) into a few;
@@ -34,11 +44,13 @@ kernels of our own and flash-linear-attention's run as they are between compiled
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from flashpack.runtime.kernels import moe_experts
+from flashpack.runtime.experts import ON_DISK, HostRecords, TabledSlots, host_code
+from flashpack.runtime.kernels import moe_experts, stage_records
 from flashpack.runtime.model.decoder_layer import DecoderLayer
 from flashpack.runtime.state import SequenceState
 
@@ -72,6 +84,9 @@ class CapturedCall:
         return self.outputs
 
 
+MAX_SPECULATION_WAIT = 64  # steps
+
+
 def layer_front(layer: DecoderLayer, streams, position, ple_rows, ple_state, mixer_state):
     """[PLE addend,] attention-side mix, the sequence mixer, combine: streams before the MoE block."""
     if ple_rows is not None:
@@ -86,12 +101,24 @@ def layer_front(layer: DecoderLayer, streams, position, ple_rows, ple_state, mix
     return layer.attn_hc.combine(streams, mixed, inject)
 
 
-def resident_feed_forward(layer: DecoderLayer, streams, slot_row, bank):
-    """The MoE block with every expert resident: `slot_row` [num_experts] maps ids to bank rows."""
+def table_feed_forward(layer: DecoderLayer, streams, code_row, bank, host: HostRecords | None):
+    """The MoE block with its experts found on the device: `code_row` [num_experts] holds each
+    expert's bank row, or where it is in the host cache (staged into `host.staging` here), or
+    that it is on disk (slot_table.py). Returns (streams, expert ids [1, k], their codes [1, k],
+    whether one was on disk); such an expert is weighted zero and the output is not to be used."""
     x, inject = layer.mlp_hc.mix(streams)
     weights, experts, shared = layer.moe.gate(x)
-    routed = moe_experts(x, bank, slot_row[experts], weights)
-    return layer.mlp_hc.combine(streams, routed + shared, inject)
+    codes = code_row[experts]  # [1, k]
+    missing = codes == ON_DISK if host is not None else codes < 0  # no staging rows: host slots miss too
+    slots = codes
+    if host is not None:
+        staged = codes <= host_code(0)
+        host_slots = torch.where(staged, -codes - 2, 0).flatten()
+        stage_records(host.source, torch.where(staged.flatten(), host.offsets[host_slots], -1), host.staging)
+        rows = host.first_staging_slot + torch.arange(codes.shape[1], device=codes.device, dtype=codes.dtype)
+        slots = torch.where(staged, rows, codes)
+    routed = moe_experts(x, bank, slots.clamp(min=0), weights.masked_fill(missing, 0))
+    return layer.mlp_hc.combine(streams, routed + shared, inject), experts, codes, missing.any()
 
 
 def tiered_route(layer: DecoderLayer, streams):
@@ -106,25 +133,57 @@ def expert_combine(layer: DecoderLayer, streams, expert_output, inject):
     return layer.mlp_hc.combine(streams, expert_output, inject)
 
 
+@dataclass
+class Speculation:
+    """When a tiered step tries the device slot table first: always after a try that found every
+    expert there; after n failed tries in a row, not for the next 2**n steps (at most 64)."""
+
+    tries: int = 0
+    confirmed: int = 0
+    failures_in_a_row: int = 0
+    skip: int = 0
+
+    def due(self) -> bool:
+        if self.skip:
+            self.skip -= 1
+            return False
+        return True
+
+    def record(self, confirmed: bool) -> None:
+        self.tries += 1
+        if confirmed:
+            self.confirmed += 1
+            self.failures_in_a_row = 0
+        else:
+            self.failures_in_a_row += 1
+            self.skip = min(2 ** self.failures_in_a_row, MAX_SPECULATION_WAIT)
+
+
 class DecodeGraphs:
     def __init__(
         self, layers: nn.ModuleList, count_replay: Callable[[int], None] | None = None,
         make_call: Callable[[Callable], CapturedCall] | None = None, per_layer: bool = False,
         compile_layers: bool = False,
     ):
-        """`make_call(fn)` wraps each piece (default: a CapturedCall sharing one graph pool); the
-        CPU tests pass a plain call to check how the layers are cut into pieces."""
+        """`make_call(fn)` wraps each piece (default: a CapturedCall; the table's pieces and the
+        store's share no graph pool, since a redo replays them out of capture order); the CPU
+        tests pass a plain call to check how the layers are cut into pieces."""
         self.layers = list(layers)
         self.count_replay = count_replay  # count_replay(layer): a resident MoE block's requests
         self.make_call = make_call
+        source = self.layers[0].moe.slots
         self.resident = all(layer.moe.resident is not None for layer in self.layers)
-        self.per_layer = per_layer or not self.resident
+        self.tabled = source if not self.resident and isinstance(source, TabledSlots) else None
+        self.speculation = Speculation() if self.tabled is not None else None
+        self.per_layer = per_layer
         compiled = torch.compile if compile_layers else (lambda fn: fn)
         self.front, self.combine = compiled(layer_front), compiled(expert_combine)
-        self.feed_forward, self.route = compiled(resident_feed_forward), compiled(tiered_route)
+        self.feed_forward, self.route = compiled(table_feed_forward), compiled(tiered_route)
         self._bound_to: tuple[int, ...] | None = None
         self._state: SequenceState | None = None
-        self._pieces: list[tuple[list[DecoderLayer], CapturedCall]] = []
+        self._table_pieces: list[tuple[list[DecoderLayer], CapturedCall]] = []
+        self._store_pieces: list[tuple[DecoderLayer, CapturedCall]] = []
+        self._saved: list[tuple[torch.Tensor, torch.Tensor]] = []  # (live state, its copy) for redoing a step
 
     def run(
         self, streams: torch.Tensor, tokens: torch.Tensor, state: SequenceState,
@@ -139,27 +198,71 @@ class DecodeGraphs:
         self._bind(state)
         self._state = state
         position = torch.full((1,), state.position, dtype=torch.int64, device=streams.device)
-        carried = ()  # tiered: the previous layer's (routed + shared expert output, inject), combined next
-        for layers, call in self._pieces:
-            rows = [layer.ple.embed(tokens, state.ple[layer.layer]) for layer in layers if layer.ple is not None]
-            if self.resident:
-                streams = call(streams, position, *rows)
-            else:
-                (layer,) = layers
-                streams, x, inject, weights, experts, shared, predicted = call(streams, position, *carried, *rows)
-                routed = layer.moe.routed_from_store(x, weights, experts, predicted)
-                carried = (routed + shared, inject)
+        rows = {layer.layer: layer.ple.embed(tokens, state.ple[layer.layer])
+                for layer in self.layers if layer.ple is not None}  # advances the n-gram context: once
+        if self.resident:
+            streams = self._from_table(streams, position, rows, after_layer)
+        else:
+            tried = self._try_table(streams, position, rows) if self.speculation is not None else None
+            streams = tried if tried is not None else self._through_store(streams, position, rows, after_layer)
+        for layer in self.layers:
+            if not layer.linear:
+                state.attention[layer.layer].advance(1)
+        return streams
+
+    def _from_table(self, streams, position, rows, after_layer) -> torch.Tensor:
+        table = self.layers[0].moe.resident.slot_table
+        for layers, call in self._table_pieces:
+            streams, _, _, _ = call(streams, position, table, *self._rows_of(layers, rows))
             if self.count_replay is not None:
                 for layer in layers:
                     self.count_replay(layer.layer)
             if after_layer is not None:
                 after_layer(layers[-1])
-        if carried:
-            streams = self.combine(self.layers[-1], streams, *carried)
-        for layer in self.layers:
-            if not layer.linear:
-                state.attention[layer.layer].advance(1)
         return streams
+
+    def _try_table(self, streams, position, rows) -> torch.Tensor | None:
+        """The step against the store's slot table: its streams, or None (state as before) when an
+        expert was missing."""
+        if not self.speculation.due():
+            return None
+        ((layers, call),) = self._table_pieces
+        table = self.tabled.hold_slot_table()
+        try:
+            out, experts, codes, missing = call(streams, position, table, *self._rows_of(layers, rows))
+        finally:
+            self.tabled.release_slot_table()
+        report = torch.cat([missing.to(experts.dtype), experts.flatten(), codes.flatten().to(experts.dtype)])
+        report = report.tolist()  # the one read-back
+        confirmed = not any(report[:len(layers)])
+        self.speculation.record(confirmed)
+        if not confirmed:
+            for live, saved in self._saved:
+                live.copy_(saved)
+            return None
+        count = experts.numel()
+        picked, where = report[len(layers):len(layers) + count], report[len(layers) + count:]
+        k = count // len(layers)
+        for index, layer in enumerate(layers):
+            found = list(zip(picked[index * k:(index + 1) * k], where[index * k:(index + 1) * k]))
+            self.tabled.record_hits(layer.layer, [e for e, code in found if code >= 0],
+                                    [e for e, code in found if code < 0])
+        return out
+
+    def _through_store(self, streams, position, rows, after_layer) -> torch.Tensor:
+        carried = ()  # the previous layer's (routed + shared expert output, inject), combined next
+        for layer, call in self._store_pieces:
+            streams, x, inject, weights, experts, shared, predicted = call(
+                streams, position, *carried, *self._rows_of([layer], rows))
+            routed = layer.moe.routed_from_store(x, weights, experts, predicted)
+            carried = (routed + shared, inject)
+            if after_layer is not None:
+                after_layer(layer)
+        return self.combine(self.layers[-1], streams, *carried)
+
+    @staticmethod
+    def _rows_of(layers: list[DecoderLayer], rows: dict[int, torch.Tensor]) -> list[torch.Tensor]:
+        return [rows[layer.layer] for layer in layers if layer.ple is not None]
 
     def _mixer_state(self, layer: DecoderLayer):
         return self._state.deltanet[layer.layer] if layer.linear else self._state.attention[layer.layer]
@@ -169,19 +272,24 @@ class DecodeGraphs:
         ple_rows = next(rows) if layer.ple is not None else None
         return self.front(layer, streams, position, ple_rows, ple_state, self._mixer_state(layer))
 
-    def _resident_layers(self, layers: list[DecoderLayer]) -> Callable:
-        resident = layers[0].moe.resident
-
-        def step(streams, position, *ple_rows):
-            rows = iter(ple_rows)
+    def _table_layers(self, layers: list[DecoderLayer], bank, host: HostRecords | None) -> Callable:
+        """(streams, expert ids [layers, k], their codes [layers, k], missing [layers]) against a
+        slot table [layers, experts]; first saves the state a redo restores."""
+        def step(streams, position, table, *ple_rows):
+            for live, saved in self._saved:
+                saved.copy_(live)
+            rows, experts, codes, missing = iter(ple_rows), [], [], []
             for layer in layers:
                 streams = self._layer_front(layer, streams, position, rows)
-                streams = self.feed_forward(layer, streams, resident.slot_table[layer.layer], resident.bank)
-            return streams
+                streams, picked, where, missed = self.feed_forward(layer, streams, table[layer.layer], bank, host)
+                experts.append(picked)
+                codes.append(where)
+                missing.append(missed)
+            return streams, torch.cat(experts), torch.cat(codes), torch.stack(missing)
 
         return step
 
-    def _tiered_layer(self, layer: DecoderLayer, previous: DecoderLayer | None) -> Callable:
+    def _store_layer(self, layer: DecoderLayer, previous: DecoderLayer | None) -> Callable:
         """(streams, MoE input, its inject, routing weights, expert ids, shared expert output,
         next layer's predicted ids or None), the previous layer's experts combined first."""
         def step(streams, position, *rest):
@@ -194,21 +302,30 @@ class DecodeGraphs:
         return step
 
     def _bind(self, state: SequenceState) -> None:
-        key = tuple(t.data_ptr() for s in state.deltanet.values() for t in (s.conv, s.recurrent))
-        key += tuple(s.conv.data_ptr() for s in state.ple.values())
+        live = [t for s in state.deltanet.values() for t in (s.conv, s.recurrent)]
+        live += [s.conv for s in state.ple.values()]
+        key = tuple(t.data_ptr() for t in live)
         key += tuple(state.attention[layer.layer].buffers()[0].data_ptr() for layer in self.layers if not layer.linear)
         if key == self._bound_to:
             return
         self._bound_to = key
-        make_call = self.make_call
-        if make_call is None:
-            pool = torch.cuda.graph_pool_handle()
-            make_call = lambda fn: CapturedCall(fn, pool)  # noqa: E731
-        if not self.resident:
-            previous = [None, *self.layers[:-1]]
-            self._pieces = [([layer], make_call(self._tiered_layer(layer, before)))
-                            for layer, before in zip(self.layers, previous)]
-        elif self.per_layer:
-            self._pieces = [([layer], make_call(self._resident_layers([layer]))) for layer in self.layers]
+        make_table_call = make_store_call = self.make_call
+        if self.make_call is None:
+            table_pool, store_pool = torch.cuda.graph_pool_handle(), torch.cuda.graph_pool_handle()
+            make_table_call = lambda fn: CapturedCall(fn, table_pool)  # noqa: E731
+            make_store_call = lambda fn: CapturedCall(fn, store_pool)  # noqa: E731
+        host = None
+        if self.resident:
+            bank = self.layers[0].moe.resident.bank
+            groups = [[layer] for layer in self.layers] if self.per_layer else [self.layers]
         else:
-            self._pieces = [(self.layers, make_call(self._resident_layers(self.layers)))]
+            previous = [None, *self.layers[:-1]]
+            self._store_pieces = [(layer, make_store_call(self._store_layer(layer, before)))
+                                  for layer, before in zip(self.layers, previous)]
+            if self.tabled is None:
+                self._table_pieces = []
+                return
+            bank, host = self.tabled.bank, self.tabled.host_records
+            groups = [self.layers]
+            self._saved = [(t, t.clone()) for t in live]
+        self._table_pieces = [(layers, make_table_call(self._table_layers(layers, bank, host))) for layers in groups]

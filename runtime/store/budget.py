@@ -52,10 +52,11 @@ class StorePlan:
     host_slots: int  # pinned host cache, read buffers included
     device_reserved: int  # dense weights, KV, work buffers counted against the device budget
     host_reserved: int
+    staging_slots: int = 0  # device rows after the slots: host records staged for a decode step
 
     @property
     def device_pool_bytes(self) -> int:
-        return self.device_slots * self.record_stride
+        return (self.device_slots + self.staging_slots) * self.record_stride
 
     @property
     def host_pool_bytes(self) -> int:
@@ -72,17 +73,21 @@ def plan_store(
     device_reserved: int = 0,
     host_reserved: int = 0,
     read_buffers: int = 1,
+    staging: bool = False,
 ) -> StorePlan:
     """Slots per tier. A None budget means "room for every record" (nothing is ever evicted).
 
-    The device pool needs top_k slots (one token's experts of the layer being computed); the host
-    tier needs `read_buffers` slots, the page-aligned buffers disk reads land in.
+    The device pool needs top_k slots (one token's experts of the layer being computed), and with
+    `staging` top_k rows more, for a decode step to stage host records into; the host tier needs
+    `read_buffers` slots, the page-aligned buffers disk reads land in.
     """
-    device_slots = _slots("--vram-budget", vram_budget, device_reserved, record_stride, top_k, total_records,
-                          f"{top_k} expert slots (top_k of one layer)")
+    staging_slots = top_k if staging else 0
+    what = f"{top_k} expert slots (top_k of one layer)" + (f" and {staging_slots} staging rows" if staging else "")
+    device_slots = _slots("--vram-budget", vram_budget, device_reserved, record_stride, top_k + staging_slots,
+                          total_records + staging_slots, what) - staging_slots
     host_slots = _slots("--ram-budget", ram_budget, host_reserved, record_stride, read_buffers, total_records,
                         f"{read_buffers} read buffer(s)")
-    return StorePlan(record_stride, device_slots, host_slots, device_reserved, host_reserved)
+    return StorePlan(record_stride, device_slots, host_slots, device_reserved, host_reserved, staging_slots)
 
 
 def _slots(flag: str, budget: int | None, reserved: int, stride: int, minimum: int, most: int, what: str) -> int:

@@ -82,12 +82,15 @@ def build_store(
     rebalance: bool = True,
     poison: bool = False,
     allow_resident: bool = False,
+    staging: bool = False,
 ) -> TieredStore | ResidentExperts:
     """A ready store. Budgets: "24GiB"-style strings or bytes; None = room for every record on a
     CPU, and on a GPU 90 % of its free memory and 75 % of the available RAM (`machine_free_bytes`).
 
     With `allow_resident` (the engine on a GPU), a device budget that holds every record gives a
-    `ResidentExperts` instead: all records loaded once, slots looked up on the device.
+    `ResidentExperts` instead: all records loaded once, slots looked up on the device. `staging`
+    (CUDA-graph decode) sets top_k rows of the device budget aside for decode steps to stage host
+    records into (TabledSlots.host_records).
 
     `device_reserved` overrides the estimate of what else lives on the device (see
     `resident_device_bytes`); `hot_set` names a profile in the manifest's hot_sets to pre-warm
@@ -116,8 +119,9 @@ def build_store(
         ram_budget=ram,
         device_reserved=device_reserved,
         host_reserved=host_reserved,
+        staging=staging,
     )
-    if allow_resident and plan.device_slots >= len(manifest.document["experts"]["records"]):
+    if allow_resident and plan.device_slots + plan.staging_slots >= len(manifest.document["experts"]["records"]):
         return ResidentExperts(pack, device, verify_records=verify_records, plan=plan)
     store = TieredStore(pack, plan, device=device, policy=policy, verify_records=verify_records,
                         reader_threads=reader_threads, direct_io=direct_io, rebalance=rebalance, poison=poison)

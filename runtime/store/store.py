@@ -8,6 +8,9 @@
     request(layer, experts) -> handles     device hit: ready now; host hit: one copy in flight;
                                            miss: O_DIRECT read (reader threads) then a copy
     wait(handles) -> {expert: ExpertWeights}   blocks on the copies, dequantises, releases slots
+    hold_slot_table() -> table, release_slot_table(), record_hits(layer, experts)
+                                           a decode step looks slots up on the device
+                                           (slot_table.py) and counts what it used
 
 A request larger than the layer's share of the pool (a prefill) streams: its hits first, then its
 misses a few at a time, each chunk's loads started before the previous chunk is handed out.
@@ -36,7 +39,7 @@ import torch
 from flashpack.errors import FlashpackError
 from flashpack.layout.pack import Pack
 from flashpack.layout.records import PROJECTIONS, decode_record
-from flashpack.runtime.experts import ExpertWeights
+from flashpack.runtime.experts import ExpertWeights, HostRecords
 from flashpack.runtime.kernels.bank import ExpertBank
 from flashpack.runtime.store.budget import StorePlan
 from flashpack.runtime.store.capacity import GHOST_SIZE, REBALANCE_WINDOW, Rebalancer, even_split
@@ -44,6 +47,7 @@ from flashpack.runtime.store.lanes import ReadLanes
 from flashpack.runtime.store.policy import DEFAULT_POLICY, make_policy
 from flashpack.runtime.store.reader import RecordReader
 from flashpack.runtime.store.residency import Entry, NoRoom, Residency
+from flashpack.runtime.store.slot_table import SlotTable
 from flashpack.runtime.store.stats import StoreStats
 from flashpack.runtime.store.tiers import SlotPool
 from flashpack.runtime.store.transfers import TransferJobs
@@ -110,7 +114,7 @@ class TieredStore(TransferJobs):
         self.verify_records = verify_records
         self.stats = StoreStats()
         cuda = self.device.type == "cuda"
-        self.device_pool = SlotPool(plan.device_slots, self.stride, self.device, poison=poison)
+        self.device_pool = SlotPool(plan.device_slots + plan.staging_slots, self.stride, self.device, poison=poison)
         self.host_pool = SlotPool(plan.host_slots, self.stride, "cpu", host=True, pin=cuda, poison=poison)
         self.device_slots = Residency(plan.device_slots, even_split(self.layers, plan.device_slots),
                                       lambda: make_policy(policy), ghost_size=GHOST_SIZE if rebalance else 0)
@@ -131,6 +135,10 @@ class TieredStore(TransferJobs):
         self._verified: set[tuple[int, int]] = set()
         self._prefetched: set[tuple[int, int]] = set()  # placed by prefetch, no request used them yet
         self._landing = 0  # CUDA copies published whose host slot is not free yet
+        self._slot_table = SlotTable(max(self.layers) + 1, pack.manifest.config.num_experts, self.device)
+        self._table_held = False  # a step reading the published table is being enqueued
+        self._table_read: torch.cuda.Event | None = None  # completes when the last such step has run
+        self._host_records: HostRecords | None = None
         self._bank: ExpertBank | None = None
         self._closed = False
 
@@ -187,6 +195,61 @@ class TieredStore(TransferJobs):
             else:
                 with self._lock:
                     self.device_slots.ghost_hits[layer] = 0
+
+    def hold_slot_table(self) -> torch.Tensor:
+        """Publish the device slot table (slot_table.py) and hold its slots: none is overwritten
+        until `release_slot_table`, and on CUDA until the work enqueued before that has run."""
+        with self._lock:
+            if self._closed:
+                raise FlashpackError("the expert store is closed")
+            self._table_held = True
+            return self._slot_table.publish()
+
+    @property
+    def host_records(self) -> HostRecords | None:
+        """The host cache as a decode step stages records from it (slot_table.py); None without
+        staging rows."""
+        if self._host_records is None and self.plan.staging_slots:
+            base = min(self.host_pool.chunks, key=torch.Tensor.data_ptr)
+            offsets = [(self.host_pool.slot(h).data_ptr() - base.data_ptr()) // 4 for h in range(self.host_pool.slots)]
+            first = self.plan.device_slots
+            self._host_records = HostRecords(
+                source=base.view(-1).view(torch.int32),
+                offsets=torch.tensor(offsets, dtype=torch.int64, device=self.device),
+                staging=self.device_pool.tensor[first:first + self.plan.staging_slots].view(torch.int32),
+                first_staging_slot=first,
+            )
+        return self._host_records
+
+    def release_slot_table(self) -> None:
+        """The work reading the held table's slots is enqueued (on the current stream)."""
+        event = None
+        if self._copy_stream is not None:
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(self.device))
+        with self._changed:
+            self._table_held, self._table_read = False, event
+            self._changed.notify_all()
+
+    def record_hits(self, layer: int, experts: list[int], staged: list[int] = ()) -> None:
+        """Count a decode step's experts of `layer` found through the slot table: `experts` on the
+        device, `staged` from the host cache (copied to staging rows, not given device slots), as
+        requests (the eviction policies see them as they see requests)."""
+        with self._changed:
+            for expert in experts:
+                key = (layer, expert)
+                if key in self.device_slots:
+                    self.device_slots.touch(key)
+                if key in self._prefetched:
+                    self._prefetched.discard(key)
+                    self.stats.bump(layer, prefetch_used=1)
+            for expert in staged:
+                if (layer, expert) in self.host_slots:
+                    self.host_slots.touch((layer, expert))
+            self.stats.bump(layer, requests=len(experts) + len(staged), device_hits=len(experts),
+                            host_hits=len(staged), bytes_host_to_device=len(staged) * self.stride)
+        if self.rebalancer is not None:
+            self._rebalance(layer, len(experts), len(experts) + len(staged))
 
     def fetch(self, layer: int, experts: list[int]) -> dict[int, ExpertWeights]:
         """Dequantised weights of `experts` of `layer` (on the store's device)."""
@@ -400,6 +463,7 @@ class TieredStore(TransferJobs):
         """Count a device eviction (a prefetch that no request used is wasted)."""
         if key is None:
             return
+        self._slot_table.clear_device(key)
         self.stats.bump(key[0], evictions_device=1)
         if key in self._prefetched:
             self._prefetched.discard(key)
@@ -408,6 +472,7 @@ class TieredStore(TransferJobs):
     def _place_host(self, key: tuple[int, int], seed: float | None = None) -> int:
         host_slot, evicted = self.host_slots.place(key, HOST, pin=True, seed=seed)
         if evicted is not None:
+            self._slot_table.clear_host(evicted)
             self.stats.bump(evicted[0], evictions_host=1)
         return host_slot
 

@@ -42,6 +42,11 @@ class SlotPool:
         return sum(chunk.numel() for chunk in self._chunks)
 
     @property
+    def chunks(self) -> list[torch.Tensor]:
+        """uint8 [count, stride] tensors, in slot order, together holding every slot."""
+        return list(self._chunks)
+
+    @property
     def tensor(self) -> torch.Tensor:
         """uint8 [slots, stride]: the whole pool as one tensor (always so for a device pool)."""
         if len(self._chunks) != 1:

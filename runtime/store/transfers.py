@@ -43,6 +43,7 @@ class TransferJobs:
             if then is not None:
                 self._fail_device(keys[0], error)
             return
+        self._after_table_readers(host=True)  # the host slots may have been staged from until now
         start = time.perf_counter()
         try:
             self.reader.read(entries[0].file, entries[0].offset, [self.host_pool.slot(h.slot) for h in host_entries],
@@ -111,6 +112,7 @@ class TransferJobs:
         with self._changed:
             entry = self.device_slots.get(key)  # still this load's entry: the load holds a pin on it
             entry.ready, entry.landed = True, landed
+            self._slot_table.fill_device(key, device_slot, landed)
             self.device_slots.unpin(key)  # the load's pin; requests hold their own
             self._inflight.pop(key, None)
             if landed is None:
@@ -128,6 +130,7 @@ class TransferJobs:
         on the copy stream behind the last release of the device slot; returns the event that
         completes when the bytes have landed."""
         source, target = self.host_pool.slot(host_slot), self.device_pool.slot(device_slot)
+        table_read = self._after_table_readers(host=False)
         if self._copy_stream is None:
             target.copy_(source)
             return None
@@ -135,10 +138,24 @@ class TransferJobs:
             freed = self._slot_free_events.pop(device_slot, None)
             if freed is not None:  # the compute that last read this slot must finish first
                 self._copy_stream.wait_event(freed)
+            if table_read is not None:  # and so must the last step that looked slots up
+                self._copy_stream.wait_event(table_read)
             target.copy_(source, non_blocking=True)
             landed = torch.cuda.Event()
             landed.record(self._copy_stream)
         return landed
+
+    def _after_table_readers(self, host: bool):
+        """Before a slot is written: wait while a step reading the slot table is being enqueued.
+        Returns the event that completes when the last such step has run; a host slot waits for
+        it here (the writer is this thread), a device slot's copy waits for it on its stream."""
+        with self._changed:
+            while self._table_held:
+                self._changed.wait()
+            table_read = self._table_read
+        if host and table_read is not None:
+            table_read.synchronize()
+        return table_read
 
     def _copy_landed(self, key: tuple[int, int], host_entry: Entry, entry: Entry, landed) -> None:
         """(landing thread, CUDA) Once the copy has read its host slot, free that slot for reuse."""
@@ -150,6 +167,7 @@ class TransferJobs:
                     self.host_slots.unpin(key)
                 if entry.landed is landed:
                     entry.landed = None  # users of the slot need not wait on it any more
+                    self._slot_table.landed(key)
                 self._landing -= 1
                 self._changed.notify_all()
 
@@ -159,7 +177,9 @@ class TransferJobs:
             for key in unpin:
                 self.host_slots.unpin(key)
             for key in keys:
-                self.host_slots.get(key).ready = True
+                entry = self.host_slots.get(key)
+                entry.ready = True
+                self._slot_table.fill_host(key, entry.slot)
                 load = self._host_loads.pop(key, None)
                 if load is not None:
                     load.set_result(None)
@@ -170,6 +190,7 @@ class TransferJobs:
             for key in keys:
                 if self.host_slots.get(key) is not None:
                     self.host_slots.drop(key)
+                    self._slot_table.clear_host(key)
                 load = self._host_loads.pop(key, None)
                 if load is not None:
                     load.set_exception(_as_flashpack(error))
@@ -180,6 +201,7 @@ class TransferJobs:
         with self._changed:
             if self.device_slots.get(key) is not None:
                 self.device_slots.drop(key)
+                self._slot_table.clear_device(key)
             self._prefetched.discard(key)
             future = self._inflight.pop(key, None)
             self._changed.notify_all()

@@ -1,6 +1,7 @@
 """CUDA-graph decode against eager decode on the same engine weights.
 
-On a GPU, in float32, at every step, with every expert resident and with a tiered store, also
+On a GPU, in float32, at every step, with every expert resident and with a tiered store (a step
+from the store's slot table, and redone through the store when an expert was missing), also
 after a snapshot is restored (restored in place: the graphs stay bound) and for a second sequence
 (they are captured again): logits must agree to rel 1e-5 with the layers' pieces replayed as they
 are (graph QSA attends over its whole buffer under a mask, eager over the picked keys: a different
@@ -37,21 +38,21 @@ def _decode(engine, prompt: torch.Tensor, steps: int, restore_at: int | None = N
     return logits
 
 
-def _store_options(tiny_pack, tiered: bool) -> StoreOptions:
-    """Every record resident, or a device pool of 60 slots in front of the host cache."""
-    if not tiered:
+def _store_options(tiny_pack, device_slots: int | None) -> StoreOptions:
+    """Every record resident, or a device pool of `device_slots` slots in front of the host cache."""
+    if device_slots is None:
         return StoreOptions()
     from flashpack.layout.pack import Pack
     from flashpack.runtime.store.build import resident_device_bytes
 
     manifest = Pack.open(tiny_pack).manifest
     reserved = resident_device_bytes(manifest, "float32", device="cuda")
-    return StoreOptions(vram_budget=str(reserved + 60 * manifest.document["experts"]["record_stride"]))
+    return StoreOptions(vram_budget=str(reserved + device_slots * manifest.document["experts"]["record_stride"]))
 
 
 @needs_gpu
 @pytest.mark.parametrize("compiled", [False, True], ids=["plain", "compiled"])
-@pytest.mark.parametrize("tiered", [False, True], ids=["resident", "tiered"])
+@pytest.mark.parametrize("tiered", [None, 60, 250], ids=["resident", "tiered-60", "tiered-250"])
 def test_graph_decode_matches_eager(tiny_pack, tiered, compiled):
     prompt = torch.randint(0, 1000, (30,), generator=torch.Generator().manual_seed(0))
     options = _store_options(tiny_pack, tiered)
@@ -65,6 +66,9 @@ def test_graph_decode_matches_eager(tiny_pack, tiered, compiled):
         errors = [float((a - b).norm() / b.norm()) for a, b in zip(got, expected)]
         assert max(errors) < tolerance, f"worst step {errors.index(max(errors))}: {errors}"
     assert graphed.store.stats.total().requests == eager.store.stats.total().requests
+    if tiered == 250:  # of the 256 records: the step from the slot table stands about half the time
+        speculation = graphed.model.decode_graphs.speculation
+        assert speculation.confirmed > 0 and speculation.tries > speculation.confirmed
 
 
 @needs_gpu
@@ -90,10 +94,9 @@ class PlainCall:
         return self.fn(*inputs)
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU test above covers the captured pieces")
-def test_tiered_pieces_compose_to_the_layers_on_cpu(tiny_pack):
-    """With a tiered store the routed experts run eagerly between the graphs (ids to the host, the
-    store, the kernels, the prefetch): same logits and the same expert requests as the layers."""
+def _tiered_pair(tiny_pack, device_slots: int, host_slots: int = 300, staging: bool = True):
+    """Two models over two stores of `device_slots` and `host_slots` slots: the plain layers, and
+    the graph pieces."""
     from flashpack.layout.pack import Pack
     from flashpack.runtime.model import Qwen4ExpModel
     from flashpack.runtime.model.decode_graphs import DecodeGraphs
@@ -104,19 +107,66 @@ def test_tiered_pieces_compose_to_the_layers_on_cpu(tiny_pack):
     stride = pack.manifest.document["experts"]["record_stride"]
     stores, models = [], []
     for _ in range(2):
-        store = build_store(tiny_pack, 60 * stride, 200 * stride, device_reserved=0)
+        rows = device_slots + (pack.manifest.config.num_experts_per_tok if staging else 0)
+        store = build_store(tiny_pack, rows * stride, host_slots * stride, device_reserved=0, staging=staging)
         model = Qwen4ExpModel(PackWeights(pack), store, dtype=torch.float32)
         model.prefetch_next_layer()
         stores.append(store)
         models.append(model)
     models[1].decode_graphs = DecodeGraphs(models[1].layers, make_call=PlainCall)
+    return stores, models
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU test above covers the captured pieces")
+@pytest.mark.parametrize("device_slots, host_slots, staging", [
+    (60, 40, True), (60, 300, True), (300, 300, True), (60, 300, False),
+], ids=["disk-misses-redone", "host-records-staged", "all-on-device", "no-staging-rows"])
+def test_tiered_pieces_compose_to_the_layers_on_cpu(tiny_pack, device_slots, host_slots, staging):
+    """With a tiered store a step first runs against the store's slot table, staging the experts
+    it finds in the host cache into device rows itself; a step that found an expert only on disk
+    is redone from the saved state with the routed experts eager between the pieces (ids to the
+    host, the store, the kernels, the prefetch). Either way: the layers' logits and the same expert
+    requests. The tiny model routes uniformly over 256 records: 40 host slots leave most steps a
+    disk miss, 300 hold every record, so each way is taken; without staging rows a host record is
+    a miss like a disk one."""
+    stores, models = _tiered_pair(tiny_pack, device_slots, host_slots, staging)
     prompt = torch.randint(0, 1000, (30,), generator=torch.Generator().manual_seed(5))
-    expected, got = _decode(models[0], prompt, 12), _decode(models[1], prompt, 12)
+    expected, got = _decode(models[0], prompt, 24), _decode(models[1], prompt, 24)
     for step, (a, b) in enumerate(zip(got, expected)):
         assert float((a - b).norm() / b.norm()) < TOLERANCE, f"step {step}"
     # the same requests; which of them hit depends on when the reader threads land the prefetches
     plain, pieces = (store.stats.total() for store in stores)
     assert pieces.requests == plain.requests and pieces.prefetch_issued > 0
+    speculation = models[1].decode_graphs.speculation
+    if host_slots == 40 or not staging:
+        assert speculation.tries > speculation.confirmed
+    else:
+        assert speculation.confirmed > 0
+    if (device_slots, host_slots, staging) == (60, 300, True):  # steps that stood staged host records
+        assert pieces.host_hits > plain.host_hits
+    for store in stores:
+        store.close()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU test above covers the captured pieces")
+@pytest.mark.parametrize("broken", ["misses-ignored", "state-not-restored"])
+def test_control_a_tiered_step_must_see_its_misses_and_restore_its_state(tiny_pack, monkeypatch, broken):
+    """Controls: a step that took a missing expert as found, or that was redone without restoring
+    the state it had advanced, must give other logits."""
+    from flashpack.runtime.model import decode_graphs
+
+    if broken == "misses-ignored":
+        found = decode_graphs.table_feed_forward
+        monkeypatch.setattr(decode_graphs, "table_feed_forward",
+                            lambda *args: (*found(*args)[:3], torch.tensor(False)))
+    stores, models = _tiered_pair(tiny_pack, 60)
+    if broken == "state-not-restored":
+        bind = models[1].decode_graphs._bind
+        monkeypatch.setattr(models[1].decode_graphs, "_bind",
+                            lambda state: (bind(state), models[1].decode_graphs._saved.clear()))
+    prompt = torch.randint(0, 1000, (30,), generator=torch.Generator().manual_seed(5))
+    expected, got = _decode(models[0], prompt, 24), _decode(models[1], prompt, 24)
+    assert max(float((a - b).norm() / b.norm()) for a, b in zip(got, expected)) > 1e-3
     for store in stores:
         store.close()
 

@@ -4,6 +4,8 @@ do not run in Triton's CPU interpreter)."""
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
 import torch
 from reference_model import rel_err
@@ -35,7 +37,10 @@ def test_delta_rule_chunked_equals_recurrent_and_transformers(length):
     for chunk in (16, 64):
         out_c, state_c = chunk_gated_delta_rule(q, k, v, g, beta, state, chunk=chunk)
         assert rel_err(out_c, out_r) <= 1e-5 and rel_err(state_c, state_r) <= 1e-5
-    ref_out, ref_state = hf.torch_recurrent_gated_delta_rule(
+    # transformers' PyTorch form: with fla-core installed its hub-kernel hook would call fla's
+    # CUDA kernel instead, which cannot take these CPU tensors
+    reference = inspect.unwrap(hf.torch_recurrent_gated_delta_rule)
+    ref_out, ref_state = reference(
         q[None], k[None], v[None], g[None], beta[None], initial_state=state[None],
         output_final_state=True, use_qk_l2norm_in_kernel=True,
     )

@@ -1,0 +1,102 @@
+"""The store's slot table (runtime/store/slot_table.py): it names exactly the experts whose bytes
+are in a device slot, else in a host slot, loses an expert before its slot is reused, and while a
+step holds it no copy or read overwrites a slot; what a step found through it counts as requests."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from flashpack.layout.pack import Pack
+from flashpack.runtime.experts import ON_DISK, host_code
+from flashpack.runtime.store import build_store
+
+
+def _store(pack: Pack, device_slots: int, host_slots: int):
+    stride, staging = pack.manifest.document["experts"]["record_stride"], pack.manifest.config.num_experts_per_tok
+    return build_store(pack, vram_budget=(device_slots + staging) * stride, ram_budget=host_slots * stride,
+                       device_reserved=0, poison=True, rebalance=False, staging=True)
+
+
+def _settle(store, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    with store._changed:
+        while store._inflight or store._host_loads or store._landing:
+            assert time.monotonic() < deadline, "loads still in flight"
+            store._changed.wait(0.05)
+
+
+def _table(store) -> torch.Tensor:
+    table = store.hold_slot_table().clone()
+    store.release_slot_table()
+    return table
+
+
+def _expected_table(store, shape) -> torch.Tensor:
+    expected = torch.full(shape, ON_DISK, dtype=torch.int32)
+    for (layer, expert), entry in store.host_slots.entries.items():
+        if entry.ready:
+            expected[layer, expert] = host_code(entry.slot)
+    for (layer, expert), entry in store.device_slots.entries.items():
+        if entry.ready:
+            expected[layer, expert] = entry.slot
+    return expected
+
+
+def test_table_names_device_then_host_slots_and_drops_evicted_ones(store_pack):
+    pack = Pack.open(store_pack)
+    layer = sorted({r.layer for r in pack.manifest.expert_records()})[0]
+    with _store(pack, device_slots=8, host_slots=10) as store:
+        assert bool((_table(store) == ON_DISK).all())
+        store.load(layer, [0, 1, 2, 3])
+        _settle(store)
+        table = _table(store)
+        assert table.shape[1] == pack.manifest.config.num_experts
+        assert torch.equal(table, _expected_table(store, table.shape))
+        assert sorted(int(e) for e in (table[layer] >= 0).nonzero()) == [0, 1, 2, 3]
+        for batch in ([4, 5, 6, 7], [8, 9, 10, 11], [12, 13, 14, 15]):  # more than the pool holds
+            store.load(layer, batch)
+        _settle(store)
+        table = _table(store)
+        assert torch.equal(table, _expected_table(store, table.shape))
+        assert int((table >= 0).sum()) == len(store.device_slots.entries) <= 8
+        assert int((table <= host_code(0)).sum()) > 0  # evicted from the device, still in the host cache
+        for codes in (table[table >= 0], table[table <= host_code(0)]):
+            assert codes.unique().numel() == codes.numel()  # no slot named twice
+        store.load(layer, [16, 17, 18, 19, 20, 21, 22, 23])  # evicts host entries too (10 host slots)
+        _settle(store)
+        table = _table(store)
+        assert torch.equal(table, _expected_table(store, table.shape))
+
+
+def test_no_copy_or_read_lands_while_a_step_holds_the_table(store_pack):
+    pack = Pack.open(store_pack)
+    layer = sorted({r.layer for r in pack.manifest.expert_records()})[0]
+    with _store(pack, device_slots=8, host_slots=64) as store:
+        store.hold_slot_table()
+        try:
+            assert store.prefetch(layer, [5]) == 1
+            time.sleep(0.3)  # the disk read into a host slot must wait for the release, and the copy
+            with store._lock:
+                assert not store.host_slots.get((layer, 5)).ready
+                assert not store.device_slots.get((layer, 5)).ready
+        finally:
+            store.release_slot_table()
+        _settle(store)
+        assert store.device_slots.get((layer, 5)).ready
+        assert int(_table(store)[layer, 5]) == store.device_slots.get((layer, 5)).slot
+
+
+def test_record_hits_counts_requests_and_uses_prefetches(store_pack):
+    pack = Pack.open(store_pack)
+    layer = sorted({r.layer for r in pack.manifest.expert_records()})[0]
+    with _store(pack, device_slots=8, host_slots=64) as store:
+        issued = store.prefetch(layer, [1, 2])
+        _settle(store)
+        before = store.stats.layer(layer)
+        requests, hits = before.requests, before.device_hits
+        store.record_hits(layer, [1, 2, 3])
+        after = store.stats.layer(layer)
+        assert (after.requests - requests, after.device_hits - hits) == (3, 3)
+        assert issued > 0 and after.prefetch_used == issued

@@ -66,9 +66,8 @@ def test_graph_decode_matches_eager(tiny_pack, tiered, compiled):
         errors = [float((a - b).norm() / b.norm()) for a, b in zip(got, expected)]
         assert max(errors) < tolerance, f"worst step {errors.index(max(errors))}: {errors}"
     assert graphed.store.stats.total().requests == eager.store.stats.total().requests
-    if tiered == 250:  # of the 256 records: the step from the slot table stands about half the time
-        speculation = graphed.model.decode_graphs.speculation
-        assert speculation.confirmed > 0 and speculation.tries > speculation.confirmed
+    if tiered is not None:  # the host cache holds every record read: steps from the slot table stand
+        assert graphed.model.decode_graphs.speculation.confirmed > 0
 
 
 @needs_gpu

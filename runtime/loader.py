@@ -86,6 +86,7 @@ def load_engine(
             pack, store.vram_budget, store.ram_budget, torch_device, store.policy, verify_records,
             hot_set=store.hot_set, dtype=torch_dtype, direct_io=store.direct_io,
             allow_resident=torch_device.type == "cuda", staging=cuda_graphs and torch_device.type == "cuda",
+            layers=list(range(pack.manifest.config.num_hidden_layers)),  # the engine runs no MTP head
         )
     model = Qwen4ExpModel(
         PackWeights(pack),

@@ -100,3 +100,12 @@ def _slots(flag: str, budget: int | None, reserved: int, stride: int, minimum: i
             f"({format_bytes(reserved)} resident + {what} of {format_bytes(stride)})"
         )
     return min((budget - reserved) // stride, max(most, minimum))
+
+
+def served_records(pack, layers: list[int] | None = None) -> list:
+    """The pack's expert records of `layers` (None: of every layer), which a store holds."""
+    records = pack.manifest.expert_records()
+    if layers is None:
+        return records
+    wanted = set(layers)
+    return [record for record in records if record.layer in wanted]

@@ -17,7 +17,7 @@ import torch
 from flashpack.errors import FlashpackError
 from flashpack.layout.manifest import Manifest
 from flashpack.layout.pack import Pack
-from flashpack.runtime.store.budget import parse_budget, plan_store
+from flashpack.runtime.store.budget import parse_budget, plan_store, served_records
 from flashpack.runtime.store.policy import DEFAULT_POLICY, make_policy
 from flashpack.runtime.store.resident import ResidentExperts
 from flashpack.runtime.store.store import TieredStore
@@ -83,6 +83,7 @@ def build_store(
     poison: bool = False,
     allow_resident: bool = False,
     staging: bool = False,
+    layers: list[int] | None = None,
 ) -> TieredStore | ResidentExperts:
     """A ready store. Budgets: "24GiB"-style strings or bytes; None = room for every record on a
     CPU, and on a GPU 90 % of its free memory and 75 % of the available RAM (`machine_free_bytes`).
@@ -90,7 +91,8 @@ def build_store(
     With `allow_resident` (the engine on a GPU), a device budget that holds every record gives a
     `ResidentExperts` instead: all records loaded once, slots looked up on the device. `staging`
     (CUDA-graph decode) sets top_k rows of the device budget aside for decode steps to stage host
-    records into (TabledSlots.host_records).
+    records into (TabledSlots.host_records). `layers` limits the store to those layers' experts (the
+    engine's decoder layers: the MTP head's experts take no room while nothing runs it).
 
     `device_reserved` overrides the estimate of what else lives on the device (see
     `resident_device_bytes`); `hot_set` names a profile in the manifest's hot_sets to pre-warm
@@ -100,6 +102,7 @@ def build_store(
     pack = pack if isinstance(pack, Pack) else Pack.open(pack)
     make_policy(policy)  # an unknown name fails here, before any memory is taken
     manifest = pack.manifest
+    records = served_records(pack, layers)
     profile = None
     if hot_set is not None and hot_set != ALL_RECORDS:
         profile = manifest.hot_sets.get(hot_set)
@@ -113,7 +116,7 @@ def build_store(
         vram, ram = (free if given is None else given for given, free in zip((vram, ram), machine_free_bytes(device)))
     plan = plan_store(
         record_stride=manifest.document["experts"]["record_stride"],
-        total_records=len(manifest.document["experts"]["records"]),
+        total_records=len(records),
         top_k=manifest.config.num_experts_per_tok,
         vram_budget=vram,
         ram_budget=ram,
@@ -121,15 +124,16 @@ def build_store(
         host_reserved=host_reserved,
         staging=staging,
     )
-    if allow_resident and plan.device_slots + plan.staging_slots >= len(manifest.document["experts"]["records"]):
-        return ResidentExperts(pack, device, verify_records=verify_records, plan=plan)
+    if allow_resident and plan.device_slots + plan.staging_slots >= len(records):
+        return ResidentExperts(pack, device, verify_records=verify_records, plan=plan, layers=layers)
     store = TieredStore(pack, plan, device=device, policy=policy, verify_records=verify_records,
-                        reader_threads=reader_threads, direct_io=direct_io, rebalance=rebalance, poison=poison)
+                        reader_threads=reader_threads, direct_io=direct_io, rebalance=rebalance, poison=poison,
+                        layers=layers)
     if profile is not None:
         from flashpack.runtime.store.hotset import apply_hot_set
 
         apply_hot_set(store, profile)
     elif hot_set == ALL_RECORDS:
         experts = manifest.config.num_experts
-        store.prewarm({layer: list(range(experts)) for layer in sorted({r.layer for r in manifest.expert_records()})})
+        store.prewarm({layer: list(range(experts)) for layer in store.layers})
     return store

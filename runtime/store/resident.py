@@ -19,7 +19,7 @@ from flashpack.errors import FlashpackError
 from flashpack.layout.pack import Pack
 from flashpack.layout.records import record_hash
 from flashpack.runtime.kernels.bank import ExpertBank
-from flashpack.runtime.store.budget import StorePlan
+from flashpack.runtime.store.budget import StorePlan, served_records
 from flashpack.runtime.store.reader import aligned_empty
 from flashpack.runtime.store.stats import StoreStats
 
@@ -36,13 +36,14 @@ class ResidentHandle:
 class ResidentExperts:
     def __init__(
         self, pack: Pack, device: torch.device | str, verify_records: bool = True, progress: bool = True,
-        plan: StorePlan | None = None,
+        plan: StorePlan | None = None, layers: list[int] | None = None,
     ):
+        """`layers`: the layers whose experts it loads (default: every layer with records)."""
         self.pack, self.device, self.plan = pack, torch.device(device), plan  # plan: the budget it came from
         manifest = pack.manifest
         self.geometry = manifest.geometry
         stride = manifest.document["experts"]["record_stride"]
-        records = sorted(manifest.expert_records(), key=lambda r: (r.file, r.offset))
+        records = sorted(served_records(pack, layers), key=lambda r: (r.file, r.offset))
         layers = max(r.layer for r in records) + 1
         self.stats = StoreStats()
         self.pool = torch.empty((len(records), stride), dtype=torch.uint8, device=self.device)

@@ -41,7 +41,7 @@ from flashpack.layout.pack import Pack
 from flashpack.layout.records import PROJECTIONS, decode_record
 from flashpack.runtime.experts import ExpertWeights, HostRecords
 from flashpack.runtime.kernels.bank import ExpertBank
-from flashpack.runtime.store.budget import StorePlan
+from flashpack.runtime.store.budget import StorePlan, served_records
 from flashpack.runtime.store.capacity import GHOST_SIZE, REBALANCE_WINDOW, Rebalancer, even_split
 from flashpack.runtime.store.lanes import ReadLanes
 from flashpack.runtime.store.policy import DEFAULT_POLICY, make_policy
@@ -102,13 +102,16 @@ class TieredStore(TransferJobs):
         direct_io: bool = True,
         rebalance: bool = True,
         poison: bool = False,
+        layers: list[int] | None = None,
     ):
+        """`layers`: the layers whose experts it serves (default: every layer the pack has records
+        for); the others take no share of the tiers."""
         self.pack, self.plan, self.device = pack, plan, torch.device(device)
         self.geometry = pack.manifest.geometry
         self.stride = pack.manifest.document["experts"]["record_stride"]
         if plan.record_stride != self.stride:
             raise ValueError(f"plan is for records of {plan.record_stride} bytes, the pack's are {self.stride}")
-        records = pack.manifest.expert_records()
+        records = served_records(pack, layers)
         self.layers = sorted({r.layer for r in records})
         self.top_k = pack.manifest.config.num_experts_per_tok
         self.verify_records = verify_records

@@ -119,6 +119,38 @@ def test_budget_is_kept_after_dense_and_work_buffers(store_pack):
         build_store(pack, policy="random")
 
 
+def test_staging_rows_come_out_of_the_device_budget(store_pack):
+    pack = Pack.open(store_pack)
+    stride, _, _, top_k = _geometry(pack)
+    with build_store(pack, vram_budget=(10 + top_k) * stride, ram_budget="64KiB", device_reserved=0,
+                     staging=True) as store:
+        assert (store.plan.device_slots, store.plan.staging_slots) == (10, top_k)
+        assert store.device_pool.nbytes == store.plan.device_pool_bytes == (10 + top_k) * stride
+        assert store.host_records.first_staging_slot == 10 and store.host_records.staging.shape[0] == top_k
+    with pytest.raises(FlashpackError, match=rf"{top_k} expert slots \(top_k of one layer\) and {top_k} staging"):
+        build_store(pack, vram_budget=(2 * top_k - 1) * stride, device_reserved=0, staging=True)
+
+
+def test_a_store_for_some_layers_gives_the_others_no_room(store_pack):
+    """The engine runs no MTP head: its store takes the decoder layers' records alone, and `'*'`
+    pre-warms those."""
+    from flashpack.runtime.loader import StoreOptions, load_engine
+
+    pack = Pack.open(store_pack)
+    cfg = pack.manifest.config
+    decoder = list(range(cfg.num_hidden_layers))
+    assert max(r.layer for r in pack.manifest.expert_records()) >= cfg.num_hidden_layers  # the pack has MTP experts
+    with build_store(pack, layers=decoder, hot_set="*") as store:  # no budget: room for the layers' records
+        assert store.layers == decoder
+        assert store.plan.device_slots == store.plan.host_slots == len(decoder) * cfg.num_experts
+        assert store.stats.total().prewarmed_device == len(decoder) * cfg.num_experts
+    engine = load_engine(store_pack, store=StoreOptions(vram_budget="1GiB", ram_budget="1GiB"))
+    try:
+        assert engine.store.layers == decoder
+    finally:
+        engine.store.close()
+
+
 def test_missing_or_resized_pack_file_is_refused_at_open(pack_copy):
     layer_file = next((pack_copy / "experts").iterdir())
     with open(layer_file, "ab") as handle:

@@ -1,10 +1,12 @@
-"""Where a decode step's time goes: torch.profiler over a few greedy steps of `flashpack`'s engine.
+"""Where a decode step's time goes: torch.profiler over a few greedy steps of `flashpack`'s engine
+(or, with `--phase prefill`, over one forward of the prompt).
 
     python bench/profile_decode.py PACK --device cuda [--vram-budget 24GiB --ram-budget 64GiB] --out DIR
+    python bench/profile_decode.py PACK --phase prefill --prompt-len 32768 --out DIR
 
 Writes DIR/profile-<name>.txt (top operators by host time and by device time) and prints the
-step's wall time against the device-busy time (the sum of kernel times): their gap is per-token
-host overhead (Python, launches, waits on the store).
+step's wall time against the device-busy time (the sum of kernel times): their gap is host
+overhead (Python, launches, waits on the store).
 """
 
 from __future__ import annotations
@@ -28,34 +30,49 @@ def main() -> None:
     parser.add_argument("--ram-budget")
     parser.add_argument("--prompt-len", type=int, default=256)
     parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--phase", choices=("decode", "prefill"), default="decode")
     parser.add_argument("--name", default="decode")
     parser.add_argument("--out", default=".")
     args = parser.parse_args()
     engine = load_engine(args.pack, args.device, store=StoreOptions(args.vram_budget, args.ram_budget))
     model, sync = engine.model, (torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None))
     state = model.new_state()
-    token = int(model(torch.randint(0, 1000, (args.prompt_len,)), state, last_only=True).logits.argmax())
-    for _ in range(args.steps):  # warm: kernels compiled, caches as decoding leaves them
-        token = int(model(torch.tensor([token]), state).logits.argmax())
+    prompt = torch.randint(0, 1000, (args.prompt_len,))
+    token = int(model(prompt, state, last_only=True).logits.argmax())
+    if args.phase == "prefill":
+        steps = 1
+
+        def step():
+            state.restore(model.new_state())
+            model(prompt, state, last_only=True)
+    else:
+        steps = args.steps
+
+        def step():
+            nonlocal token
+            token = int(model(torch.tensor([token]), state).logits.argmax())
+
+    for _ in range(steps):  # warm: kernels compiled, caches as decoding leaves them
+        step()
     sync()
     start = time.perf_counter()
-    for _ in range(args.steps):
-        token = int(model(torch.tensor([token]), state).logits.argmax())
+    for _ in range(steps):
+        step()
     sync()
-    wall = (time.perf_counter() - start) / args.steps  # unprofiled: the profiler slows the host
+    wall = (time.perf_counter() - start) / steps  # unprofiled: the profiler slows the host
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        for _ in range(args.steps):
-            token = int(model(torch.tensor([token]), state).logits.argmax())
+        for _ in range(steps):
+            step()
         sync()
     events = prof.key_averages()
-    device_busy = sum(e.self_device_time_total for e in events) / 1e6 / args.steps
+    device_busy = sum(e.self_device_time_total for e in events) / 1e6 / steps
     tables = [events.table(sort_by="self_cpu_time_total", row_limit=25),
               events.table(sort_by="self_device_time_total", row_limit=25)]
     Path(args.out).mkdir(parents=True, exist_ok=True)
     Path(args.out, f"profile-{args.name}.txt").write_text("\n\n".join(tables))
     summary = {"name": args.name, "step_wall_ms": wall * 1e3, "device_busy_ms": device_busy * 1e3,
-               "host_overhead_ms": (wall - device_busy) * 1e3, "kernel_launches_per_step":
-               sum(e.count for e in events if e.device_type.name == "CUDA") / args.steps}
+               "host_overhead_ms": (wall - device_busy) * 1e3, "phase": args.phase, "prompt_tokens": args.prompt_len,
+               "kernel_launches_per_step": sum(e.count for e in events if e.device_type.name == "CUDA") / steps}
     print(json.dumps(summary))
     Path(args.out, f"profile-{args.name}.json").write_text(json.dumps(summary, indent=1))
 

@@ -85,7 +85,8 @@ def load_engine(
         tiered = build_store(
             pack, store.vram_budget, store.ram_budget, torch_device, store.policy, verify_records,
             hot_set=store.hot_set, dtype=torch_dtype, direct_io=store.direct_io,
-            allow_resident=torch_device.type == "cuda", staging=cuda_graphs and torch_device.type == "cuda",
+            # staging rows whether or not graphs run: a budget gives the same store either way
+            allow_resident=torch_device.type == "cuda", staging=torch_device.type == "cuda",
             layers=list(range(pack.manifest.config.num_hidden_layers)),  # the engine runs no MTP head
         )
     model = Qwen4ExpModel(

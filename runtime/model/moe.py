@@ -24,6 +24,7 @@ from torch import nn
 from flashpack.layout.model_config import TextConfig
 from flashpack.runtime.experts import ExpertFetcher, ExpertSlots, ResidentSlots
 from flashpack.runtime.kernels import moe_experts
+from flashpack.runtime.kernels.dispatch import DECODE_MAX_TOKENS
 from flashpack.runtime.model.linear import DenseLinear, StackedLinear
 from flashpack.runtime.model.norms import activation
 from flashpack.runtime.weights import WeightSource
@@ -77,7 +78,7 @@ class SparseMoE(nn.Module):
         if self.resident is not None:
             self.resident.record_use(self.layer, experts)
             slots = self.resident.slot_table[self.layer][experts]
-            return moe_experts(x, self.resident.bank, slots, weights) + shared
+            return self._experts(x, self.resident.bank, slots, weights, prompt=x.shape[0] > PREDICT_MAX_TOKENS) + shared
         return self.routed_from_store(x, weights, experts, self.predict_next(x)) + shared
 
     def predict_next(self, x: torch.Tensor) -> torch.Tensor | None:
@@ -111,28 +112,36 @@ class SparseMoE(nn.Module):
         host_experts: list[int] | None = None,
     ) -> torch.Tensor:
         """`host_experts`: `experts` read back (decode), so the slots can be looked up on the host."""
+        prompt = x.shape[0] > PREDICT_MAX_TOKENS
         out = None
         with closing(self.slots.stream(self.layer, wanted)) as chunks:  # closing releases the last chunk
             for chunk in chunks:
                 if host_experts is not None and len(chunk) == len(wanted):
                     slot_of = {handle.expert: handle.slot for handle in chunk}
                     slots = torch.tensor([slot_of[e] for e in host_experts], dtype=torch.int32).view(experts.shape)
-                    out = moe_experts(x, self.slots.bank, slots.to(x.device), weights)
+                    out = self._experts(x, self.slots.bank, slots.to(x.device), weights, prompt)
                     continue
                 lookup = torch.full((self.num_experts,), -1, dtype=torch.int32)
                 lookup[[h.expert for h in chunk]] = torch.tensor([h.slot for h in chunk], dtype=torch.int32)
                 slots = lookup.to(x.device)[experts]  # [T, k], -1: not in this chunk
                 if len(chunk) == len(wanted):
-                    out = moe_experts(x, self.slots.bank, slots, weights)
+                    out = self._experts(x, self.slots.bank, slots, weights, prompt)
                     continue
                 # a prompt streams its experts a few at a time: run the (token, k) pairs whose
                 # expert is in this chunk, one pair per row
                 tokens, picks = torch.where(slots >= 0)
-                part = moe_experts(x[tokens], self.slots.bank, slots[tokens, picks, None],
-                                   weights[tokens, picks, None])
+                part = self._experts(x[tokens], self.slots.bank, slots[tokens, picks, None],
+                                     weights[tokens, picks, None], prompt)
                 out = torch.zeros_like(x) if out is None else out
                 out.index_add_(0, tokens, part)
         return out if out is not None else torch.zeros_like(x)
+
+    @staticmethod
+    def _experts(x, bank, slots, weights, prompt: bool) -> torch.Tensor:
+        """The fused kernels, chosen by what is computed, not by how many rows a call gets: a
+        prompt's (token, expert) pairs take the grouped kernels however the store chunks them (and
+        whatever it held), decode's the matrix-vector ones, so a budget changes no result."""
+        return moe_experts(x, bank, slots, weights, decode_max_tokens=0 if prompt else DECODE_MAX_TOKENS)
 
     def _routed_dequantised(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         wanted = torch.unique(experts).tolist()  # ascending: the order transformers accumulates in

@@ -35,6 +35,13 @@ class EvictionPolicy:
         """`key` was requested and was resident (a hit)."""
         raise NotImplementedError
 
+    def note(self, key: Key) -> None:
+        """`key` was requested and served from elsewhere, not made resident here (history only)."""
+
+    def prefers(self, key: Key, resident: Key) -> bool:
+        """Whether `key` should take `resident`'s place (promoting an expert served elsewhere)."""
+        return True
+
     def forget(self, key: Key) -> None:
         """`key` left the cache (evicted, moved or failed)."""
         raise NotImplementedError
@@ -82,10 +89,19 @@ class LFU(EvictionPolicy):
         self._tick = 0
 
     def _bump(self, key: Key, amount: float = 1.0) -> None:
+        self._count(key, amount)
         self._tick += 1
-        self._counts[key] = self._counts.get(key, 0.0) + amount
         self._last[key] = self._tick
         self._push(key)
+
+    def _count(self, key: Key, amount: float) -> None:
+        self._counts[key] = self._counts.get(key, 0.0) + amount
+
+    def note(self, key: Key) -> None:
+        self._count(key, 1.0)
+
+    def prefers(self, key: Key, resident: Key) -> bool:
+        return self.count(key) > self.count(resident)
 
     def _push(self, key: Key) -> None:
         heapq.heappush(self._heap, (self._counts[key], self._last[key], key))
@@ -141,14 +157,14 @@ class DecayingLFU(LFU):
         self._growth = 2.0 ** (1.0 / half_life)
         self._weight = 1.0
 
-    def _bump(self, key: Key, amount: float = 1.0) -> None:
+    def _count(self, key: Key, amount: float) -> None:
         self._weight *= self._growth
         if self._weight > 1e100:
             self._counts = {k: v / self._weight for k, v in self._counts.items()}
             self._weight = 1.0
             self._heap = [(self._counts[k], t, k) for k, t in self._last.items()]
             heapq.heapify(self._heap)
-        super()._bump(key, amount * self._weight)
+        super()._count(key, amount * self._weight)
 
 
 POLICIES: dict[str, Callable[[], EvictionPolicy]] = {"lru": LRU, "lfu": LFU, "lfu-decay": DecayingLFU}

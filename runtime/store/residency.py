@@ -100,6 +100,14 @@ class Residency:
             self.policies[partition].seed(key, seed)
         return slot, evicted
 
+    def worth_placing(self, key: Key, partition: Hashable) -> bool:
+        """Whether `key` would take a free slot of `partition`'s share, or evict a key its policy
+        ranks below it (a promotion that is no worse than what it replaces)."""
+        if self._free and self.count[partition] < self.capacity[partition]:
+            return True
+        victim = self._victim_in(partition)
+        return victim is not None and self.policies[partition].prefers(key, victim)
+
     def _choose_victim(self, partition: Hashable, limit: int, within_share: bool = False) -> Key | None:
         """A key to evict for a placement in `partition`, None to take a free slot, or NoRoom."""
         count, capacity = self.count[partition], self.capacity[partition]

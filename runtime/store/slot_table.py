@@ -9,10 +9,10 @@ codes runtime/experts.py defines (a device slot, a host slot, or on disk).
 
 The store edits the host copy under its lock (a slot filled, a slot evicted) and `publish` copies
 a snapshot of it to the device before each such step. Only safe mistakes are possible. A device
-copy still landing at the publish is waited for on the reading stream; an entry cleared after
-the publish makes a miss, not a wrong read; and the store overwrites neither a device slot nor a
-host slot until the step that read the table has run (TieredStore's `hold_slot_table` and
-`release_slot_table`).
+slot is named once its copy has landed (until then the expert is staged from the host cache, so
+a step never waits for a copy in flight); an entry cleared after the publish makes a miss, not a
+wrong read; and the store overwrites neither a device slot nor a host slot until the step that
+read the table has run (TieredStore's `hold_slot_table` and `release_slot_table`).
 """
 
 from __future__ import annotations
@@ -32,18 +32,21 @@ class SlotTable:
         self._snapshot_read: torch.cuda.Event | None = None
         self._device_slots: dict[tuple[int, int], int] = {}
         self._host_slots: dict[tuple[int, int], int] = {}
-        self._landing: dict[tuple[int, int], torch.cuda.Event] = {}
+        self._landing: dict[tuple[int, int], int] = {}  # device copies in flight: their slots
 
-    def fill_device(self, key: tuple[int, int], slot: int, landed: torch.cuda.Event | None = None) -> None:
-        """`key`'s bytes are in device `slot` (on CUDA: once `landed` has completed)."""
+    def fill_device(self, key: tuple[int, int], slot: int, landing: bool = False) -> None:
+        """`key`'s bytes are in device `slot`, or will be once `landed(key)` says so."""
+        if landing:
+            self._landing[key] = slot
+            return
         self._device_slots[key] = slot
-        if landed is not None:
-            self._landing[key] = landed
         self._update(key)
 
-    def landed(self, key: tuple[int, int]) -> None:
-        """`key`'s device copy has completed: readers need not wait for it."""
-        self._landing.pop(key, None)
+    def landed(self, key: tuple[int, int], slot: int) -> None:
+        """`key`'s copy into device `slot` has completed (a stale call, for a slot the key has left
+        since, changes nothing)."""
+        if self._landing.get(key) == slot:
+            self.fill_device(key, self._landing.pop(key))
 
     def clear_device(self, key: tuple[int, int]) -> None:
         """`key` is leaving its device slot: before the slot is given to another expert."""
@@ -70,8 +73,7 @@ class SlotTable:
             self.host[key] = ON_DISK
 
     def publish(self) -> torch.Tensor:
-        """Copy the table to the device (on CUDA: ordered on the current stream after the copies
-        still landing); returns the device table."""
+        """Copy the table to the device (on CUDA: on the current stream); returns the device table."""
         if not self.device.is_cuda:
             self.device.copy_(self.host)
             return self.device
@@ -79,8 +81,6 @@ class SlotTable:
             self._snapshot_read.synchronize()  # the last publish's copy (long done after a step)
         self._snapshot.copy_(self.host)
         stream = torch.cuda.current_stream(self.device.device)
-        for landed in self._landing.values():
-            stream.wait_event(landed)
         self.device.copy_(self._snapshot, non_blocking=True)
         self._snapshot_read = torch.cuda.Event()
         self._snapshot_read.record(stream)

@@ -112,7 +112,7 @@ class TransferJobs:
         with self._changed:
             entry = self.device_slots.get(key)  # still this load's entry: the load holds a pin on it
             entry.ready, entry.landed = True, landed
-            self._slot_table.fill_device(key, device_slot, landed)
+            self._slot_table.fill_device(key, device_slot, landing=landed is not None)
             self.device_slots.unpin(key)  # the load's pin; requests hold their own
             self._inflight.pop(key, None)
             if landed is None:
@@ -167,7 +167,7 @@ class TransferJobs:
                     self.host_slots.unpin(key)
                 if entry.landed is landed:
                     entry.landed = None  # users of the slot need not wait on it any more
-                    self._slot_table.landed(key)
+                    self._slot_table.landed(key, entry.slot)  # decode steps may read the slot now
                 self._landing -= 1
                 self._changed.notify_all()
 

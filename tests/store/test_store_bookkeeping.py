@@ -75,6 +75,21 @@ def test_lru_and_lfu_victims():
     assert lfu.victim(lambda k: k == "nothing") is None
 
 
+def test_requests_served_elsewhere_count_as_history_and_rank_promotions():
+    lfu, lru = LFU(), LRU()
+    lfu.admit("a")
+    lfu.note("z")  # served from another tier: counted, not resident
+    assert lfu.count("z") == 1 and lfu.victim(lambda k: True) == "a"
+    assert not lfu.prefers("z", "a")  # a tie does not displace the resident key
+    lfu.note("z")
+    assert lfu.prefers("z", "a") and not lfu.prefers("a", "z")
+    lfu.forget("a")
+    assert lfu.victim(lambda k: True) is None  # noted keys are never victims: they are not resident
+    lru.admit("a")
+    lru.note("z")
+    assert lru.prefers("z", "a") and lru.victim(lambda k: True) == "a"
+
+
 def test_decaying_lfu_forgets_old_popularity():
     policy = DecayingLFU(half_life=4)
     for _ in range(6):

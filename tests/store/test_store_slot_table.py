@@ -13,10 +13,10 @@ from flashpack.runtime.experts import ON_DISK, host_code
 from flashpack.runtime.store import build_store
 
 
-def _store(pack: Pack, device_slots: int, host_slots: int):
+def _store(pack: Pack, device_slots: int, host_slots: int, layers: list[int] | None = None):
     stride, staging = pack.manifest.document["experts"]["record_stride"], pack.manifest.config.num_experts_per_tok
     return build_store(pack, vram_budget=(device_slots + staging) * stride, ram_budget=host_slots * stride,
-                       device_reserved=0, poison=True, rebalance=False, staging=True)
+                       device_reserved=0, poison=True, rebalance=False, staging=True, layers=layers)
 
 
 def _settle(store, timeout: float = 10.0) -> None:
@@ -100,3 +100,19 @@ def test_record_hits_counts_requests_and_uses_prefetches(store_pack):
         after = store.stats.layer(layer)
         assert (after.requests - requests, after.device_hits - hits) == (3, 3)
         assert issued > 0 and after.prefetch_used == issued
+
+
+def test_a_staged_expert_is_promoted_once_it_outranks_what_it_would_evict(store_pack):
+    pack = Pack.open(store_pack)
+    layer = sorted({r.layer for r in pack.manifest.expert_records()})[0]
+    with _store(pack, device_slots=4, host_slots=64, layers=[layer]) as store:
+        store.load(layer, [0, 1, 2, 3])  # the layer's whole share, each requested once
+        _settle(store)
+        store.record_hits(layer, [], staged=[9])  # one request: ties the victim's count, stays staged
+        _settle(store)
+        assert (layer, 9) not in store.device_slots
+        store.record_hits(layer, [], staged=[9])  # two: outranks it, loaded into a device slot
+        _settle(store)
+        assert store.device_slots.get((layer, 9)).ready
+        assert int(_table(store)[layer, 9]) == store.device_slots.get((layer, 9)).slot
+        assert store.stats.layer(layer).prefetch_issued == 1 and len(store.device_slots.entries) == 4

@@ -8,6 +8,8 @@ import time
 
 import torch
 
+from store_waits import settle
+
 from flashpack.layout.pack import Pack
 from flashpack.runtime.experts import ON_DISK, host_code
 from flashpack.runtime.store import build_store
@@ -17,14 +19,6 @@ def _store(pack: Pack, device_slots: int, host_slots: int, layers: list[int] | N
     stride, staging = pack.manifest.document["experts"]["record_stride"], pack.manifest.config.num_experts_per_tok
     return build_store(pack, vram_budget=(device_slots + staging) * stride, ram_budget=host_slots * stride,
                        device_reserved=0, poison=True, rebalance=False, staging=True, layers=layers)
-
-
-def _settle(store, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    with store._changed:
-        while store._inflight or store._host_loads or store._landing:
-            assert time.monotonic() < deadline, "loads still in flight"
-            store._changed.wait(0.05)
 
 
 def _table(store) -> torch.Tensor:
@@ -50,14 +44,14 @@ def test_table_names_device_then_host_slots_and_drops_evicted_ones(store_pack):
     with _store(pack, device_slots=8, host_slots=10) as store:
         assert bool((_table(store) == ON_DISK).all())
         store.load(layer, [0, 1, 2, 3])
-        _settle(store)
+        settle(store)
         table = _table(store)
         assert table.shape[1] == pack.manifest.config.num_experts
         assert torch.equal(table, _expected_table(store, table.shape))
         assert sorted(int(e) for e in (table[layer] >= 0).nonzero()) == [0, 1, 2, 3]
         for batch in ([4, 5, 6, 7], [8, 9, 10, 11], [12, 13, 14, 15]):  # more than the pool holds
             store.load(layer, batch)
-        _settle(store)
+        settle(store)
         table = _table(store)
         assert torch.equal(table, _expected_table(store, table.shape))
         assert int((table >= 0).sum()) == len(store.device_slots.entries) <= 8
@@ -65,7 +59,7 @@ def test_table_names_device_then_host_slots_and_drops_evicted_ones(store_pack):
         for codes in (table[table >= 0], table[table <= host_code(0)]):
             assert codes.unique().numel() == codes.numel()  # no slot named twice
         store.load(layer, [16, 17, 18, 19, 20, 21, 22, 23])  # evicts host entries too (10 host slots)
-        _settle(store)
+        settle(store)
         table = _table(store)
         assert torch.equal(table, _expected_table(store, table.shape))
 
@@ -83,7 +77,7 @@ def test_no_copy_or_read_lands_while_a_step_holds_the_table(store_pack):
                 assert not store.device_slots.get((layer, 5)).ready
         finally:
             store.release_slot_table()
-        _settle(store)
+        settle(store)
         assert store.device_slots.get((layer, 5)).ready
         assert int(_table(store)[layer, 5]) == store.device_slots.get((layer, 5)).slot
 
@@ -93,7 +87,7 @@ def test_record_hits_counts_requests_and_uses_prefetches(store_pack):
     layer = sorted({r.layer for r in pack.manifest.expert_records()})[0]
     with _store(pack, device_slots=8, host_slots=64) as store:
         issued = store.prefetch(layer, [1, 2])
-        _settle(store)
+        settle(store)
         before = store.stats.layer(layer)
         requests, hits = before.requests, before.device_hits
         store.record_hits(layer, [1, 2, 3])
@@ -107,12 +101,12 @@ def test_a_staged_expert_is_promoted_once_it_outranks_what_it_would_evict(store_
     layer = sorted({r.layer for r in pack.manifest.expert_records()})[0]
     with _store(pack, device_slots=4, host_slots=64, layers=[layer]) as store:
         store.load(layer, [0, 1, 2, 3])  # the layer's whole share, each requested once
-        _settle(store)
+        settle(store)
         store.record_hits(layer, [], staged=[9])  # one request: ties the victim's count, stays staged
-        _settle(store)
+        settle(store)
         assert (layer, 9) not in store.device_slots
         store.record_hits(layer, [], staged=[9])  # two: outranks it, loaded into a device slot
-        _settle(store)
+        settle(store)
         assert store.device_slots.get((layer, 9)).ready
         assert int(_table(store)[layer, 9]) == store.device_slots.get((layer, 9)).slot
         assert store.stats.layer(layer).prefetch_issued == 1 and len(store.device_slots.entries) == 4

@@ -13,6 +13,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from store_waits import settle
+
 from flashpack.errors import FlashpackError
 from flashpack.layout.pack import Pack
 from flashpack.layout.records import PROJECTIONS
@@ -37,17 +39,8 @@ def _store(pack: Pack, device_slots: int, host_slots: int, **options):
                        poison=True, **options)
 
 
-def _settle(store, timeout: float = 10.0) -> None:
-    """Wait until no load is in flight (a released chunk's loads still land)."""
-    deadline = time.monotonic() + timeout
-    with store._changed:
-        while store._inflight or store._host_loads or store._landing:
-            assert time.monotonic() < deadline, "loads still in flight"
-            store._changed.wait(0.05)
-
-
 def _nothing_pinned(store) -> bool:
-    _settle(store)
+    settle(store)
     return all(e.pins == 0 for e in store.device_slots.entries.values()) and \
         all(e.pins == 0 for e in store.host_slots.entries.values())
 
@@ -238,7 +231,7 @@ def test_prefetch_is_counted_apart_and_a_later_request_uses_it(store_pack):
         layer = layers[3]
         store.fetch(layer, [20])  # one host/device resident expert: skipped by the prefetch
         assert store.prefetch(layer, [0, 1, 2, 20]) == 3
-        _settle(store)
+        settle(store)
         counters = store.stats.layer(layer)
         assert counters.requests == 1 and counters.prefetch_issued == 3 and counters.prefetch_from_disk == 3
         assert store.prefetch(layer, [0, 1, 2]) == 0  # resident now
@@ -275,7 +268,7 @@ def test_prefetch_evicted_unused_is_wasted_and_host_hits_only_copy(store_pack):
         assert (layer, 0) not in store.device_slots and (layer, 0) in store.host_slots
         reads = store.stats.read_calls
         assert store.prefetch(layer, [0, 1]) == 2
-        _settle(store)
+        settle(store)
         assert store.stats.read_calls == reads  # host-cache hits: copies only
         assert store.stats.layer(layer).prefetch_from_disk == 0
         store.fetch(layer, list(range(16, 24)))  # evicts both before any request used them
@@ -294,7 +287,7 @@ def test_prefetch_never_evicts_pinned_entries_nor_leaves_its_share(store_pack):
         assert all((layers[0], e) in store.device_slots for e in range(8))
         # a layer prefetches into its own share only, though most of the pool is free
         assert store.prefetch(layers[1], list(range(experts))) == store.device_slots.capacity[layers[1]]
-        _settle(store)
+        settle(store)
         for layer in layers:
             assert store.device_slots.count[layer] <= store.device_slots.capacity[layer]
         assert store.stats.total().requests == 8
@@ -345,7 +338,7 @@ def test_required_reads_go_before_queued_prefetch_reads(store_pack):
         assert store._readers.pending() == (1, 2)
         gate.set()
         store.wait(handles)
-        _settle(store)
+        settle(store)
         assert order == [(1, 0), (2, 7), (1, 1), (1, 2)]
 
 

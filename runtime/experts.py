@@ -42,6 +42,11 @@ def host_code(host_slot: int) -> int:
     return -(host_slot + 2)
 
 
+def host_slot_of(code):
+    """The host-cache slot a slot-table code <= -2 names (ints or tensors)."""
+    return -code - 2
+
+
 @dataclass(frozen=True)
 class HostRecords:
     """What a decode step needs to stage host-cache records into device rows itself."""

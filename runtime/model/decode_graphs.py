@@ -49,7 +49,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from flashpack.runtime.experts import ON_DISK, HostRecords, TabledSlots, host_code
+from flashpack.runtime.experts import ON_DISK, HostRecords, TabledSlots, host_code, host_slot_of
 from flashpack.runtime.kernels import moe_experts, stage_records
 from flashpack.runtime.model.decoder_layer import DecoderLayer
 from flashpack.runtime.state import SequenceState
@@ -84,9 +84,6 @@ class CapturedCall:
         return self.outputs
 
 
-MAX_SPECULATION_WAIT = 64  # steps
-
-
 def layer_front(layer: DecoderLayer, streams, position, ple_rows, ple_state, mixer_state):
     """[PLE addend,] attention-side mix, the sequence mixer, combine: streams before the MoE block."""
     if ple_rows is not None:
@@ -104,7 +101,7 @@ def layer_front(layer: DecoderLayer, streams, position, ple_rows, ple_state, mix
 def table_feed_forward(layer: DecoderLayer, streams, code_row, bank, host: HostRecords | None):
     """The MoE block with its experts found on the device: `code_row` [num_experts] holds each
     expert's bank row, or where it is in the host cache (staged into `host.staging` here), or
-    that it is on disk (slot_table.py). Returns (streams, expert ids [1, k], their codes [1, k],
+    that it is on disk (the codes of runtime/experts.py). Returns (streams, expert ids [1, k], their codes [1, k],
     whether one was on disk); such an expert is weighted zero and the output is not to be used."""
     x, inject = layer.mlp_hc.mix(streams)
     weights, experts, shared = layer.moe.gate(x)
@@ -113,7 +110,7 @@ def table_feed_forward(layer: DecoderLayer, streams, code_row, bank, host: HostR
     slots = codes
     if host is not None:
         staged = codes <= host_code(0)
-        host_slots = torch.where(staged, -codes - 2, 0).flatten()
+        host_slots = torch.where(staged, host_slot_of(codes), 0).flatten()
         stage_records(host.source, torch.where(staged.flatten(), host.offsets[host_slots], -1), host.staging)
         rows = host.first_staging_slot + torch.arange(codes.shape[1], device=codes.device, dtype=codes.dtype)
         slots = torch.where(staged, rows, codes)
@@ -131,6 +128,9 @@ def tiered_route(layer: DecoderLayer, streams):
 
 def expert_combine(layer: DecoderLayer, streams, expert_output, inject):
     return layer.mlp_hc.combine(streams, expert_output, inject)
+
+
+MAX_SPECULATION_WAIT = 64  # steps
 
 
 @dataclass

@@ -4,8 +4,9 @@ and the expert records.
 
 "Fixed" is everything that does not grow with the layer count: dense tensors whose names do not
 start with `layers.` (embed_tokens, lm_head, the final mixer, mtp.*) plus the store's one-fetch work
-buffer; `device_fixed` is exactly what the store's `resident_device_bytes` counts minus the layers'
-dense tensors, so budget scaling and the store's budget check agree.
+buffer and, on a GPU, its staging rows (top_k records: the engine's store sets them aside there,
+runtime/loader.py); `device_fixed` is what the store's `resident_device_bytes` counts minus the
+layers' dense tensors, plus those rows, so budget scaling and the store's budget check agree.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ class ModelSizes:
     layers: int  # decoder layers in the pack (MTP not counted)
     width: int  # bytes per element of the engine dtype
     layer_dense: int  # dense tensors of every decoder layer (`layers.*`), engine dtype
-    device_fixed: int  # device bytes that do not scale with layers (non-layer dense + work buffer)
+    device_fixed: int  # device bytes that do not scale with layers (non-layer dense, work buffer, staging)
     head_read: int  # what a forward reads outside the layers: lm_head (or tied embedding) + final mixer
     embed_row: int  # one embedding row (read per token)
     record_bytes: int  # one expert record's data (what the compute reads)
@@ -50,11 +51,12 @@ def model_sizes(manifest: Manifest, dtype: torch.dtype, device: torch.device | s
     head = "embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
     head_read = on_device[head] + sum(on_device[n] for n in names if n.startswith("hyper_connection_mixer."))
     experts = manifest.document["experts"]
+    staging = cfg.num_experts_per_tok * experts["record_stride"] if torch.device(device).type == "cuda" else 0
     return ModelSizes(
         layers=cfg.num_hidden_layers,
         width=width,
         layer_dense=layer_dense,
-        device_fixed=resident_device_bytes(manifest, dtype, 0, device) - layer_dense,
+        device_fixed=resident_device_bytes(manifest, dtype, 0, device) - layer_dense + staging,
         head_read=head_read,
         embed_row=tensors["embed_tokens.weight"].shape[-1] * width,
         record_bytes=experts["record_bytes"],

@@ -104,6 +104,8 @@ def test_sizes_from_the_manifest(tiny_pack):
     assert sizes.head_read == 4 * (elements["lm_head.weight"] + mixer)
     assert sizes.embed_row == 4 * cfg.hidden_size
     assert (sizes.record_bytes, sizes.record_stride) == (3472, 4096)
+    on_gpu = model_sizes(manifest, torch.float32, device="cuda")  # the store's staging rows join the fixed part
+    assert on_gpu.device_fixed == sizes.device_fixed + cfg.num_experts_per_tok * sizes.record_stride
     no_mtp = sum(n for name, n in elements.items() if not name.startswith(("layers.", "mtp.")))
     assert baseline_fixed_bytes(manifest, torch.bfloat16) == 2 * no_mtp
 

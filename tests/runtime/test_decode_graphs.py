@@ -6,7 +6,8 @@ after a snapshot is restored (restored in place: the graphs stay bound) and for 
 (they are captured again): logits must agree to rel 1e-5 with the layers' pieces replayed as they
 are (graph QSA attends over its whole buffer under a mask, eager over the picked keys: a different
 summation order), and to rel 1e-4 with the pieces compiled (Inductor fuses and reorders the
-reductions); the expert source must count the same requests either way. On a CPU: the same cut
+reductions) or a tiered store (atomic adds in its prompts' expert sums); the expert source must
+count the same requests either way. On a CPU: the same cut
 into pieces, each run plainly, must compute what the layers compute (rel 1e-6).
 """
 
@@ -59,7 +60,10 @@ def test_graph_decode_matches_eager(tiny_pack, tiered, compiled):
     eager = load_engine(tiny_pack, "cuda", dtype="float32", store=options, cuda_graphs=False)
     graphed = load_engine(tiny_pack, "cuda", dtype="float32", store=options, compile_layers=compiled)
     assert graphed.model.decode_graphs is not None and eager.model.decode_graphs is None
-    tolerance = 1e-4 if compiled else 1e-5
+    # a tiered prompt adds its experts' outputs chunk by chunk with atomic index_add, in an order
+    # that varies run to run and with what each store holds (the eager engine loads its misses,
+    # the graphed one promotes): 3.3e-5 was seen on the H200 for tiered-60, so 1e-4 as compiled
+    tolerance = 1e-4 if compiled or tiered is not None else 1e-5
     for _ in range(2):  # a second sequence: new state buffers, graphs captured again
         # 40 steps: past the indexer's budget, and the attention caches grow (graphs captured again)
         expected, got = _decode(eager, prompt, 40, restore_at=30), _decode(graphed, prompt, 40, restore_at=30)

@@ -85,7 +85,9 @@ def _tile(tiles_ptr, max_tiles):
             tl.load(tiles_ptr + 2 * max_tiles + tile))
 
 
-@triton.jit
+# do_not_specialize: one build whatever a call's tile count. Triton otherwise builds again the first
+# time a count is 1 or a multiple of 16, which a prompt streamed in chunks can meet mid-prompt.
+@triton.jit(do_not_specialize=["max_tiles"])
 def _grouped_gate_up_kernel(
     x_ptr, order_ptr, tiles_ptr, h_ptr, max_tiles,
     gate_nib_ptr, up_nib_ptr, gate_scale_ptr, up_scale_ptr, global_ptr,
@@ -123,7 +125,7 @@ def _grouped_gate_up_kernel(
              mask=row_mask[:, None] & col_mask[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["max_tiles"])
 def _grouped_down_kernel(
     h_ptr, order_ptr, tiles_ptr, weights_ptr, y_ptr, max_tiles,
     down_nib_ptr, down_scale_ptr, global_ptr,

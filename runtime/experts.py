@@ -129,7 +129,7 @@ class TabledSlots(ExpertSlots, Protocol):
         the step to stage into device rows itself; None when it names device slots alone."""
         ...
 
-    def record_hits(self, layer: int, experts: list[int], staged: list[int] = ()) -> None:
-        """Count a decode step's experts of `layer` found through the table: on the device, and
-        `staged` from the host cache."""
+    def record_step(self, found: list[tuple[int, list[int], list[int]]]) -> None:
+        """Count what a decode step found through the table: (layer, experts on the device,
+        experts staged from the host cache) for each layer."""
         ...

@@ -243,10 +243,11 @@ class DecodeGraphs:
         count = experts.numel()
         picked, where = report[len(layers):len(layers) + count], report[len(layers) + count:]
         k = count // len(layers)
+        found = []
         for index, layer in enumerate(layers):
-            found = list(zip(picked[index * k:(index + 1) * k], where[index * k:(index + 1) * k]))
-            self.tabled.record_hits(layer.layer, [e for e, code in found if code >= 0],
-                                    [e for e, code in found if code < 0])
+            pairs = list(zip(picked[index * k:(index + 1) * k], where[index * k:(index + 1) * k]))
+            found.append((layer.layer, [e for e, code in pairs if code >= 0], [e for e, code in pairs if code < 0]))
+        self.tabled.record_step(found)
         return out
 
     def _through_store(self, streams, position, rows, after_layer) -> torch.Tensor:

@@ -8,7 +8,7 @@
     request(layer, experts) -> handles     device hit: ready now; host hit: one copy in flight;
                                            miss: O_DIRECT read (reader threads) then a copy
     wait(handles) -> {expert: ExpertWeights}   blocks on the copies, dequantises, releases slots
-    hold_slot_table() -> table, release_slot_table(), record_hits(layer, experts)
+    hold_slot_table() -> table, release_slot_table(), record_step(found)
                                            a decode step looks slots up on the device
                                            (slot_table.py) and counts what it used
 
@@ -239,34 +239,36 @@ class TieredStore(TransferJobs):
             self._table_held, self._table_read = False, event
             self._changed.notify_all()
 
-    def record_hits(self, layer: int, experts: list[int], staged: list[int] = ()) -> None:
-        """Count a decode step's experts of `layer` found through the slot table: `experts` on the
-        device, `staged` from the host cache (copied to staging rows, not given device slots), as
-        requests (the eviction policies see them as they see requests). A staged expert the
-        device policy now ranks above what it would evict is promoted: loaded into a device slot
-        in the background, as a prefetch (the next steps stage it until its copy lands)."""
+    def record_step(self, found: list[tuple[int, list[int], list[int]]]) -> None:
+        """Count what a decode step found through the slot table, (layer, experts on the device,
+        experts staged from the host cache) for each layer, under one lock: as requests and hits
+        (the eviction policies see them as they see requests). A staged expert the device policy
+        now ranks above what it would evict is promoted: loaded into a device slot in the
+        background, as a prefetch (steps stage it until its copy lands)."""
         with self._changed:
-            for expert in experts:
-                key = (layer, expert)
-                if key in self.device_slots:
-                    self.device_slots.touch(key)
-                if key in self._prefetched:
-                    self._prefetched.discard(key)
-                    self.stats.bump(layer, prefetch_used=1)
-            promote = []
-            for expert in staged:
-                key = (layer, expert)
-                if key in self.host_slots:
-                    self.host_slots.touch(key)
-                self.device_slots.policies[layer].note(key)
-                if key not in self.device_slots and self.device_slots.worth_placing(key, layer):
-                    promote.append(expert)
-            self.stats.bump(layer, requests=len(experts) + len(staged), device_hits=len(experts),
-                            host_hits=len(staged), bytes_host_to_device=len(staged) * self.stride)
-        if self.rebalancer is not None:
-            self._rebalance(layer, len(experts), len(experts) + len(staged))
-        if promote:
-            self.prefetch(layer, promote)
+            if self._closed:
+                return
+            for layer, experts, staged in found:
+                for expert in experts:
+                    key = (layer, expert)
+                    if key in self.device_slots:
+                        self.device_slots.touch(key)
+                    if key in self._prefetched:
+                        self._prefetched.discard(key)
+                        self.stats.bump(layer, prefetch_used=1)
+                promote = []
+                for expert in staged:
+                    key = (layer, expert)
+                    if key in self.host_slots:
+                        self.host_slots.touch(key)
+                    self.device_slots.policies[layer].note(key)
+                    if key not in self.device_slots and self.device_slots.worth_placing(key, layer):
+                        promote.append(expert)
+                self.stats.bump(layer, requests=len(experts) + len(staged), device_hits=len(experts),
+                                host_hits=len(staged), bytes_host_to_device=len(staged) * self.stride)
+                if self.rebalancer is not None:
+                    self._rebalance_locked(layer, len(experts), len(experts) + len(staged))
+                self._prefetch_locked(layer, promote)
 
     def fetch(self, layer: int, experts: list[int]) -> dict[int, ExpertWeights]:
         """Dequantised weights of `experts` of `layer` (on the store's device)."""
@@ -295,26 +297,27 @@ class TieredStore(TransferJobs):
         are skipped. Entries are unpinned once they land. Counted as prefetch_issued, not as
         requests; a later request that finds one counts prefetch_used, an eviction before that
         prefetch_wasted."""
-        started = 0
         with self._changed:
-            if self._closed:
-                return 0
-            for expert in experts:
-                key = (layer, expert)
-                if key in self.device_slots:
-                    continue
-                if key not in self.host_slots and not self._host_room_for_prefetch():
-                    continue  # a host-cache hit further on may still go
-                try:
-                    slot, evicted = self.device_slots.place(key, layer, pin=True, seed=0.0, within_share=True,
-                                                            count_ghost=False)
-                except NoRoom:
-                    break  # the layer's share is full of pinned entries
-                self._evicted_device(evicted)
-                _, source = self._start_load(key, slot, prefetch=True)
-                self._prefetched.add(key)
-                self.stats.bump(layer, prefetch_issued=1, prefetch_from_disk=int(source == "disk"))
-                started += 1
+            return 0 if self._closed else self._prefetch_locked(layer, experts)
+
+    def _prefetch_locked(self, layer: int, experts: list[int]) -> int:
+        started = 0
+        for expert in experts:
+            key = (layer, expert)
+            if key in self.device_slots:
+                continue
+            if key not in self.host_slots and not self._host_room_for_prefetch():
+                continue  # a host-cache hit further on may still go
+            try:
+                slot, evicted = self.device_slots.place(key, layer, pin=True, seed=0.0, within_share=True,
+                                                        count_ghost=False)
+            except NoRoom:
+                break  # the layer's share is full of pinned entries
+            self._evicted_device(evicted)
+            _, source = self._start_load(key, slot, prefetch=True)
+            self._prefetched.add(key)
+            self.stats.bump(layer, prefetch_issued=1, prefetch_from_disk=int(source == "disk"))
+            started += 1
         return started
 
     def _host_room_for_prefetch(self) -> bool:
@@ -517,14 +520,17 @@ class TieredStore(TransferJobs):
 
     def _rebalance(self, layer: int, hits: int, requests: int) -> None:
         with self._changed:
-            ghosts, self.device_slots.ghost_hits[layer] = self.device_slots.ghost_hits[layer], 0
-            self.rebalancer.record(layer, hits, requests, ghosts)
-            if not self.rebalancer.due():
-                return
-            move = self.rebalancer.decide(self.device_slots.capacity)
-            if move is not None:
-                for key in self.device_slots.move_capacity(*move):
-                    self._evicted_device(key)
+            self._rebalance_locked(layer, hits, requests)
+
+    def _rebalance_locked(self, layer: int, hits: int, requests: int) -> None:
+        ghosts, self.device_slots.ghost_hits[layer] = self.device_slots.ghost_hits[layer], 0
+        self.rebalancer.record(layer, hits, requests, ghosts)
+        if not self.rebalancer.due():
+            return
+        move = self.rebalancer.decide(self.device_slots.capacity)
+        if move is not None:
+            for key in self.device_slots.move_capacity(*move):
+                self._evicted_device(key)
 
     def prewarm(self, ranked: dict[int, list[int]], counts: dict[int, list[int]] | None = None) -> dict[str, int]:
         """Fill the device pool, then the host cache, with each layer's hottest experts.

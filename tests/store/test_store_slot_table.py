@@ -82,7 +82,7 @@ def test_no_copy_or_read_lands_while_a_step_holds_the_table(store_pack):
         assert int(_table(store)[layer, 5]) == store.device_slots.get((layer, 5)).slot
 
 
-def test_record_hits_counts_requests_and_uses_prefetches(store_pack):
+def test_record_step_counts_requests_and_uses_prefetches(store_pack):
     pack = Pack.open(store_pack)
     layer = sorted({r.layer for r in pack.manifest.expert_records()})[0]
     with _store(pack, device_slots=8, host_slots=64) as store:
@@ -90,7 +90,7 @@ def test_record_hits_counts_requests_and_uses_prefetches(store_pack):
         settle(store)
         before = store.stats.layer(layer)
         requests, hits = before.requests, before.device_hits
-        store.record_hits(layer, [1, 2, 3])
+        store.record_step([(layer, [1, 2, 3], [])])
         after = store.stats.layer(layer)
         assert (after.requests - requests, after.device_hits - hits) == (3, 3)
         assert issued > 0 and after.prefetch_used == issued
@@ -102,10 +102,10 @@ def test_a_staged_expert_is_promoted_once_it_outranks_what_it_would_evict(store_
     with _store(pack, device_slots=4, host_slots=64, layers=[layer]) as store:
         store.load(layer, [0, 1, 2, 3])  # the layer's whole share, each requested once
         settle(store)
-        store.record_hits(layer, [], staged=[9])  # one request: ties the victim's count, stays staged
+        store.record_step([(layer, [], [9])])  # one request: ties the victim's count, stays staged
         settle(store)
         assert (layer, 9) not in store.device_slots
-        store.record_hits(layer, [], staged=[9])  # two: outranks it, loaded into a device slot
+        store.record_step([(layer, [], [9])])  # two: outranks it, loaded into a device slot
         settle(store)
         assert store.device_slots.get((layer, 9)).ready
         assert int(_table(store)[layer, 9]) == store.device_slots.get((layer, 9)).slot

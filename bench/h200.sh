@@ -7,7 +7,7 @@
 # --dense-fp8 pack from the same snapshot and benches 8/32 on it (BF16 dense weights alone exceed an
 # 8 GB card at 48 layers). budgets, long (a 32k prompt) and baseline (with transformers + accelerate
 # beside) run 24/64 with every record pre-warmed (--hot-set '*'). TESTS overrides the GPU test list.
-# Timing on an H200 (2026-11-29): build 165 s (LAYERS=4; the FP8 pack's convert follows, untimed),
+# Timing on an H200 (2026-11-29): build 150-165 s (LAYERS=4; the FP8 pack's convert follows, untimed),
 # each bench 30-120 s; all stages exceed one call's 600 s, and a machine keeps nothing between
 # calls, so split STAGES over calls (each rebuilds).
 set -o pipefail

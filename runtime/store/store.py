@@ -10,10 +10,11 @@
     wait(handles) -> {expert: ExpertWeights}   blocks on the copies, dequantises, releases slots
     hold_slot_table() -> table, release_slot_table(), record_step(found)
                                            a decode step looks slots up on the device
-                                           (slot_table.py) and counts what it used
+                                           and counts what it used (table_steps.py)
 
 A request larger than the layer's share of the pool (a prefill) streams: its hits first, then its
-misses a few at a time, each chunk's loads started before the previous chunk is handed out.
+misses half the layer's share at a time, each chunk's loads started before the previous chunk is
+handed out.
 
 Residency (which key is where, pins, policies, per-layer capacity) lives in `Residency` objects
 guarded by one lock; reader and copy threads only move bytes and then publish, under that lock,
@@ -50,6 +51,7 @@ from flashpack.runtime.store.residency import Entry, NoRoom, Residency
 from flashpack.runtime.store.slot_table import SlotTable
 from flashpack.runtime.store.stats import StoreStats
 from flashpack.runtime.store.tiers import SlotPool
+from flashpack.runtime.store.table_steps import TableSteps
 from flashpack.runtime.store.transfers import TransferJobs
 
 HOST = 0  # the host cache's single partition
@@ -89,7 +91,7 @@ class ExpertHandle:
         self._store._release([self])
 
 
-class TieredStore(TransferJobs):
+class TieredStore(TransferJobs, TableSteps):
     def __init__(
         self,
         pack: Pack,
@@ -203,72 +205,6 @@ class TieredStore(TransferJobs):
             else:
                 with self._lock:
                     self.device_slots.ghost_hits[layer] = 0
-
-    def hold_slot_table(self) -> torch.Tensor:
-        """Publish the device slot table (slot_table.py) and hold its slots: none is overwritten
-        until `release_slot_table`, and on CUDA until the work enqueued before that has run."""
-        with self._lock:
-            if self._closed:
-                raise FlashpackError("the expert store is closed")
-            self._table_held = True
-            return self._slot_table.publish()
-
-    @property
-    def host_records(self) -> HostRecords | None:
-        """The host cache as a decode step stages records from it (slot_table.py); None without
-        staging rows."""
-        if self._host_records is None and self.plan.staging_slots:
-            base = min(self.host_pool.chunks, key=torch.Tensor.data_ptr)
-            offsets = [(self.host_pool.slot(h).data_ptr() - base.data_ptr()) // 4 for h in range(self.host_pool.slots)]
-            first = self.plan.device_slots
-            self._host_records = HostRecords(
-                source=base.view(-1).view(torch.int32),
-                offsets=torch.tensor(offsets, dtype=torch.int64, device=self.device),
-                staging=self.device_pool.tensor[first:first + self.plan.staging_slots].view(torch.int32),
-                first_staging_slot=first,
-            )
-        return self._host_records
-
-    def release_slot_table(self) -> None:
-        """The work reading the held table's slots is enqueued (on the current stream)."""
-        event = None
-        if self._copy_stream is not None:
-            event = torch.cuda.Event()
-            event.record(torch.cuda.current_stream(self.device))
-        with self._changed:
-            self._table_held, self._table_read = False, event
-            self._changed.notify_all()
-
-    def record_step(self, found: list[tuple[int, list[int], list[int]]]) -> None:
-        """Count what a decode step found through the slot table, (layer, experts on the device,
-        experts staged from the host cache) for each layer, under one lock: as requests and hits
-        (the eviction policies see them as they see requests). A staged expert the device policy
-        now ranks above what it would evict is promoted: loaded into a device slot in the
-        background, as a prefetch (steps stage it until its copy lands)."""
-        with self._changed:
-            if self._closed:
-                return
-            for layer, experts, staged in found:
-                for expert in experts:
-                    key = (layer, expert)
-                    if key in self.device_slots:
-                        self.device_slots.touch(key)
-                    if key in self._prefetched:
-                        self._prefetched.discard(key)
-                        self.stats.bump(layer, prefetch_used=1)
-                promote = []
-                for expert in staged:
-                    key = (layer, expert)
-                    if key in self.host_slots:
-                        self.host_slots.touch(key)
-                    self.device_slots.policies[layer].note(key)
-                    if key not in self.device_slots and self.device_slots.worth_placing(key, layer):
-                        promote.append(expert)
-                self.stats.bump(layer, requests=len(experts) + len(staged), device_hits=len(experts),
-                                host_hits=len(staged), bytes_host_to_device=len(staged) * self.stride)
-                if self.rebalancer is not None:
-                    self._rebalance_locked(layer, len(experts), len(experts) + len(staged))
-                self._prefetch_locked(layer, promote)
 
     def fetch(self, layer: int, experts: list[int]) -> dict[int, ExpertWeights]:
         """Dequantised weights of `experts` of `layer` (on the store's device)."""

@@ -8,13 +8,16 @@ a mask (`QSAAttention.attend_step`), and the routed experts' slots can be looked
 in a slot table. So a step is one graph for all the layers:
 
     every expert resident   the source's slot table never misses: the graph is the whole step
-    a tiered store          the store publishes which experts are on the device now
-                            (TabledSlots.hold_slot_table) and the graph runs against that,
-                            reporting every expert it found missing (zero-weighted meanwhile). One
-                            read-back after the step: no miss, the step stands and the store
-                            counts the experts as hits; a miss, the step is redone through the store
-                            from a copy of the state the graph took first. That redo is one
-                            graph per layer, cut at the routed experts:
+    a tiered store          the store publishes where each expert is now, a device slot, a
+                            host-cache slot or only on disk (TabledSlots.hold_slot_table), and
+                            the graph runs against that: it stages host-cache experts into the
+                            bank's staging rows itself (kernels.stage_records, reading pinned
+                            host memory over PCIe) and reports every expert it found only on
+                            disk (zero-weighted meanwhile). One read-back after the step: none,
+                            the step stands and the store counts what it used (and may promote
+                            staged experts to device slots in the background); some, the step is
+                            redone through the store from a copy of the state the graph took
+                            first. That redo is one graph per layer, cut at the routed experts:
                                 graph(combine previous layer's experts, [PLE addend,] mix, mixer,
                                 combine, mix, router, shared expert, next layer's prediction) ->
                                 eager(expert ids to the host, the store, the expert kernels) -> ...

@@ -21,13 +21,14 @@ import torch
 
 from flashpack.runtime.experts import ON_DISK, host_code
 
+
 class SlotTable:
     def __init__(self, layers: int, experts: int, device: torch.device):
         cuda = device.type == "cuda"
         self.host = torch.full((layers, experts), ON_DISK, dtype=torch.int32)
         self.device = torch.full((layers, experts), ON_DISK, dtype=torch.int32, device=device)
-        # the copy to the device reads a snapshot: the live table may gain a slot whose copy is
-        # still landing after the publish, which that copy's reader would not wait for
+        # the copy to the device reads a snapshot taken under the store's lock: a step sees one
+        # state of the table, not one the store's threads edit while the copy runs
         self._snapshot = torch.empty_like(self.host, pin_memory=cuda)
         self._snapshot_read: torch.cuda.Event | None = None
         self._device_slots: dict[tuple[int, int], int] = {}

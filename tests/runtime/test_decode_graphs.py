@@ -162,7 +162,7 @@ def test_control_a_tiered_step_must_see_its_misses_and_restore_its_state(tiny_pa
         found = decode_graphs.table_feed_forward
         monkeypatch.setattr(decode_graphs, "table_feed_forward",
                             lambda *args: (*found(*args)[:3], torch.tensor(False)))
-    stores, models = _tiered_pair(tiny_pack, 60)
+    stores, models = _tiered_pair(tiny_pack, 60, host_slots=40)  # most steps meet a disk miss
     if broken == "state-not-restored":
         bind = models[1].decode_graphs._bind
         monkeypatch.setattr(models[1].decode_graphs, "_bind",

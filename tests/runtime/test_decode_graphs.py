@@ -193,3 +193,21 @@ def test_pieces_compose_to_the_layers_on_cpu(tiny_pack):
     expected, got = _decode(plain, prompt, 24), _decode(pieces, prompt, 24)  # past the indexer budget
     for step, (a, b) in enumerate(zip(got, expected)):
         assert float((a - b).norm() / b.norm()) < TOLERANCE, f"step {step}"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU test above covers the captured pieces")
+def test_a_failing_step_releases_the_slot_table(tiny_pack, monkeypatch):
+    """An error inside a step from the slot table must not leave the table held: the store's copy
+    and read jobs wait while it is, and would wait for ever."""
+    def broken(*args):
+        raise RuntimeError("kernel failed")
+
+    stores, models = _tiered_pair(tiny_pack, 60)
+    monkeypatch.setattr(models[1].decode_graphs, "feed_forward", broken)
+    state = models[1].new_state()
+    logits = models[1](torch.randint(0, 1000, (8,)), state, last_only=True).logits
+    with pytest.raises(RuntimeError, match="kernel failed"):
+        models[1](torch.tensor([int(logits.argmax())]), state)
+    assert models[1].decode_graphs.speculation.tries == 0 and not stores[1]._table_held
+    for store in stores:
+        store.close()

@@ -10,6 +10,7 @@ import torch
 
 from store_waits import settle
 
+from flashpack.errors import FlashpackError
 from flashpack.layout.pack import Pack
 from flashpack.runtime.experts import ON_DISK, host_code
 from flashpack.runtime.store import build_store
@@ -110,3 +111,11 @@ def test_a_staged_expert_is_promoted_once_it_outranks_what_it_would_evict(store_
         assert store.device_slots.get((layer, 9)).ready
         assert int(_table(store)[layer, 9]) == store.device_slots.get((layer, 9)).slot
         assert store.stats.layer(layer).prefetch_issued == 1 and len(store.device_slots.entries) == 4
+
+
+def test_a_closed_store_refuses_to_hold_its_table(store_pack):
+    pack = Pack.open(store_pack)
+    store = _store(pack, device_slots=8, host_slots=64)
+    store.close()
+    with pytest.raises(FlashpackError, match="closed"):
+        store.hold_slot_table()

@@ -46,8 +46,8 @@ for stage in $STAGES; do
       --baseline transformers --baseline-layers 2 ;;
     profile)
       timeout 90 python3 bench/profile_decode.py $W/full.pack --name resident --out $OUT 2>&1 | tail -1
-      timeout 90 python3 bench/profile_decode.py $W/full.pack --name tiered-24g --vram-budget 4GiB --ram-budget 6GiB \
-        --out $OUT 2>&1 | tail -1 ;;
+      timeout 120 python3 bench/profile_decode.py $W/full.pack --name tiered-24g-64g --vram-budget 24GiB \
+        --ram-budget 64GiB --emulate-layers 48 --hot-set '*' --out $OUT 2>&1 | tail -1 ;;
     prefill-profile)  # every record resident: where a 32k prompt's compute goes
       timeout 150 python3 bench/profile_decode.py $W/full.pack --phase prefill --prompt-len 32768 \
         --name prefill-32k --out $OUT 2>&1 | tail -1 ;;

@@ -2,6 +2,8 @@
 (or, with `--phase prefill`, over one forward of the prompt).
 
     python bench/profile_decode.py PACK --device cuda [--vram-budget 24GiB --ram-budget 64GiB] --out DIR
+    python bench/profile_decode.py PACK --vram-budget 24GiB --ram-budget 64GiB --emulate-layers 48 \
+        --hot-set '*' --out DIR          # the budgets typed for 48 layers, scaled as `flashpack bench` does
     python bench/profile_decode.py PACK --phase prefill --prompt-len 32768 --out DIR
 
 Writes DIR/profile-<name>.txt (top operators by host time and by device time) and prints the
@@ -19,7 +21,11 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from flashpack.runtime.loader import StoreOptions, load_engine
+from flashpack.layout.pack import Pack
+from flashpack.runtime.bench.emulate import check_layers, scaled_budgets
+from flashpack.runtime.bench.sizes import model_sizes
+from flashpack.runtime.loader import StoreOptions, load_engine, parse_device, parse_dtype
+from flashpack.runtime.store.budget import parse_budget
 
 
 def main() -> None:
@@ -28,13 +34,23 @@ def main() -> None:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--vram-budget")
     parser.add_argument("--ram-budget")
+    parser.add_argument("--emulate-layers", type=int, help="the layer count the budgets are typed for")
+    parser.add_argument("--hot-set", help="pre-warm from this hot set ('*': every record the tiers hold)")
     parser.add_argument("--prompt-len", type=int, default=256)
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--phase", choices=("decode", "prefill"), default="decode")
     parser.add_argument("--name", default="decode")
     parser.add_argument("--out", default=".")
     args = parser.parse_args()
-    engine = load_engine(args.pack, args.device, store=StoreOptions(args.vram_budget, args.ram_budget))
+    manifest = Pack.open(args.pack).manifest
+    device = parse_device(args.device)
+    sizes = model_sizes(manifest, parse_dtype("auto", device), device)
+    layers = manifest.config.num_hidden_layers
+    typed = {"vram": parse_budget(args.vram_budget, "--vram-budget"), "ram": parse_budget(args.ram_budget, "--ram-budget")}
+    _, budgets = scaled_budgets(typed, sizes.device_fixed, layers, check_layers(layers, args.emulate_layers))
+    store = StoreOptions(*(None if budgets[tier] is None else str(budgets[tier]) for tier in ("vram", "ram")),
+                         hot_set=args.hot_set)
+    engine = load_engine(args.pack, args.device, store=store)
     model, sync = engine.model, (torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None))
     state = model.new_state()
     prompt = torch.randint(0, 1000, (args.prompt_len,))

@@ -25,8 +25,8 @@ from flashpack.runtime.bench.emulate import (
     BUDGET_FORMULA,
     SCALE_FORMULA,
     check_layers,
-    scale_budget,
     scale_to_layers,
+    scaled_budgets,
     scale_traffic,
 )
 from flashpack.runtime.bench.machine import machine_info
@@ -100,9 +100,7 @@ def run_bench(
                              f"({cfg.max_position_embeddings} positions)")
     sizes = model_sizes(manifest, torch_dtype, torch_device)
     typed = {"vram": parse_budget(vram_budget, "--vram-budget"), "ram": parse_budget(ram_budget, "--ram-budget")}
-    fixed = {"vram": sizes.device_fixed, "ram": 0}
-    engine_budgets = {tier: scale_budget(typed[tier], fixed[tier], layers, target, f"--{tier}-budget")
-                      for tier in ("vram", "ram")}
+    fixed, engine_budgets = scaled_budgets(typed, sizes.device_fixed, layers, target)
 
     store = StoreOptions(
         vram_budget=None if engine_budgets["vram"] is None else str(engine_budgets["vram"]),
@@ -152,8 +150,7 @@ def run_bench(
                "pack_layers": layers, "formula": BUDGET_FORMULA, "store_plan": store_plan}
     if baseline is not None:
         base_fixed = baseline_fixed_bytes(manifest, torch_dtype)
-        base_budgets = {tier: scale_budget(typed[tier], base_fixed if tier == "vram" else 0, baseline_layers, target,
-                                           f"--{tier}-budget") for tier in ("vram", "ram")}
+        _, base_budgets = scaled_budgets(typed, base_fixed, baseline_layers, target)
         budgets["baseline"] = {**base_budgets, "fixed_vram": base_fixed, "layers": baseline_layers}
         max_memory = max_memory_for(torch_device, base_budgets["vram"], base_budgets["ram"])
         try:

@@ -50,6 +50,16 @@ def scale_budget(budget: int | None, fixed: int, layers: int, full_layers: int, 
     return fixed + (budget - fixed) * layers // full_layers
 
 
+def scaled_budgets(
+    typed: dict[str, int | None], device_fixed: int, layers: int, full_layers: int,
+) -> tuple[dict[str, int], dict[str, int | None]]:
+    """Typed full-model budgets {"vram", "ram"} -> (their fixed parts, the budgets for the pack's
+    `layers`); the RAM budget has no fixed part (the host cache holds experts alone)."""
+    fixed = {"vram": device_fixed, "ram": 0}
+    return fixed, {tier: scale_budget(typed[tier], fixed[tier], layers, full_layers, f"--{tier}-budget")
+                   for tier in ("vram", "ram")}
+
+
 def scale_to_layers(value: float, fixed: float, layers: int, target_layers: int) -> float:
     """A cost measured with `layers` layers (of which `fixed` does not depend on them) at `target_layers`."""
     return fixed + (value - fixed) * target_layers / layers

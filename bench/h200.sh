@@ -3,7 +3,7 @@
 # at three budgets emulating 48 layers (transformers baseline at 24/64), decode profiles. Results in $OUT.
 # Run with carry ["wheels"] (transformers 5.23 + jsonschema wheels; /work/.library/device/README.md).
 # STAGES picks steps and their order (default all: tests layers unbounded fp8 budgets long baseline
-# profile prefill-profile eager fp8-unbounded); tests run beside the build, the rest after it. fp8 also converts a
+# profile hotset prefill-profile eager fp8-unbounded); tests run beside the build, the rest after it. fp8 also converts a
 # --dense-fp8 pack from the same snapshot and benches 8/32 on it (BF16 dense weights alone exceed an
 # 8 GB card at 48 layers). budgets, long (a 32k prompt) and baseline (with transformers + accelerate
 # beside) run 24/64 with every record pre-warmed (--hot-set '*'). TESTS overrides the GPU test list.
@@ -14,7 +14,7 @@ set -o pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site wheels/*.whl || exit 1
 mkdir -p /tmp/pkg && ln -sfn "$PWD" /tmp/pkg/flashpack
 export PYTHONPATH=/tmp/pkg:/tmp/site PYTHONUNBUFFERED=1
-LAYERS=${LAYERS:-4} GEN=${GEN:-32} PROMPT=${PROMPT:-512} W=/tmp/fp STAGES=${STAGES:-"tests layers unbounded fp8 budgets long baseline profile prefill-profile eager fp8-unbounded"}
+LAYERS=${LAYERS:-4} GEN=${GEN:-32} PROMPT=${PROMPT:-512} W=/tmp/fp STAGES=${STAGES:-"tests layers unbounded fp8 budgets long baseline profile hotset prefill-profile eager fp8-unbounded"}
 has() { [[ " $STAGES " == *" $1 "* ]]; }
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee $OUT/gpu.txt
 start=$(date +%s)
@@ -48,6 +48,12 @@ for stage in $STAGES; do
       timeout 90 python3 bench/profile_decode.py $W/full.pack --name resident --out $OUT 2>&1 | tail -1
       timeout 120 python3 bench/profile_decode.py $W/full.pack --name tiered-24g-64g --vram-budget 24GiB \
         --ram-budget 64GiB --emulate-layers 48 --hot-set '*' --out $OUT 2>&1 | tail -1 ;;
+    hotset)  # a hot set profiled on the synth corpus, then 24/64 pre-warmed from it (not '*': id order)
+      python3 -c "import json; [print(json.dumps({'prompt': t})) for t in json.load(open('convert/synth/corpus.json'))['texts']]" \
+        > $W/workload.jsonl
+      timeout 200 python3 -m flashpack.cli profile $W/full.pack --workload $W/workload.jsonl --name corpus \
+        --device cuda --max-tokens 32 2>&1 | tail -2
+      bench 24g-64g-hot 24GiB 64GiB --prompt-len $PROMPT --gen $GEN --hot-set corpus ;;
     prefill-profile)  # every record resident: where a 32k prompt's compute goes
       timeout 150 python3 bench/profile_decode.py $W/full.pack --phase prefill --prompt-len 32768 \
         --name prefill-32k --out $OUT 2>&1 | tail -1 ;;

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call: CUDA tests (while the pack builds), build `full --layers $LAYERS`, `flashpack bench`
-# at three budgets emulating 48 layers (transformers baseline at 24/64), decode profiles. Results in $OUT.
+# at three budgets emulating 48 layers (transformers baseline at 24/64), decode profiles. Results in $OUT/results.tgz (beside gpu.txt, tests.log, run.log).
 # Run with carry ["wheels"] (transformers 5.23 + jsonschema wheels; /work/.library/device/README.md).
 # STAGES picks steps and their order (default all: tests layers unbounded fp8 budgets long baseline
 # profile hotset prefill-profile eager fp8-unbounded); tests run beside the build, the rest after it. fp8 also converts a
@@ -47,7 +47,9 @@ for stage in $STAGES; do
     profile)
       timeout 90 python3 bench/profile_decode.py $W/full.pack --name resident --out $OUT 2>&1 | tail -1
       timeout 120 python3 bench/profile_decode.py $W/full.pack --name tiered-24g-64g --vram-budget 24GiB \
-        --ram-budget 64GiB --emulate-layers 48 --hot-set '*' --out $OUT 2>&1 | tail -1 ;;
+        --ram-budget 64GiB --emulate-layers 48 --hot-set '*' --out $OUT 2>&1 | tail -1
+      timeout 90 python3 bench/store_overhead.py $W/full.pack --device cuda --calls 1000 \
+        --json $OUT/store-overhead-h200.json 2>&1 | tail -1 ;;
     hotset)  # a hot set profiled on the synth corpus, then 24/64 pre-warmed from it (not '*': id order)
       python3 -c "import json; [print(json.dumps({'prompt': t})) for t in json.load(open('convert/synth/corpus.json'))['texts']]" \
         > $W/workload.jsonl
@@ -63,3 +65,6 @@ for stage in $STAGES; do
     fp8-unbounded) PACK=full-fp8 bench unbounded-fp8 "" "" --prompt-len $PROMPT --gen $GEN ;;
   esac
 done
+# At most 8 files come back from a device call: everything in one archive, beside the logs.
+(cd $OUT && tar czf results.tgz --exclude results.tgz --exclude run.log * \
+  && find . -maxdepth 1 -type f ! -name results.tgz ! -name run.log ! -name gpu.txt ! -name tests.log -delete)

@@ -5,7 +5,9 @@ device pool: what a tiered decode step pays per layer beyond the kernels, and th
 
 Builds a store whose device pool holds every record of the pack's first layer, pre-warms it, then
 times `stream(layer, experts)` (the engine's call: pin, await, yield, release) for random top-k
-sets of that layer, median of batches. Prints and writes JSON: microseconds per call and per expert.
+sets of that layer, median of batches; and `record_step` for one layer's top-k, all found on the
+device (what a decode step from the slot table pays per layer to count what it used). Prints and
+writes JSON: microseconds per call and per expert.
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ def main() -> None:
     with build_store(pack, vram_budget=records * stride, ram_budget=records * stride, device=args.device,
                      device_reserved=0, rebalance=False) as store:
         store.prewarm({layer: list(range(experts))})
-        batches = []
+        batches, recorded = [], []
         for _ in range(max(1, args.calls // BATCH)):
             requests = [sorted(rng.sample(range(experts), top_k)) for _ in range(BATCH)]
             start = time.perf_counter()
@@ -53,12 +55,17 @@ def main() -> None:
                     for _ in chunks:
                         pass
             batches.append((time.perf_counter() - start) / BATCH)
+            start = time.perf_counter()
+            for wanted in requests:
+                store.record_step([(layer, wanted, [])])
+            recorded.append((time.perf_counter() - start) / BATCH)
         hits = store.stats.total().device_hits
     per_call = statistics.median(batches)
     result = {
         "pack": str(args.pack), "device": args.device, "machine": platform.node(), "top_k": top_k,
         "calls": len(batches) * BATCH, "device_hits": hits, "us_per_call": per_call * 1e6,
-        "us_per_expert": per_call * 1e6 / top_k, "torch": torch.__version__,
+        "us_per_expert": per_call * 1e6 / top_k, "us_per_record_step_layer": statistics.median(recorded) * 1e6,
+        "torch": torch.__version__,
     }
     print(json.dumps(result))
     if args.json:

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One device call: CUDA tests (while the pack builds), build `full --layers $LAYERS`, `flashpack bench`
-# at three budgets emulating 48 layers (transformers baseline at 24/64), decode profiles. Results in $OUT/results.tgz (beside gpu.txt, tests.log, run.log).
+# at three budgets emulating 48 layers (transformers baseline at 24/64), decode profiles. Results in
+# $OUT/results.tgz, beside gpu.txt, tests.log and run.log.
 # Run with carry ["wheels"] (transformers 5.23 + jsonschema wheels; /work/.library/device/README.md).
 # STAGES picks steps and their order (default all: tests layers unbounded fp8 budgets long baseline
 # profile hotset prefill-profile eager fp8-unbounded); tests run beside the build, the rest after it. fp8 also converts a

@@ -4,10 +4,11 @@
 # $OUT/results.tgz, beside gpu.txt, tests.log and run.log.
 # Run with carry ["wheels"] (transformers 5.23 + jsonschema wheels; /work/.library/device/README.md).
 # STAGES picks steps and their order (default all: tests layers unbounded fp8 budgets long baseline
-# profile hotset prefill-profile eager fp8-unbounded); tests run beside the build, the rest after it. fp8 also converts a
-# --dense-fp8 pack from the same snapshot and benches 8/32 on it (BF16 dense weights alone exceed an
-# 8 GB card at 48 layers). budgets, long (a 32k prompt) and baseline (with transformers + accelerate
-# beside) run 24/64 with every record pre-warmed (--hot-set '*'). TESTS overrides the GPU test list.
+# profile hotset prefill-profile eager fp8-unbounded); tests run beside the build, the rest after it.
+# fp8 also converts a --dense-fp8 pack from the same snapshot and benches 8/32 on it (BF16 dense
+# weights alone exceed an 8 GB card at 48 layers). budgets, long (a 32k prompt) and baseline (with
+# transformers + accelerate beside) run 24/64 with every record pre-warmed (--hot-set '*'). TESTS
+# overrides the GPU test list.
 # Timing on an H200 (2026-11-29): build 150-165 s (LAYERS=4; the FP8 pack's convert follows, untimed),
 # each bench 30-120 s; all stages exceed one call's 600 s, and a machine keeps nothing between
 # calls, so split STAGES over calls (each rebuilds).

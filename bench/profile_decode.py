@@ -46,7 +46,8 @@ def main() -> None:
     device = parse_device(args.device)
     sizes = model_sizes(manifest, parse_dtype("auto", device), device)
     layers = manifest.config.num_hidden_layers
-    typed = {"vram": parse_budget(args.vram_budget, "--vram-budget"), "ram": parse_budget(args.ram_budget, "--ram-budget")}
+    typed = {"vram": parse_budget(args.vram_budget, "--vram-budget"),
+             "ram": parse_budget(args.ram_budget, "--ram-budget")}
     _, budgets = scaled_budgets(typed, sizes.device_fixed, layers, check_layers(layers, args.emulate_layers))
     store = StoreOptions(*(None if budgets[tier] is None else str(budgets[tier]) for tier in ("vram", "ram")),
                          hot_set=args.hot_set)

@@ -110,7 +110,7 @@ def timed_run(model, store, state, prompt: list[int], gen: int, progress: bool =
     synchronize(device)
     ttft = time.perf_counter() - start
     middle = snapshot(store)
-    tried_before = _table_steps(model)
+    tried_before = _slot_table_tries(model)
     generated, steps = [token], []
     for _ in tqdm(range(gen), desc="decode", unit="tok", disable=not progress, leave=False):
         start = time.perf_counter()
@@ -119,7 +119,7 @@ def timed_run(model, store, state, prompt: list[int], gen: int, progress: bool =
         steps.append(time.perf_counter() - start)
         generated.append(token)
     after = snapshot(store)
-    tried_after = _table_steps(model)
+    tried_after = _slot_table_tries(model)
     return {
         "ttft_s": ttft, "decode_seconds": sum(steps), "step_seconds": steps, "generated": generated,
         "prefill_counters": difference(before, middle), "decode_counters": difference(middle, after),
@@ -128,7 +128,7 @@ def timed_run(model, store, state, prompt: list[int], gen: int, progress: bool =
     }
 
 
-def _table_steps(model) -> tuple[int, int] | None:
+def _slot_table_tries(model) -> tuple[int, int] | None:
     """(steps tried from the store's slot table, steps that stood) so far, or None (no such steps)."""
     speculation = model.decode_graphs.speculation if model.decode_graphs is not None else None
     return None if speculation is None else (speculation.tries, speculation.confirmed)

@@ -7,8 +7,9 @@ table, runs the ones in the pinned host cache from staging rows it copies them i
 through the store. This table is the store's side of that, int32 [layers, experts], with the
 codes runtime/experts.py defines (a device slot, a host slot, or on disk).
 
-The store edits the host copy under its lock (a slot filled, a slot evicted) and `publish` copies
-a snapshot of it to the device before each such step. Only safe mistakes are possible. A device
+The store refreshes a key's code under its lock whenever one of its entries changes (a slot
+filled, a copy landed, a slot evicted), and `publish` copies a snapshot of the table to the device
+before each such step. Only safe mistakes are possible. A device
 slot is named once its copy has landed (until then the expert is staged from the host cache, so
 a step never waits for a copy in flight); an entry cleared after the publish makes a miss, not a
 wrong read; and the store overwrites neither a device slot nor a host slot until the step that
@@ -20,6 +21,7 @@ from __future__ import annotations
 import torch
 
 from flashpack.runtime.experts import ON_DISK, host_code
+from flashpack.runtime.store.residency import Entry
 
 
 class SlotTable:
@@ -31,45 +33,15 @@ class SlotTable:
         # state of the table, not one the store's threads edit while the copy runs
         self._snapshot = torch.empty_like(self.host, pin_memory=cuda)
         self._snapshot_read: torch.cuda.Event | None = None
-        self._device_slots: dict[tuple[int, int], int] = {}
-        self._host_slots: dict[tuple[int, int], int] = {}
-        self._landing: dict[tuple[int, int], int] = {}  # device copies in flight: their slots
 
-    def fill_device(self, key: tuple[int, int], slot: int, landing: bool = False) -> None:
-        """`key`'s bytes are in device `slot`, or will be once `landed(key)` says so."""
-        if landing:
-            self._landing[key] = slot
-            return
-        self._device_slots[key] = slot
-        self._update(key)
-
-    def landed(self, key: tuple[int, int], slot: int) -> None:
-        """`key`'s copy into device `slot` has completed (a stale call, for a slot the key has left
-        since, changes nothing)."""
-        if self._landing.get(key) == slot:
-            self.fill_device(key, self._landing.pop(key))
-
-    def clear_device(self, key: tuple[int, int]) -> None:
-        """`key` is leaving its device slot: before the slot is given to another expert."""
-        self._device_slots.pop(key, None)
-        self._landing.pop(key, None)
-        self._update(key)
-
-    def fill_host(self, key: tuple[int, int], host_slot: int) -> None:
-        """`key`'s bytes are in host slot `host_slot`."""
-        self._host_slots[key] = host_slot
-        self._update(key)
-
-    def clear_host(self, key: tuple[int, int]) -> None:
-        """`key` is leaving its host slot: before the slot is read over."""
-        self._host_slots.pop(key, None)
-        self._update(key)
-
-    def _update(self, key: tuple[int, int]) -> None:
-        if key in self._device_slots:
-            self.host[key] = self._device_slots[key]
-        elif key in self._host_slots:
-            self.host[key] = host_code(self._host_slots[key])
+    def refresh(self, key: tuple[int, int], device: Entry | None, host: Entry | None) -> None:
+        """Set `key`'s code from its entries in the device pool and the host cache (None: none
+        there). A device slot counts once its copy has landed (`Entry.landed` is None again):
+        until then the step stages the expert from the host cache, and never waits for a copy."""
+        if device is not None and device.ready and device.landed is None:
+            self.host[key] = device.slot
+        elif host is not None and host.ready:
+            self.host[key] = host_code(host.slot)
         else:
             self.host[key] = ON_DISK
 

@@ -417,7 +417,7 @@ class TieredStore(TransferJobs, TableSteps):
         """Count a device eviction (a prefetch that no request used is wasted)."""
         if key is None:
             return
-        self._slot_table.clear_device(key)
+        self._refresh_table(key)
         self.stats.bump(key[0], evictions_device=1)
         if key in self._prefetched:
             self._prefetched.discard(key)
@@ -426,7 +426,7 @@ class TieredStore(TransferJobs, TableSteps):
     def _place_host(self, key: tuple[int, int], seed: float | None = None) -> int:
         host_slot, evicted = self.host_slots.place(key, HOST, pin=True, seed=seed)
         if evicted is not None:
-            self._slot_table.clear_host(evicted)
+            self._refresh_table(evicted)
             self.stats.bump(evicted[0], evictions_host=1)
         return host_slot
 

@@ -28,6 +28,10 @@ class TableSteps:
             self._table_held = True
             return self._slot_table.publish()
 
+    def _refresh_table(self, key: tuple[int, int]) -> None:
+        """(under the lock) `key`'s slot-table code from its entries as they are now."""
+        self._slot_table.refresh(key, self.device_slots.get(key), self.host_slots.get(key))
+
     @property
     def host_records(self) -> HostRecords | None:
         """The host cache as a decode step stages records from it (slot_table.py); None without

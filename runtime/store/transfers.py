@@ -112,7 +112,7 @@ class TransferJobs:
         with self._changed:
             entry = self.device_slots.get(key)  # still this load's entry: the load holds a pin on it
             entry.ready, entry.landed = True, landed
-            self._slot_table.fill_device(key, device_slot, landing=landed is not None)
+            self._refresh_table(key)
             self.device_slots.unpin(key)  # the load's pin; requests hold their own
             self._inflight.pop(key, None)
             if landed is None:
@@ -167,7 +167,7 @@ class TransferJobs:
                     self.host_slots.unpin(key)
                 if entry.landed is landed:
                     entry.landed = None  # users of the slot need not wait on it any more
-                    self._slot_table.landed(key, entry.slot)  # decode steps may read the slot now
+                    self._refresh_table(key)  # decode steps may read the slot from now on
                 self._landing -= 1
                 self._changed.notify_all()
 
@@ -179,7 +179,7 @@ class TransferJobs:
             for key in keys:
                 entry = self.host_slots.get(key)
                 entry.ready = True
-                self._slot_table.fill_host(key, entry.slot)
+                self._refresh_table(key)
                 load = self._host_loads.pop(key, None)
                 if load is not None:
                     load.set_result(None)
@@ -190,7 +190,7 @@ class TransferJobs:
             for key in keys:
                 if self.host_slots.get(key) is not None:
                     self.host_slots.drop(key)
-                    self._slot_table.clear_host(key)
+                    self._refresh_table(key)
                 load = self._host_loads.pop(key, None)
                 if load is not None:
                     load.set_exception(_as_flashpack(error))
@@ -201,7 +201,7 @@ class TransferJobs:
         with self._changed:
             if self.device_slots.get(key) is not None:
                 self.device_slots.drop(key)
-                self._slot_table.clear_device(key)
+                self._refresh_table(key)
             self._prefetched.discard(key)
             future = self._inflight.pop(key, None)
             self._changed.notify_all()

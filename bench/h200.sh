@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One device call: CUDA tests (while the pack builds), build `full --layers $LAYERS`, `flashpack bench`
 # at three budgets emulating 48 layers (transformers baseline at 24/64), decode profiles. Results in
-# $OUT/results.tgz, beside gpu.txt, tests.log and run.log.
+# $OUT/results.tgz (rewritten after every stage, so a call cut short still brings back what it finished),
+# beside gpu.txt, tests.log and run.log.
 # Run with carry ["wheels"] (transformers 5.23 + jsonschema wheels; /work/.library/device/README.md).
 # STAGES picks steps and their order (default all: tests layers unbounded fp8 budgets long baseline
 # profile hotset prefill-profile eager fp8-unbounded); tests run beside the build, the rest after it.
@@ -16,8 +17,9 @@ set -o pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site wheels/*.whl || exit 1
 mkdir -p /tmp/pkg && ln -sfn "$PWD" /tmp/pkg/flashpack
 export PYTHONPATH=/tmp/pkg:/tmp/site PYTHONUNBUFFERED=1
-LAYERS=${LAYERS:-4} GEN=${GEN:-32} PROMPT=${PROMPT:-512} W=/tmp/fp STAGES=${STAGES:-"tests layers unbounded fp8 budgets long baseline profile hotset prefill-profile eager fp8-unbounded"}
+LAYERS=${LAYERS:-4} GEN=${GEN:-32} PROMPT=${PROMPT:-512} W=/tmp/fp R=/tmp/results STAGES=${STAGES:-"tests layers unbounded fp8 budgets long baseline profile hotset prefill-profile eager fp8-unbounded"}
 has() { [[ " $STAGES " == *" $1 "* ]]; }
+mkdir -p $R
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee $OUT/gpu.txt
 start=$(date +%s)
 ( timeout 420 python3 -m flashpack.cli synth full $W/src --format nvfp4 --layers $LAYERS --ple-rows-per-head 2000 \
@@ -35,11 +37,11 @@ wait $build; cat $OUT/gpu.txt; [ -f $W/full.pack/manifest.json ] || exit 1
 bench() {  # name, vram, ram, extra args (PACK=full-fp8 for the --dense-fp8 pack)
   local name=$1 vram=$2 ram=$3; shift 3
   timeout ${BENCH_TIMEOUT:-150} python3 -m flashpack.cli bench $W/${PACK:-full}.pack --device cuda ${vram:+--vram-budget $vram} \
-    ${ram:+--ram-budget $ram} --emulate-layers 48 --json $OUT/bench-$name.json --quiet "$@" 2>&1 | tail -22
+    ${ram:+--ram-budget $ram} --emulate-layers 48 --json $R/bench-$name.json --quiet "$@" 2>&1 | tail -22
 }
 for stage in $STAGES; do
   case $stage in
-    layers) timeout 150 python3 bench/layer_costs.py $W/full.pack --out $OUT 2>&1 | tail -1 ;;
+    layers) timeout 150 python3 bench/layer_costs.py $W/full.pack --out $R 2>&1 | tail -1 ;;
     unbounded) bench unbounded "" "" --prompt-len $PROMPT --gen $GEN ;;
     fp8) PACK=full-fp8 bench 8g-32g-fp8 8GiB 32GiB --prompt-len $PROMPT --gen $GEN ;;
     budgets) bench 24g-64g 24GiB 64GiB --prompt-len $PROMPT --gen $GEN --hot-set '*' ;;
@@ -47,11 +49,11 @@ for stage in $STAGES; do
     baseline) bench 24g-64g-baseline 24GiB 64GiB --prompt-len $PROMPT --gen $GEN --hot-set '*' \
       --baseline transformers --baseline-layers 2 ;;
     profile)
-      timeout 90 python3 bench/profile_decode.py $W/full.pack --name resident --out $OUT 2>&1 | tail -1
+      timeout 90 python3 bench/profile_decode.py $W/full.pack --name resident --out $R 2>&1 | tail -1
       timeout 120 python3 bench/profile_decode.py $W/full.pack --name tiered-24g-64g --vram-budget 24GiB \
-        --ram-budget 64GiB --emulate-layers 48 --hot-set '*' --out $OUT 2>&1 | tail -1
+        --ram-budget 64GiB --emulate-layers 48 --hot-set '*' --out $R 2>&1 | tail -1
       timeout 90 python3 bench/store_overhead.py $W/full.pack --device cuda --calls 1000 \
-        --json $OUT/store-overhead-h200.json 2>&1 | tail -1 ;;
+        --json $R/store-overhead-h200.json 2>&1 | tail -1 ;;
     hotset)  # a hot set profiled on the synth corpus, then 24/64 pre-warmed from it (not '*': id order)
       python3 -c "import json; [print(json.dumps({'prompt': t})) for t in json.load(open('convert/synth/corpus.json'))['texts']]" \
         > $W/workload.jsonl
@@ -60,13 +62,11 @@ for stage in $STAGES; do
       bench 24g-64g-hot 24GiB 64GiB --prompt-len $PROMPT --gen $GEN --hot-set corpus ;;
     prefill-profile)  # every record resident: where a 32k prompt's compute goes
       timeout 150 python3 bench/profile_decode.py $W/full.pack --phase prefill --prompt-len 32768 \
-        --name prefill-32k --out $OUT 2>&1 | tail -1 ;;
+        --name prefill-32k --out $R 2>&1 | tail -1 ;;
     eager)
       bench unbounded-eager "" "" --prompt-len $PROMPT --gen $GEN --no-cuda-graphs
       bench 24g-64g-eager 24GiB 64GiB --prompt-len $PROMPT --gen $GEN --no-cuda-graphs ;;
     fp8-unbounded) PACK=full-fp8 bench unbounded-fp8 "" "" --prompt-len $PROMPT --gen $GEN ;;
   esac
+  tar czf $OUT/results.tgz -C $R .  # at most 8 files come back from a device call: one archive
 done
-# At most 8 files come back from a device call: everything in one archive, beside the logs.
-(cd $OUT && tar czf results.tgz --exclude results.tgz --exclude run.log * \
-  && find . -maxdepth 1 -type f ! -name results.tgz ! -name run.log ! -name gpu.txt ! -name tests.log -delete)

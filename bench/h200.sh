@@ -5,7 +5,8 @@
 # beside gpu.txt, tests.log and run.log.
 # Run with carry ["wheels"] (transformers 5.23 + jsonschema wheels; /work/.library/device/README.md).
 # STAGES picks steps and their order (default all: tests layers unbounded fp8 budgets long baseline
-# profile hotset prefill-profile eager fp8-unbounded); tests run beside the build, the rest after it.
+# profile hotset prefill-profile eager fp8-unbounded staging); tests run beside the build, the rest
+# after it. staging times the stage_records kernel against the copy engine (bench/kernels.py).
 # fp8 also converts a --dense-fp8 pack from the same snapshot and benches 8/32 on it (BF16 dense
 # weights alone exceed an 8 GB card at 48 layers). budgets, long (a 32k prompt) and baseline (with
 # transformers + accelerate beside) run 24/64 with every record pre-warmed (--hot-set '*'). TESTS
@@ -17,7 +18,7 @@ set -o pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site wheels/*.whl || exit 1
 mkdir -p /tmp/pkg && ln -sfn "$PWD" /tmp/pkg/flashpack
 export PYTHONPATH=/tmp/pkg:/tmp/site PYTHONUNBUFFERED=1
-LAYERS=${LAYERS:-4} GEN=${GEN:-32} PROMPT=${PROMPT:-512} W=/tmp/fp R=/tmp/results STAGES=${STAGES:-"tests layers unbounded fp8 budgets long baseline profile hotset prefill-profile eager fp8-unbounded"}
+LAYERS=${LAYERS:-4} GEN=${GEN:-32} PROMPT=${PROMPT:-512} W=/tmp/fp R=/tmp/results STAGES=${STAGES:-"tests layers unbounded fp8 budgets long baseline profile hotset prefill-profile eager fp8-unbounded staging"}
 has() { [[ " $STAGES " == *" $1 "* ]]; }
 mkdir -p $R
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee $OUT/gpu.txt
@@ -41,6 +42,8 @@ bench() {  # name, vram, ram, extra args (PACK=full-fp8 for the --dense-fp8 pack
 }
 for stage in $STAGES; do
   case $stage in
+    staging) timeout 120 python3 bench/kernels.py --only staging --sweep --sweep-seconds 20 \
+      --json $R/kernels-staging.json 2>&1 | tail -30 ;;
     layers) timeout 150 python3 bench/layer_costs.py $W/full.pack --out $R 2>&1 | tail -1 ;;
     unbounded) bench unbounded "" "" --prompt-len $PROMPT --gen $GEN ;;
     fp8) PACK=full-fp8 bench 8g-32g-fp8 8GiB 32GiB --prompt-len $PROMPT --gen $GEN ;;

@@ -9,6 +9,9 @@ H = 2560, I = 640, 512 experts per layer, top-10; FP8 matrix 8192 x 2560.
   decode    1 token, 10 experts: matvec kernels; also 2..32 tokens, matvec vs grouped (crossover)
   prefill   2048 tokens: grouped W4A16 kernels (bf16 tensor cores)
   fp8       8192 x 2560 row-scaled: matvec (1 token) and tile GEMM (2048 tokens)
+  staging   5 and 10 records from pinned host memory into device rows: the stage_records kernel
+            (reads over PCIe from the SMs) against the copy engine (one copy_ per record), both
+            in a graph, GB/s held against one large pinned host-to-device copy
 
 Bytes moved count what a kernel must read and write: each selected expert's record data
 (2,764,800 bytes) once, the distinct experts once for the grouped path, plus activations and
@@ -380,12 +383,54 @@ def bench_fp8(report: Report, device, sweep: bool) -> None:
                     print(f"sweep {cfg}: {error!r}"[:200])
 
 
+def bench_staging(report: Report, geometry, device, sweep: bool) -> None:
+    from flashpack.runtime.kernels.reference import stage_records_reference
+    from flashpack.runtime.kernels.stage_records import stage_records_triton
+
+    host_slots, words = 64, geometry.stride // 4
+    host = torch.randint(-2**31, 2**31 - 1, (host_slots * words,), dtype=torch.int32).pin_memory()
+    target = torch.zeros(TOP_K, words, dtype=torch.int32, device=device)
+    big = torch.empty(1 << 30, dtype=torch.uint8, device=device)
+    host_big = torch.empty(1 << 30, dtype=torch.uint8).pin_memory()
+    h2d_ms = eager_ms(lambda i: big.copy_(host_big, non_blocking=True), repeats=5)
+    print(f"  pinned host-to-device copy: {(1 << 30) / h2d_ms / 1e6:.1f} GB/s", flush=True)
+    report.timing("staging h2d", "one 1 GiB pinned copy (the PCIe roofline)", h2d_ms, 1 << 30)
+    del big, host_big
+    generator = torch.Generator().manual_seed(3)
+    for count in (5, TOP_K):
+        picks = [torch.randperm(host_slots, generator=generator)[:count] for _ in range(16)]
+        offsets = [torch.full((TOP_K,), -1, dtype=torch.int64) for _ in picks]
+        for offset, pick in zip(offsets, picks):
+            offset[:count] = pick * words
+        offsets = [offset.to(device) for offset in offsets]
+        moved, case = count * geometry.stride, f"stage {count} records"
+        run = lambda i, **kw: stage_records_triton(host, offsets[i % 16], target, **kw)  # noqa: E731
+        report.timing(case, "triton stage_records (SM reads over PCIe)", graph_ms(run, 16), moved,
+                      eager_us=eager_ms(run, 10) * 1e3)
+        expected = stage_records_reference(host, offsets[0].cpu(), target.cpu().clone())
+        report.check(case, float(not torch.equal(run(0).cpu(), expected)), 0.0, "reference (exact)")
+        sources = [[host[p * words:(p + 1) * words] for p in pick.tolist()] for pick in picks]
+
+        def copy_engine(i):
+            for row, record in enumerate(sources[i % 16]):
+                target[row].copy_(record, non_blocking=True)
+
+        report.timing(case, "copy engine (copy_ per record)", graph_ms(copy_engine, 16), moved)
+        if sweep:
+            report.start_sweep()
+            for cfg in [dict(block=b, num_warps=w) for b in (1024, 2048, 4096, 8192, 16384) for w in (1, 2, 4, 8)]:
+                if not report.sweeping():
+                    break
+                report.timing("sweep " + case, " ".join(f"{k}={v}" for k, v in cfg.items()),
+                              graph_ms(lambda i: run(i, **cfg), 16), moved)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", type=Path, required=True)
     parser.add_argument("--sweep", action="store_true", help="also time a grid of block sizes")
     parser.add_argument("--sweep-seconds", type=float, default=45.0, help="time limit of each section's sweep")
-    parser.add_argument("--only", default="decode,fp8,prefill,crossover")
+    parser.add_argument("--only", default="decode,fp8,prefill,crossover,staging")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench/kernels.py needs a CUDA GPU")
@@ -410,6 +455,8 @@ def main() -> None:
                 bench_prefill(report, bank, geometry, device, args.sweep)
             elif name == "fp8":
                 bench_fp8(report, device, args.sweep)
+            elif name == "staging":
+                bench_staging(report, geometry, device, args.sweep)
         except Exception:
             failures.append({"case": name, "error": traceback.format_exc()})
             print(failures[-1]["error"], file=sys.stderr)

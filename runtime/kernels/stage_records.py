@@ -28,10 +28,13 @@ def _stage_kernel(source, offsets, target, words, BLOCK: tl.constexpr):
         tl.store(target + row * words + column, values, mask=keep)
 
 
-def stage_records_triton(source: torch.Tensor, offsets: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+def stage_records_triton(
+    source: torch.Tensor, offsets: torch.Tensor, target: torch.Tensor, block: int = BLOCK, num_warps: int = 4,
+) -> torch.Tensor:
     """source int32 [N] (pinned host memory on CUDA); offsets int64 [K] in int32 words, -1 to skip;
-    target int32 [K, words]: target[k] = source[offsets[k]:offsets[k] + words] where offsets[k] >= 0."""
+    target int32 [K, words]: target[k] = source[offsets[k]:offsets[k] + words] where offsets[k] >= 0.
+    `block` and `num_warps` are for bench/kernels.py's sweep."""
     rows, words = target.shape
-    grid = (rows, triton.cdiv(words, BLOCK))
-    _stage_kernel[grid](source, offsets, target, words, BLOCK=BLOCK)
+    grid = (rows, triton.cdiv(words, block))
+    _stage_kernel[grid](source, offsets, target, words, BLOCK=block, num_warps=num_warps)
     return target

@@ -42,7 +42,7 @@ bench() {  # name, vram, ram, extra args (PACK=full-fp8 for the --dense-fp8 pack
 }
 for stage in $STAGES; do
   case $stage in
-    staging) timeout 120 python3 bench/kernels.py --only staging --sweep --sweep-seconds 20 \
+    staging) timeout 120 python3 bench/kernels.py --only staging --sweep --sweep-seconds 40 \
       --json $R/kernels-staging.json 2>&1 | tail -30 ;;
     layers) timeout 150 python3 bench/layer_costs.py $W/full.pack --out $R 2>&1 | tail -1 ;;
     unbounded) bench unbounded "" "" --prompt-len $PROMPT --gen $GEN ;;

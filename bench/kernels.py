@@ -418,7 +418,8 @@ def bench_staging(report: Report, geometry, device, sweep: bool) -> None:
         report.timing(case, "copy engine (copy_ per record)", graph_ms(copy_engine, 16), moved)
         if sweep:
             report.start_sweep()
-            for cfg in [dict(block=b, num_warps=w) for b in (1024, 2048, 4096, 8192, 16384) for w in (1, 2, 4, 8)]:
+            for cfg in [dict(programs=p, block=b, num_warps=w) for p in (16, 32, 66, 132, 0)
+                        for b in (2048, 4096, 8192) for w in (2, 4, 8)]:
                 if not report.sweeping():
                     break
                 report.timing("sweep " + case, " ".join(f"{k}={v}" for k, v in cfg.items()),

@@ -23,12 +23,13 @@ def _case(device, source_device=None, pin=False):
     return source, offsets, target
 
 
-def test_staged_rows_match_the_reference(triton_device):
+@pytest.mark.parametrize("programs", [0, 3])  # one program per tile; 3 programs looping over 10 tiles
+def test_staged_rows_match_the_reference(triton_device, programs):
     from flashpack.runtime.kernels.stage_records import stage_records_triton
 
     source, offsets, target = _case(triton_device)
     expected = stage_records_reference(source.cpu(), offsets.cpu(), target.cpu().clone())
-    got = stage_records_triton(source, offsets, target)
+    got = stage_records_triton(source, offsets, target, programs=programs)
     assert torch.equal(got.cpu(), expected)
     assert bool((got[1] == 7).all()) and bool((got[4] == 7).all())  # skipped rows untouched
 

@@ -6,7 +6,8 @@
 # Run with carry ["wheels"] (transformers 5.23 + jsonschema wheels; /work/.library/device/README.md).
 # STAGES picks steps and their order (default all: tests layers unbounded fp8 budgets long baseline
 # profile hotset prefill-profile eager fp8-unbounded staging); tests run beside the build, the rest
-# after it. staging times the stage_records kernel against the copy engine (bench/kernels.py).
+# after it. staging times the stage_records kernel against the copy engine (bench/kernels.py);
+# ablations benches 24/64 without next-layer prefetch, then without promotions.
 # fp8 also converts a --dense-fp8 pack from the same snapshot and benches 8/32 on it (BF16 dense
 # weights alone exceed an 8 GB card at 48 layers). budgets, long (a 32k prompt) and baseline (with
 # transformers + accelerate beside) run 24/64 with every record pre-warmed (--hot-set '*'). TESTS
@@ -18,7 +19,7 @@ set -o pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site wheels/*.whl || exit 1
 mkdir -p /tmp/pkg && ln -sfn "$PWD" /tmp/pkg/flashpack
 export PYTHONPATH=/tmp/pkg:/tmp/site PYTHONUNBUFFERED=1
-LAYERS=${LAYERS:-4} GEN=${GEN:-32} PROMPT=${PROMPT:-512} W=/tmp/fp R=/tmp/results STAGES=${STAGES:-"tests layers unbounded fp8 budgets long baseline profile hotset prefill-profile eager fp8-unbounded staging"}
+LAYERS=${LAYERS:-4} GEN=${GEN:-32} PROMPT=${PROMPT:-512} W=/tmp/fp R=/tmp/results STAGES=${STAGES:-"tests layers unbounded fp8 budgets long baseline profile hotset prefill-profile eager fp8-unbounded staging ablations"}
 has() { [[ " $STAGES " == *" $1 "* ]]; }
 mkdir -p $R
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee $OUT/gpu.txt
@@ -42,7 +43,7 @@ bench() {  # name, vram, ram, extra args (PACK=full-fp8 for the --dense-fp8 pack
 }
 for stage in $STAGES; do
   case $stage in
-    staging) timeout 120 python3 bench/kernels.py --only staging --sweep --sweep-seconds 40 \
+    staging) timeout 120 python3 bench/kernels.py --only staging --sweep --sweep-seconds 20 \
       --json $R/kernels-staging.json 2>&1 | tail -30 ;;
     layers) timeout 150 python3 bench/layer_costs.py $W/full.pack --out $R 2>&1 | tail -1 ;;
     unbounded) bench unbounded "" "" --prompt-len $PROMPT --gen $GEN ;;
@@ -51,12 +52,18 @@ for stage in $STAGES; do
     long) bench 24g-64g-32k 24GiB 64GiB --prompt-len 32768 --gen 4 --hot-set '*' ;;
     baseline) bench 24g-64g-baseline 24GiB 64GiB --prompt-len $PROMPT --gen $GEN --hot-set '*' \
       --baseline transformers --baseline-layers 2 ;;
-    profile)
-      timeout 90 python3 bench/profile_decode.py $W/full.pack --name resident --out $R 2>&1 | tail -1
-      timeout 120 python3 bench/profile_decode.py $W/full.pack --name tiered-24g-64g --vram-budget 24GiB \
-        --ram-budget 64GiB --emulate-layers 48 --hot-set '*' --out $R 2>&1 | tail -1
-      timeout 90 python3 bench/store_overhead.py $W/full.pack --device cuda --calls 1000 \
-        --json $R/store-overhead-h200.json 2>&1 | tail -1 ;;
+    profile)  # PROFILES picks: resident tiered overhead (default all)
+      if [[ " ${PROFILES:-resident tiered overhead} " == *" resident "* ]]; then
+        timeout 90 python3 bench/profile_decode.py $W/full.pack --name resident --out $R 2>&1 | tail -1; fi
+      if [[ " ${PROFILES:-resident tiered overhead} " == *" tiered "* ]]; then
+        timeout 120 python3 bench/profile_decode.py $W/full.pack --name tiered-24g-64g --vram-budget 24GiB \
+          --ram-budget 64GiB --emulate-layers 48 --hot-set '*' --trace --out $R 2>&1 | tail -1; fi
+      if [[ " ${PROFILES:-resident tiered overhead} " == *" overhead "* ]]; then
+        timeout 90 python3 bench/store_overhead.py $W/full.pack --device cuda --calls 1000 \
+          --json $R/store-overhead-h200.json 2>&1 | tail -1; fi ;;
+    ablations)  # 24/64 as in budgets, one feature off at a time
+      bench 24g-64g-no-prefetch 24GiB 64GiB --prompt-len $PROMPT --gen $GEN --hot-set '*' --no-prefetch
+      bench 24g-64g-no-promote 24GiB 64GiB --prompt-len $PROMPT --gen $GEN --hot-set '*' --no-promote ;;
     hotset)  # a hot set profiled on the synth corpus, then 24/64 pre-warmed from it (not '*': id order)
       python3 -c "import json; [print(json.dumps({'prompt': t})) for t in json.load(open('convert/synth/corpus.json'))['texts']]" \
         > $W/workload.jsonl

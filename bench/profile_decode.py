@@ -7,15 +7,22 @@
     python bench/profile_decode.py PACK --phase prefill --prompt-len 32768 --out DIR
 
 Writes DIR/profile-<name>.txt (top operators by host time and by device time) and prints the
-step's wall time against the device-busy time (the sum of kernel times): their gap is host
-overhead (Python, launches, waits on the store).
+step's wall time against the device-busy time (the sum of kernel and copy times): their gap is
+host overhead (Python, launches, waits on the store). `host_split_ms` times, unprofiled, what a
+decode step's host thread spends in the calls that matter for a tiered store (each call's wall
+time per step, nested calls inside their callers); `--trace` also writes the profiled steps as a
+gzipped Chrome trace (every thread, both streams), for chrome://tracing or Perfetto.
 """
 
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
+import shutil
 import time
+from collections import defaultdict
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -26,6 +33,42 @@ from flashpack.runtime.bench.emulate import check_layers, scaled_budgets
 from flashpack.runtime.bench.sizes import model_sizes
 from flashpack.runtime.loader import StoreOptions, load_engine, parse_device, parse_dtype
 from flashpack.runtime.store.budget import parse_budget
+
+
+@contextmanager
+def timed_calls(targets: list[tuple[object, str]], totals: dict[str, float]):
+    """Wrap each (object, method name): its wall time adds to totals[name] while inside."""
+    saved = []
+    for owner, name in targets:
+        method = getattr(owner, name)
+
+        def wrapper(*args, _method=method, _name=name, **kwargs):
+            start = time.perf_counter()
+            try:
+                return _method(*args, **kwargs)
+            finally:
+                totals[_name] += time.perf_counter() - start
+
+        saved.append((owner, name, owner.__dict__.get(name)))
+        setattr(owner, name, wrapper)
+    try:
+        yield totals
+    finally:
+        for owner, name, original in saved:
+            if original is None:
+                delattr(owner, name)
+            else:
+                setattr(owner, name, original)
+
+
+def host_targets(model, store) -> list[tuple[object, str]]:
+    graphs = model.decode_graphs
+    targets = [(model, "forward")]
+    if graphs is not None:
+        targets += [(graphs, name) for name in ("run", "_try_table", "_through_store") if hasattr(graphs, name)]
+    targets += [(store, name) for name in ("hold_slot_table", "release_slot_table", "record_step")
+                if store is not None and hasattr(store, name)]
+    return targets
 
 
 def main() -> None:
@@ -41,6 +84,7 @@ def main() -> None:
     parser.add_argument("--phase", choices=("decode", "prefill"), default="decode")
     parser.add_argument("--name", default="decode")
     parser.add_argument("--out", default=".")
+    parser.add_argument("--trace", action="store_true", help="also write the profiled steps as a Chrome trace")
     args = parser.parse_args()
     manifest = Pack.open(args.pack).manifest
     device = parse_device(args.device)
@@ -77,6 +121,11 @@ def main() -> None:
         step()
     sync()
     wall = (time.perf_counter() - start) / steps  # unprofiled: the profiler slows the host
+    with timed_calls(host_targets(model, engine.store), defaultdict(float)) as totals:
+        for _ in range(steps):
+            step()
+        sync()
+    host_split = {name: round(seconds / steps * 1e3, 3) for name, seconds in totals.items()}
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
             step()
@@ -87,8 +136,14 @@ def main() -> None:
               events.table(sort_by="self_device_time_total", row_limit=25)]
     Path(args.out).mkdir(parents=True, exist_ok=True)
     Path(args.out, f"profile-{args.name}.txt").write_text("\n\n".join(tables))
+    if args.trace:
+        trace = Path(args.out, f"trace-{args.name}.json")
+        prof.export_chrome_trace(str(trace))
+        with trace.open("rb") as raw, gzip.open(f"{trace}.gz", "wb") as packed:
+            shutil.copyfileobj(raw, packed)
+        trace.unlink()
     summary = {"name": args.name, "step_wall_ms": wall * 1e3, "device_busy_ms": device_busy * 1e3,
-               "host_overhead_ms": (wall - device_busy) * 1e3, "phase": args.phase, "prompt_tokens": args.prompt_len,
+               "host_overhead_ms": (wall - device_busy) * 1e3, "host_split_ms": host_split, "phase": args.phase, "prompt_tokens": args.prompt_len,
                "kernel_launches_per_step": sum(e.count for e in events if e.device_type.name == "CUDA") / steps}
     print(json.dumps(summary))
     Path(args.out, f"profile-{args.name}.json").write_text(json.dumps(summary, indent=1))

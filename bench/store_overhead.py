@@ -57,7 +57,7 @@ def main() -> None:
             batches.append((time.perf_counter() - start) / BATCH)
             start = time.perf_counter()
             for wanted in requests:
-                store.record_step([(layer, wanted, [])])
+                store.record_step([(layer, wanted, [], 0)])
             recorded.append((time.perf_counter() - start) / BATCH)
         hits = store.stats.total().device_hits
     per_call = statistics.median(batches)

@@ -49,12 +49,23 @@ def host_slot_of(code):
 
 @dataclass(frozen=True)
 class HostRecords:
-    """What a decode step needs to stage host-cache records into device rows itself."""
+    """What a decode step needs to stage host-cache records into device rows itself. The staging
+    rows come in sets of top_k: set 0 takes a layer's host experts once its router has picked
+    them; sets 1 and 2, in turn, the next layer's predicted ones while this layer computes."""
 
     source: torch.Tensor  # int32 view of the host pool's lowest chunk: the base every address counts from
     offsets: torch.Tensor  # int64 [host slots] on the device: each host slot's offset from `source`, in words
-    staging: torch.Tensor  # int32 [top_k, stride / 4]: the device pool's staging rows
+    staging: torch.Tensor  # int32 [sets * top_k, stride / 4]: the device pool's staging rows
     first_staging_slot: int  # the bank row of staging[0]
+    top_k: int
+
+    def rows(self, row_set: int) -> torch.Tensor:
+        """int32 [top_k, stride / 4]: staging row set `row_set`."""
+        return self.staging[row_set * self.top_k:(row_set + 1) * self.top_k]
+
+    def first_slot(self, row_set: int) -> int:
+        """The bank row of set `row_set`'s first row."""
+        return self.first_staging_slot + row_set * self.top_k
 
 
 @dataclass
@@ -129,7 +140,8 @@ class TabledSlots(ExpertSlots, Protocol):
         the step to stage into device rows itself; None when it names device slots alone."""
         ...
 
-    def record_step(self, found: list[tuple[int, list[int], list[int]]]) -> None:
+    def record_step(self, found: list[tuple[int, list[int], list[int], int]]) -> None:
         """Count what a decode step found through the table: (layer, experts on the device,
-        experts staged from the host cache) for each layer."""
+        experts staged from the host cache, records staged for it that it did not use) for each
+        layer."""
         ...

@@ -28,6 +28,7 @@ class StoreOptions:
     hot_set: str | None = None  # a profile in the manifest to pre-warm from
     direct_io: bool = True
     prefetch: bool = True  # decode: load the next layer's predicted experts into the gaps
+    promote: bool = True  # decode: move a staged expert that outranks its victim into a device slot
 
 
 @dataclass
@@ -88,6 +89,7 @@ def load_engine(
             # staging rows whether or not graphs run: a budget gives the same store either way
             allow_resident=torch_device.type == "cuda", staging=torch_device.type == "cuda",
             layers=list(range(pack.manifest.config.num_hidden_layers)),  # the engine runs no MTP head
+            promote=store.promote,
         )
     model = Qwen4ExpModel(
         PackWeights(pack),

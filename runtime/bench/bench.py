@@ -72,6 +72,7 @@ def run_bench(
     cuda_graphs: bool = True,
     compile_layers: bool = True,
     prefetch: bool = True,
+    promote: bool = True,
 ) -> dict:
     """Benchmark `pack`; returns the report (and writes it to `json_path` when given).
 
@@ -105,14 +106,15 @@ def run_bench(
     store = StoreOptions(
         vram_budget=None if engine_budgets["vram"] is None else str(engine_budgets["vram"]),
         ram_budget=None if engine_budgets["ram"] is None else str(engine_budgets["ram"]),
-        policy=policy, hot_set=hot_set, direct_io=direct_io, prefetch=prefetch,
+        policy=policy, hot_set=hot_set, direct_io=direct_io, prefetch=prefetch, promote=promote,
     )
     engine = load_engine(pack, device, dtype, verify_records=verify_records, store=store, cuda_graphs=cuda_graphs,
                          compile_layers=compile_layers)
     graphs = engine.model.decode_graphs
     engine_setup = {"expert_source": type(engine.store).__name__, "cuda_graphs": graphs is not None,
                     "compiled_layers": graphs is not None and compile_layers,
-                    "prefetch": any(layer.moe.next_moe is not None for layer in engine.model.layers)}
+                    "prefetch": any(layer.moe.next_moe is not None for layer in engine.model.layers),
+                    "promote": promote}
     try:
         tokenizer = engine.tokenizer.tokenizer
         eos = cfg.eos_token_id if cfg.eos_token_id is not None and cfg.eos_token_id >= 0 else None

@@ -89,7 +89,8 @@ def table(report: dict) -> str:
          f"({'O_DIRECT' if bw['disk']['o_direct'] else 'buffered: ' + str(bw['disk']['fallback_reason'])})"),
         (f"engine: {settings.get('expert_source', '?')}, CUDA graphs {'on' if settings.get('cuda_graphs') else 'off'}"
          f"{' (compiled layers)' if settings.get('compiled_layers') else ''}, "
-         f"next-layer prefetch {'on' if settings.get('prefetch') else 'off'}"),
+         f"next-layer prefetch {'on' if settings.get('prefetch') else 'off'}, "
+         f"promotions {'on' if settings.get('promote', True) else 'off'}"),
         "",
     ]
     failed = theirs.get("error") if theirs else None
@@ -132,6 +133,12 @@ def table(report: dict) -> str:
     if table_steps:
         rows.append(("decode steps from the slot table", f"{table_steps['stood']}/{table_steps['steps']}", "",
                      f"tried {table_steps['tried']}"))
+        if table_steps.get("predicted"):
+            rows.append(("decode next-layer predictions right", _num(table_steps["right"] / table_steps["predicted"]),
+                         "", f"of {table_steps['predicted']}"))
+        if table_steps.get("ahead", 0) + table_steps.get("late", 0):
+            rows.append(("decode RAM experts staged ahead", f"{table_steps['ahead_used']}/{table_steps['ahead']} used",
+                         "", f"late {table_steps['late']}"))
     counters = store.get("counters", {})
     if counters.get("prefetch_issued"):
         rows.append(("decode prefetches used", _num(counters.get("prefetch_used", 0) / counters["prefetch_issued"]),

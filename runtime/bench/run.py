@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 import torch
 from tqdm import tqdm
@@ -50,12 +50,12 @@ class EngineResult:
         return phase_summary(summed, tokens)
 
     def _table_steps(self) -> dict | None:
-        """Decode steps tried from the store's slot table, and those that stood (no expert missing)."""
+        """Decode steps tried from the store's slot table, those that stood (no expert missing), and
+        how their experts were predicted and staged (decode_graphs.StagingCounts)."""
         counts = [r["table_steps"] for r in self.repeats if r.get("table_steps") is not None]
         if not counts:
             return None
-        return {"tried": sum(c["tried"] for c in counts), "stood": sum(c["stood"] for c in counts),
-                "steps": self.gen_tokens * len(counts)}
+        return {name: sum(c[name] for c in counts) for name in counts[0]} | {"steps": self.gen_tokens * len(counts)}
 
     def to_dict(self) -> dict:
         ttft, decode = self.ttft_seconds, self.decode_seconds
@@ -110,7 +110,7 @@ def timed_run(model, store, state, prompt: list[int], gen: int, progress: bool =
     synchronize(device)
     ttft = time.perf_counter() - start
     middle = snapshot(store)
-    tried_before = _slot_table_tries(model)
+    table_before = _table_counts(model)
     generated, steps = [token], []
     for _ in tqdm(range(gen), desc="decode", unit="tok", disable=not progress, leave=False):
         start = time.perf_counter()
@@ -119,19 +119,22 @@ def timed_run(model, store, state, prompt: list[int], gen: int, progress: bool =
         steps.append(time.perf_counter() - start)
         generated.append(token)
     after = snapshot(store)
-    tried_after = _slot_table_tries(model)
+    table_after = _table_counts(model)
     return {
         "ttft_s": ttft, "decode_seconds": sum(steps), "step_seconds": steps, "generated": generated,
         "prefill_counters": difference(before, middle), "decode_counters": difference(middle, after),
-        "table_steps": None if tried_after is None else {
-            "tried": tried_after[0] - tried_before[0], "stood": tried_after[1] - tried_before[1]},
+        "table_steps": None if table_after is None else {
+            name: table_after[name] - table_before[name] for name in table_after},
     }
 
 
-def _slot_table_tries(model) -> tuple[int, int] | None:
-    """(steps tried from the store's slot table, steps that stood) so far, or None (no such steps)."""
-    speculation = model.decode_graphs.speculation if model.decode_graphs is not None else None
-    return None if speculation is None else (speculation.tries, speculation.confirmed)
+def _table_counts(model) -> dict[str, int] | None:
+    """Steps tried from the store's slot table and steps that stood, with their StagingCounts, so
+    far; None where no step runs from a slot table."""
+    graphs = model.decode_graphs
+    if graphs is None or graphs.speculation is None:
+        return None
+    return {"tried": graphs.speculation.tries, "stood": graphs.speculation.confirmed} | asdict(graphs.staging)
 
 
 @torch.no_grad()

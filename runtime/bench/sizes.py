@@ -4,8 +4,8 @@ and the expert records.
 
 "Fixed" is everything that does not grow with the layer count: dense tensors whose names do not
 start with `layers.` (embed_tokens, lm_head, the final mixer, mtp.*) plus the store's one-fetch work
-buffer and, on a GPU, its staging rows (top_k records: the engine's store sets them aside there,
-runtime/loader.py); `device_fixed` is what the store's `resident_device_bytes` counts minus the
+buffer and, on a GPU, its staging rows (STAGING_ROW_SETS * top_k records: the engine's store sets
+them aside there, runtime/loader.py); `device_fixed` is what the store's `resident_device_bytes` counts minus the
 layers' dense tensors, plus those rows, so budget scaling and the store's budget check agree.
 """
 
@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from flashpack.layout.manifest import Manifest
+from flashpack.runtime.store.budget import STAGING_ROW_SETS
 from flashpack.runtime.store.build import dense_device_bytes, resident_device_bytes
 
 
@@ -51,7 +52,8 @@ def model_sizes(manifest: Manifest, dtype: torch.dtype, device: torch.device | s
     head = "embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
     head_read = on_device[head] + sum(on_device[n] for n in names if n.startswith("hyper_connection_mixer."))
     experts = manifest.document["experts"]
-    staging = cfg.num_experts_per_tok * experts["record_stride"] if torch.device(device).type == "cuda" else 0
+    staging = STAGING_ROW_SETS * cfg.num_experts_per_tok * experts["record_stride"]
+    staging = staging if torch.device(device).type == "cuda" else 0
     return ModelSizes(
         layers=cfg.num_hidden_layers,
         width=width,

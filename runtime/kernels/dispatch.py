@@ -90,12 +90,13 @@ def fp8_linear(
 
 @torch.compiler.disable
 def stage_records(
-    source: torch.Tensor, offsets: torch.Tensor, target: torch.Tensor, backend: str = "auto",
+    source: torch.Tensor, offsets: torch.Tensor, target: torch.Tensor, backend: str = "auto", programs: int = 0,
 ) -> torch.Tensor:
     """Copy records into device rows: source int32 [N] (on CUDA, pinned host memory the kernel
-    reads in place), offsets int64 [K] in int32 words (-1: leave the row), target int32 [K, words]."""
+    reads in place), offsets int64 [K] in int32 words (-1: leave the row), target int32 [K, words].
+    `programs` > 0 bounds the kernel's footprint on the GPU (for staging beside other work)."""
     if not use_triton(target.device, backend):
         return stage_records_reference(source, offsets, target)
     from flashpack.runtime.kernels.stage_records import stage_records_triton
 
-    return stage_records_triton(source, offsets, target)
+    return stage_records_triton(source, offsets, target, programs=programs)

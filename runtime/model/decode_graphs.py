@@ -13,7 +13,10 @@ in a slot table. So a step is one graph for all the layers:
                             the graph runs against that: it stages host-cache experts into the
                             bank's staging rows itself (kernels.stage_records, reading pinned
                             host memory over PCIe) and reports every expert it found only on
-                            disk (zero-weighted meanwhile). One read-back after the step: none,
+                            disk (zero-weighted meanwhile). While a layer computes, a side
+                            stream stages the host experts the next layer's router picks from
+                            this layer's MoE input (the prediction); the next layer stages only
+                            what the prediction missed, after its own router. One read-back after the step: none,
                             the step stands and the store counts what it used (and may promote
                             staged experts to device slots in the background); some, the step is
                             redone through the store from a copy of the state the graph took
@@ -101,24 +104,44 @@ def layer_front(layer: DecoderLayer, streams, position, ple_rows, ple_state, mix
     return layer.attn_hc.combine(streams, mixed, inject)
 
 
-def table_feed_forward(layer: DecoderLayer, streams, code_row, bank, host: HostRecords | None):
-    """The MoE block with its experts found on the device: `code_row` [num_experts] holds each
-    expert's bank row, or where it is in the host cache (staged into `host.staging` here), or
-    that it is on disk (the codes of runtime/experts.py). Returns (streams, expert ids [1, k], their codes [1, k],
-    whether one was on disk); such an expert is weighted zero and the output is not to be used."""
-    x, inject = layer.mlp_hc.mix(streams)
-    weights, experts, shared = layer.moe.gate(x)
-    codes = code_row[experts]  # [1, k]
-    missing = codes == ON_DISK if host is not None else codes < 0  # no staging rows: host slots miss too
-    slots = codes
-    if host is not None:
-        staged = codes <= host_code(0)
-        host_slots = torch.where(staged, host_slot_of(codes), 0).flatten()
-        stage_records(host.source, torch.where(staged.flatten(), host.offsets[host_slots], -1), host.staging)
-        rows = host.first_staging_slot + torch.arange(codes.shape[1], device=codes.device, dtype=codes.dtype)
-        slots = torch.where(staged, rows, codes)
-    routed = moe_experts(x, bank, slots.clamp(min=0), weights.masked_fill(missing, 0))
-    return layer.mlp_hc.combine(streams, routed + shared, inject), experts, codes, missing.any()
+def _host_offsets(codes: torch.Tensor, wanted: torch.Tensor, host: HostRecords) -> torch.Tensor:
+    """int64 [k]: the word offset of each wanted host-cache code's record, -1 elsewhere."""
+    host_slots = torch.where(wanted, host_slot_of(codes), 0).flatten()
+    return torch.where(wanted.flatten(), host.offsets[host_slots], -1)
+
+
+def table_slots(experts, code_row, host: HostRecords | None, ahead: tuple[torch.Tensor, torch.Tensor] | None):
+    """Where a layer's experts [1, k] are, from its slot-table row `code_row` [num_experts] (the
+    codes of runtime/experts.py): (bank rows [1, k], on disk [1, k], staged ahead [1, k]). Experts
+    in the host cache come from the rows the previous layer staged them into when it predicted
+    them (`ahead`: predicted ids [1, k] and their bank rows, -1 where not staged), or are staged
+    into staging set 0 now. Returns (bank rows, codes, on disk, staged ahead), each [1, k]; a disk
+    expert's row is 0, to be weighted zero."""
+    codes = code_row[experts]
+    if host is None:  # no staging rows: host experts miss as disk ones do
+        return codes.clamp(min=0), codes, codes < 0, torch.zeros_like(codes, dtype=torch.bool)
+    in_host = codes <= host_code(0)
+    early, early_row = torch.zeros_like(in_host), torch.zeros_like(codes)
+    if ahead is not None:
+        ahead_ids, ahead_rows = ahead
+        match = (experts.unsqueeze(-1) == ahead_ids.unsqueeze(-2)) & (ahead_rows >= 0).unsqueeze(-2)  # [1, k, k]
+        early = in_host & match.any(-1)
+        early_row = (match * ahead_rows.unsqueeze(-2)).sum(-1).to(codes.dtype)  # predicted ids are distinct
+    late = in_host & ~early
+    stage_records(host.source, _host_offsets(codes, late, host), host.rows(0))
+    late_rows = host.first_slot(0) + torch.arange(codes.shape[-1], device=codes.device, dtype=codes.dtype)
+    slots = torch.where(early, early_row, torch.where(late, late_rows, codes))
+    return slots.clamp(min=0), codes, codes == ON_DISK, early
+
+
+def ahead_offsets(predicted, code_row, host: HostRecords, row_set: int):
+    """The next layer's predicted experts [1, k] that are in the host cache, against its slot-table
+    row: (offsets [k] for staging them into staging set `row_set`, -1 elsewhere; their bank rows
+    [1, k], -1 where not staged)."""
+    codes = code_row[predicted]
+    in_host = codes <= host_code(0)
+    rows = host.first_slot(row_set) + torch.arange(codes.shape[-1], device=codes.device, dtype=codes.dtype)
+    return _host_offsets(codes, in_host, host), torch.where(in_host, rows, -1)
 
 
 def tiered_route(layer: DecoderLayer, streams):
@@ -134,6 +157,23 @@ def expert_combine(layer: DecoderLayer, streams, expert_output, inject):
 
 
 MAX_SPECULATION_WAIT = 64  # steps
+# Programs of the staging kernel on the side stream: at 16 KiB in flight each, 32 keep ~0.5 MB in
+# flight over PCIe (its latency times its bandwidth is ~0.1 MB) and leave the other SMs to the layer.
+AHEAD_PROGRAMS = 32
+
+
+@dataclass
+class StagingCounts:
+    """Over the steps from the slot table that stood: the experts layers picked where the layer
+    before had predicted them (`predicted`, `right`: picked as predicted), and how each expert
+    found in the host cache reached its staging row: `ahead` (staged while the layer before ran,
+    `ahead_used` of them picked) or `late` (after its own router picked it)."""
+
+    predicted: int = 0
+    right: int = 0
+    ahead: int = 0
+    ahead_used: int = 0
+    late: int = 0
 
 
 @dataclass
@@ -178,10 +218,13 @@ class DecodeGraphs:
         self.resident = all(layer.moe.resident is not None for layer in self.layers)
         self.tabled = source if not self.resident and isinstance(source, TabledSlots) else None
         self.speculation = Speculation() if self.tabled is not None else None
+        self.staging = StagingCounts()
         self.per_layer = per_layer
         compiled = torch.compile if compile_layers else (lambda fn: fn)
         self.front, self.combine = compiled(layer_front), compiled(expert_combine)
-        self.feed_forward, self.route = compiled(table_feed_forward), compiled(tiered_route)
+        self.route = compiled(tiered_route)
+        self.table_slots, self.ahead_offsets = compiled(table_slots), compiled(ahead_offsets)
+        self._side: torch.cuda.Stream | None = None  # stages the next layer's predicted experts
         self._bound_to: tuple[int, ...] | None = None
         self._state: SequenceState | None = None
         self._table_pieces: list[tuple[list[DecoderLayer], CapturedCall]] = []
@@ -216,7 +259,7 @@ class DecodeGraphs:
     def _from_table(self, streams, position, rows, after_layer) -> torch.Tensor:
         table = self.layers[0].moe.resident.slot_table
         for layers, call in self._table_pieces:
-            streams, _, _, _ = call(streams, position, table, *self._rows_of(layers, rows))
+            streams, _ = call(streams, position, table, *self._rows_of(layers, rows))
             if self.count_replay is not None:
                 for layer in layers:
                     self.count_replay(layer.layer)
@@ -232,24 +275,28 @@ class DecodeGraphs:
         ((layers, call),) = self._table_pieces
         table = self.tabled.hold_slot_table()
         try:
-            out, experts, codes, missing = call(streams, position, table, *self._rows_of(layers, rows))
+            out, report = call(streams, position, table, *self._rows_of(layers, rows))
         finally:
             self.tabled.release_slot_table()
-        report = torch.cat([missing.to(experts.dtype), experts.flatten(), codes.flatten().to(experts.dtype)])
         report = report.tolist()  # the one read-back
-        confirmed = not any(report[:len(layers)])
+        confirmed = not any(row[0] for row in report)
         self.speculation.record(confirmed)
         if not confirmed:
             for live, saved in self._saved:
                 live.copy_(saved)
             return None
-        count = experts.numel()
-        picked, where = report[len(layers):len(layers) + count], report[len(layers) + count:]
-        k = count // len(layers)
-        found = []
-        for index, layer in enumerate(layers):
-            pairs = list(zip(picked[index * k:(index + 1) * k], where[index * k:(index + 1) * k]))
-            found.append((layer.layer, [e for e, code in pairs if code >= 0], [e for e, code in pairs if code < 0]))
+        found, counts = [], self.staging
+        for layer, (_, ahead, right, *picks) in zip(layers, report):
+            k = len(picks) // 3
+            experts, codes, early = picks[:k], picks[k:2 * k], picks[2 * k:]
+            staged = [e for e, code in zip(experts, codes) if code < 0]
+            found.append((layer.layer, [e for e, code in zip(experts, codes) if code >= 0], staged, ahead - sum(early)))
+            if layer is not layers[0] and layers[layers.index(layer) - 1].moe.next_moe is not None:  # guessed
+                counts.predicted += k
+                counts.right += right
+            counts.ahead += ahead
+            counts.ahead_used += sum(early)
+            counts.late += len(staged) - sum(early)
         self.tabled.record_step(found)
         return out
 
@@ -277,21 +324,53 @@ class DecodeGraphs:
         return self.front(layer, streams, position, ple_rows, ple_state, self._mixer_state(layer))
 
     def _table_layers(self, layers: list[DecoderLayer], bank, host: HostRecords | None) -> Callable:
-        """(streams, expert ids [layers, k], their codes [layers, k], missing [layers]) against a
-        slot table [layers, experts]; first saves the state a redo restores."""
+        """(streams, report int64 [layers, 3 + 3k]) against a slot table [layers, experts]; first
+        saves the state a redo restores. A layer's report row: whether an expert was on disk, how
+        many records were staged ahead for it, how many of its experts were predicted; then its
+        expert ids, their codes, and which came staged ahead. While a layer computes, the next
+        layer's predicted host experts are staged on a side stream (staging sets 1 and 2 in turn)."""
         def step(streams, position, table, *ple_rows):
             for live, saved in self._saved:
                 saved.copy_(live)
-            rows, experts, codes, missing = iter(ple_rows), [], [], []
-            for layer in layers:
+            rows, reports, guess, ahead = iter(ple_rows), [], None, None
+            for index, layer in enumerate(layers):
                 streams = self._layer_front(layer, streams, position, rows)
-                streams, picked, where, missed = self.feed_forward(layer, streams, table[layer.layer], bank, host)
-                experts.append(picked)
-                codes.append(where)
-                missing.append(missed)
-            return streams, torch.cat(experts), torch.cat(codes), torch.stack(missing)
+                x, inject, weights, experts, shared, predicted = self.route(layer, streams)
+                slots, codes, missing, early = self.table_slots(experts, table[layer.layer], host, ahead)
+                counts = torch.zeros(2, dtype=codes.dtype, device=codes.device)
+                if guess is not None:
+                    counts[1] = (experts.unsqueeze(-1) == guess.unsqueeze(-2)).sum()
+                if ahead is not None:
+                    counts[0] = (ahead[1] >= 0).sum()
+                    self._join_side()  # the records staged ahead for this layer have landed
+                guess, ahead = predicted, None
+                if host is not None and predicted is not None:
+                    row_set = 1 + index % 2
+                    offsets, ahead_rows = self.ahead_offsets(predicted, table[layer.moe.next_moe.layer], host, row_set)
+                    self._beside(lambda: stage_records(host.source, offsets, host.rows(row_set),
+                                                       programs=AHEAD_PROGRAMS))
+                    ahead = (predicted, ahead_rows)
+                routed = moe_experts(x, bank, slots, weights.masked_fill(missing, 0))
+                streams = self.combine(layer, streams, routed + shared, inject)
+                reports.append(torch.cat([missing.any().view(1).to(codes.dtype), counts, experts.flatten().to(codes.dtype),
+                                          codes.flatten(), early.flatten().to(codes.dtype)]))
+            return streams, torch.stack(reports)
 
         return step
+
+    def _beside(self, work: Callable[[], object]) -> None:
+        """Enqueue `work` on the side stream, after what the current stream has enqueued (inline
+        without a side stream: on a CPU)."""
+        if self._side is None:
+            work()
+            return
+        self._side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self._side):
+            work()
+
+    def _join_side(self) -> None:
+        if self._side is not None:
+            torch.cuda.current_stream().wait_stream(self._side)
 
     def _store_layer(self, layer: DecoderLayer, previous: DecoderLayer | None) -> Callable:
         """(streams, MoE input, its inject, routing weights, expert ids, shared expert output,
@@ -330,6 +409,8 @@ class DecodeGraphs:
                 self._table_pieces = []
                 return
             bank, host = self.tabled.bank, self.tabled.host_records
+            if host is not None and host.staging.is_cuda and self._side is None:
+                self._side = torch.cuda.Stream(host.staging.device)
             groups = [self.layers]
             self._saved = [(t, t.clone()) for t in live]
         self._table_pieces = [(layers, make_table_call(self._table_layers(layers, bank, host))) for layers in groups]

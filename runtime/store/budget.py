@@ -63,6 +63,9 @@ class StorePlan:
         return self.host_slots * self.record_stride
 
 
+STAGING_ROW_SETS = 3  # top_k rows each: a layer's late staging, and two for the next layer's predicted experts
+
+
 def plan_store(
     *,
     record_stride: int,
@@ -78,10 +81,11 @@ def plan_store(
     """Slots per tier. A None budget means "room for every record" (nothing is ever evicted).
 
     The device pool needs top_k slots (one token's experts of the layer being computed), and with
-    `staging` top_k rows more, for a decode step to stage host records into; the host tier needs
-    `read_buffers` slots, the page-aligned buffers disk reads land in.
+    `staging` STAGING_ROW_SETS * top_k rows more, for a decode step to stage host records into
+    (experts/HostRecords); the host tier needs `read_buffers` slots, the page-aligned buffers disk
+    reads land in.
     """
-    staging_slots = top_k if staging else 0
+    staging_slots = STAGING_ROW_SETS * top_k if staging else 0
     what = f"{top_k} expert slots (top_k of one layer)" + (f" and {staging_slots} staging rows" if staging else "")
     device_slots = _slots("--vram-budget", vram_budget, device_reserved, record_stride, top_k + staging_slots,
                           total_records + staging_slots, what) - staging_slots

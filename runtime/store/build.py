@@ -84,14 +84,16 @@ def build_store(
     allow_resident: bool = False,
     staging: bool = False,
     layers: list[int] | None = None,
+    promote: bool = True,
 ) -> TieredStore | ResidentExperts:
     """A ready store. Budgets: "24GiB"-style strings or bytes; None = room for every record on a
     CPU, and on a GPU 90 % of its free memory and 75 % of the available RAM (`machine_free_bytes`).
 
     With `allow_resident` (the engine on a GPU), a device budget that holds every record gives a
     `ResidentExperts` instead: all records loaded once, slots looked up on the device. `staging`
-    (CUDA-graph decode) sets top_k rows of the device budget aside for decode steps to stage host
-    records into (TabledSlots.host_records). `layers` limits the store to those layers' experts (the
+    (CUDA-graph decode) sets STAGING_ROW_SETS * top_k rows of the device budget aside for decode
+    steps to stage host records into (TabledSlots.host_records); `promote` lets a staged expert
+    that outranks what it would evict take a device slot (TieredStore). `layers` limits the store to those layers' experts (the
     engine's decoder layers: the MTP head's experts take no room while nothing runs it).
 
     `device_reserved` overrides the estimate of what else lives on the device (see
@@ -128,7 +130,7 @@ def build_store(
         return ResidentExperts(pack, device, verify_records=verify_records, plan=plan, layers=layers)
     store = TieredStore(pack, plan, device=device, policy=policy, verify_records=verify_records,
                         reader_threads=reader_threads, direct_io=direct_io, rebalance=rebalance, poison=poison,
-                        layers=layers)
+                        layers=layers, promote=promote)
     if profile is not None:
         from flashpack.runtime.store.hotset import apply_hot_set
 

@@ -105,9 +105,11 @@ class TieredStore(TransferJobs, TableSteps):
         rebalance: bool = True,
         poison: bool = False,
         layers: list[int] | None = None,
+        promote: bool = True,
     ):
         """`layers`: the layers whose experts it serves (default: every layer the pack has records
-        for); the others take no share of the tiers."""
+        for); the others take no share of the tiers. `promote`: a decode step's staged expert that
+        now outranks what it would evict is loaded into a device slot (table_steps.py)."""
         self.pack, self.plan, self.device = pack, plan, torch.device(device)
         self.geometry = pack.manifest.geometry
         self.stride = pack.manifest.document["experts"]["record_stride"]
@@ -116,7 +118,7 @@ class TieredStore(TransferJobs, TableSteps):
         records = served_records(pack, layers)
         self.layers = sorted({r.layer for r in records})
         self.top_k = pack.manifest.config.num_experts_per_tok
-        self.verify_records = verify_records
+        self.verify_records, self.promote = verify_records, promote
         self.stats = StoreStats()
         cuda = self.device.type == "cuda"
         self.device_pool = SlotPool(plan.device_slots + plan.staging_slots, self.stride, self.device, poison=poison)

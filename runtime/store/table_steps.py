@@ -14,6 +14,7 @@ import torch
 
 from flashpack.errors import FlashpackError
 from flashpack.runtime.experts import HostRecords
+from flashpack.runtime.store.budget import STAGING_ROW_SETS
 
 
 class TableSteps:
@@ -44,7 +45,7 @@ class TableSteps:
                 source=base.view(-1).view(torch.int32),
                 offsets=torch.tensor(offsets, dtype=torch.int64, device=self.device),
                 staging=self.device_pool.tensor[first:first + self.plan.staging_slots].view(torch.int32),
-                first_staging_slot=first,
+                first_staging_slot=first, top_k=self.plan.staging_slots // STAGING_ROW_SETS,
             )
         return self._host_records
 
@@ -58,16 +59,17 @@ class TableSteps:
             self._table_held, self._table_read = False, event
             self._changed.notify_all()
 
-    def record_step(self, found: list[tuple[int, list[int], list[int]]]) -> None:
+    def record_step(self, found: list[tuple[int, list[int], list[int], int]]) -> None:
         """Count what a decode step found through the slot table, (layer, experts on the device,
-        experts staged from the host cache) for each layer, under one lock: as requests and hits
+        experts staged from the host cache, records staged for the layer but not used: predicted
+        wrongly) for each layer, under one lock: as requests and hits
         (the eviction policies see them as they see requests). A staged expert the device policy
         now ranks above what it would evict is promoted: loaded into a device slot in the
         background, as a prefetch (steps stage it until its copy lands)."""
         with self._changed:
             if self._closed:
                 return
-            for layer, experts, staged in found:
+            for layer, experts, staged, unused in found:
                 for expert in experts:
                     key = (layer, expert)
                     if key in self.device_slots:
@@ -81,10 +83,10 @@ class TableSteps:
                     if key in self.host_slots:
                         self.host_slots.touch(key)
                     self.device_slots.policies[layer].note(key)
-                    if key not in self.device_slots and self.device_slots.worth_placing(key, layer):
+                    if self.promote and key not in self.device_slots and self.device_slots.worth_placing(key, layer):
                         promote.append(expert)
                 self.stats.bump(layer, requests=len(experts) + len(staged), device_hits=len(experts),
-                                host_hits=len(staged), bytes_host_to_device=len(staged) * self.stride)
+                                host_hits=len(staged), bytes_host_to_device=(len(staged) + unused) * self.stride)
                 if self.rebalancer is not None:
                     self._rebalance_locked(layer, len(experts), len(experts) + len(staged))
                 self._prefetch_locked(layer, promote)

@@ -20,6 +20,7 @@ from flashpack.runtime.bench.phases import difference, phase_summary
 from flashpack.runtime.bench.roofline import Traffic, phase_traffic, roofline
 from flashpack.runtime.bench.sizes import ModelSizes, baseline_fixed_bytes, model_sizes
 from flashpack.runtime.bench.workload import prompt_ids
+from flashpack.runtime.store.budget import STAGING_ROW_SETS
 
 SIZES = ModelSizes(layers=2, width=2, layer_dense=1000, device_fixed=300, head_read=200, embed_row=10,
                    record_bytes=50, record_stride=64, top_k=2)
@@ -105,7 +106,7 @@ def test_sizes_from_the_manifest(tiny_pack):
     assert sizes.embed_row == 4 * cfg.hidden_size
     assert (sizes.record_bytes, sizes.record_stride) == (3472, 4096)
     on_gpu = model_sizes(manifest, torch.float32, device="cuda")  # the store's staging rows join the fixed part
-    assert on_gpu.device_fixed == sizes.device_fixed + cfg.num_experts_per_tok * sizes.record_stride
+    assert on_gpu.device_fixed == sizes.device_fixed + STAGING_ROW_SETS * cfg.num_experts_per_tok * sizes.record_stride
     no_mtp = sum(n for name, n in elements.items() if not name.startswith(("layers.", "mtp.")))
     assert baseline_fixed_bytes(manifest, torch.bfloat16) == 2 * no_mtp
 

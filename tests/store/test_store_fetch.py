@@ -120,15 +120,20 @@ def test_budget_is_kept_after_dense_and_work_buffers(store_pack):
 
 
 def test_staging_rows_come_out_of_the_device_budget(store_pack):
+    from flashpack.runtime.store.budget import STAGING_ROW_SETS
+
     pack = Pack.open(store_pack)
     stride, _, _, top_k = _geometry(pack)
-    with build_store(pack, vram_budget=(10 + top_k) * stride, ram_budget="64KiB", device_reserved=0,
+    staging = STAGING_ROW_SETS * top_k
+    with build_store(pack, vram_budget=(10 + staging) * stride, ram_budget="64KiB", device_reserved=0,
                      staging=True) as store:
-        assert (store.plan.device_slots, store.plan.staging_slots) == (10, top_k)
-        assert store.device_pool.nbytes == store.plan.device_pool_bytes == (10 + top_k) * stride
-        assert store.host_records.first_staging_slot == 10 and store.host_records.staging.shape[0] == top_k
-    with pytest.raises(FlashpackError, match=rf"{top_k} expert slots \(top_k of one layer\) and {top_k} staging"):
-        build_store(pack, vram_budget=(2 * top_k - 1) * stride, device_reserved=0, staging=True)
+        assert (store.plan.device_slots, store.plan.staging_slots) == (10, staging)
+        assert store.device_pool.nbytes == store.plan.device_pool_bytes == (10 + staging) * stride
+        records = store.host_records
+        assert records.first_staging_slot == 10 and records.staging.shape[0] == staging
+        assert records.first_slot(2) == 10 + 2 * top_k and records.rows(2).data_ptr() == records.staging[2 * top_k].data_ptr()
+    with pytest.raises(FlashpackError, match=rf"{top_k} expert slots \(top_k of one layer\) and {staging} staging"):
+        build_store(pack, vram_budget=(top_k + staging - 1) * stride, device_reserved=0, staging=True)
 
 
 def test_a_store_for_some_layers_gives_the_others_no_room(store_pack):

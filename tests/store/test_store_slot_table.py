@@ -15,10 +15,12 @@ from flashpack.errors import FlashpackError
 from flashpack.layout.pack import Pack
 from flashpack.runtime.experts import ON_DISK, host_code
 from flashpack.runtime.store import build_store
+from flashpack.runtime.store.budget import STAGING_ROW_SETS
 
 
 def _store(pack: Pack, device_slots: int, host_slots: int, layers: list[int] | None = None):
-    stride, staging = pack.manifest.document["experts"]["record_stride"], pack.manifest.config.num_experts_per_tok
+    stride = pack.manifest.document["experts"]["record_stride"]
+    staging = STAGING_ROW_SETS * pack.manifest.config.num_experts_per_tok
     return build_store(pack, vram_budget=(device_slots + staging) * stride, ram_budget=host_slots * stride,
                        device_reserved=0, poison=True, rebalance=False, staging=True, layers=layers)
 
@@ -92,10 +94,13 @@ def test_record_step_counts_requests_and_uses_prefetches(store_pack):
         settle(store)
         before = store.stats.layer(layer)
         requests, hits = before.requests, before.device_hits
-        store.record_step([(layer, [1, 2, 3], [])])
+        store.record_step([(layer, [1, 2, 3], [], 0)])
         after = store.stats.layer(layer)
         assert (after.requests - requests, after.device_hits - hits) == (3, 3)
         assert issued > 0 and after.prefetch_used == issued
+        moved = after.bytes_host_to_device
+        store.record_step([(layer, [1], [5], 2)])  # one staged and used, two staged for nothing
+        assert store.stats.layer(layer).bytes_host_to_device - moved == 3 * store.stride
 
 
 def test_a_staged_expert_is_promoted_once_it_outranks_what_it_would_evict(store_pack):
@@ -104,10 +109,10 @@ def test_a_staged_expert_is_promoted_once_it_outranks_what_it_would_evict(store_
     with _store(pack, device_slots=4, host_slots=64, layers=[layer]) as store:
         store.load(layer, [0, 1, 2, 3])  # the layer's whole share, each requested once
         settle(store)
-        store.record_step([(layer, [], [9])])  # one request: ties the victim's count, stays staged
+        store.record_step([(layer, [], [9], 0)])  # one request: ties the victim's count, stays staged
         settle(store)
         assert (layer, 9) not in store.device_slots
-        store.record_step([(layer, [], [9])])  # two: outranks it, loaded into a device slot
+        store.record_step([(layer, [], [9], 0)])  # two: outranks it, loaded into a device slot
         settle(store)
         assert store.device_slots.get((layer, 9)).ready
         assert int(_table(store)[layer, 9]) == store.device_slots.get((layer, 9)).slot

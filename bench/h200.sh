@@ -7,7 +7,7 @@
 # STAGES picks steps and their order (default all: tests layers unbounded fp8 budgets long baseline
 # profile hotset prefill-profile eager fp8-unbounded staging); tests run beside the build, the rest
 # after it. staging times the stage_records kernel against the copy engine (bench/kernels.py);
-# ablations benches 24/64 without next-layer prefetch, then without promotions.
+# ablations benches 24/64 without next-layer prefetch, then with promotions.
 # fp8 also converts a --dense-fp8 pack from the same snapshot and benches 8/32 on it (BF16 dense
 # weights alone exceed an 8 GB card at 48 layers). budgets, long (a 32k prompt) and baseline (with
 # transformers + accelerate beside) run 24/64 with every record pre-warmed (--hot-set '*'). TESTS
@@ -63,7 +63,7 @@ for stage in $STAGES; do
           --json $R/store-overhead-h200.json 2>&1 | tail -1; fi ;;
     ablations)  # 24/64 as in budgets, one feature off at a time
       bench 24g-64g-no-prefetch 24GiB 64GiB --prompt-len $PROMPT --gen $GEN --hot-set '*' --no-prefetch
-      bench 24g-64g-no-promote 24GiB 64GiB --prompt-len $PROMPT --gen $GEN --hot-set '*' --no-promote ;;
+      bench 24g-64g-promote 24GiB 64GiB --prompt-len $PROMPT --gen $GEN --hot-set '*' --promote ;;
     hotset)  # a hot set profiled on the synth corpus, then 24/64 pre-warmed from it (not '*': id order)
       python3 -c "import json; [print(json.dumps({'prompt': t})) for t in json.load(open('convert/synth/corpus.json'))['texts']]" \
         > $W/workload.jsonl

@@ -28,7 +28,9 @@ class StoreOptions:
     hot_set: str | None = None  # a profile in the manifest to pre-warm from
     direct_io: bool = True
     prefetch: bool = True  # decode: load the next layer's predicted experts into the gaps
-    promote: bool = True  # decode: move a staged expert that outranks its victim into a device slot
+    # decode: move a staged expert that outranks its victim into a device slot. Off: on the H200 the
+    # copies and their bookkeeping cost more than the hits they bought (bench/results/README.md)
+    promote: bool = False
 
 
 @dataclass

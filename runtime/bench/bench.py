@@ -72,7 +72,7 @@ def run_bench(
     cuda_graphs: bool = True,
     compile_layers: bool = True,
     prefetch: bool = True,
-    promote: bool = True,
+    promote: bool = False,
 ) -> dict:
     """Benchmark `pack`; returns the report (and writes it to `json_path` when given).
 

@@ -90,7 +90,7 @@ def table(report: dict) -> str:
         (f"engine: {settings.get('expert_source', '?')}, CUDA graphs {'on' if settings.get('cuda_graphs') else 'off'}"
          f"{' (compiled layers)' if settings.get('compiled_layers') else ''}, "
          f"next-layer prefetch {'on' if settings.get('prefetch') else 'off'}, "
-         f"promotions {'on' if settings.get('promote', True) else 'off'}"),
+         f"promotions {'on' if settings.get('promote') else 'off'}"),
         "",
     ]
     failed = theirs.get("error") if theirs else None

@@ -84,7 +84,7 @@ def build_store(
     allow_resident: bool = False,
     staging: bool = False,
     layers: list[int] | None = None,
-    promote: bool = True,
+    promote: bool = False,
 ) -> TieredStore | ResidentExperts:
     """A ready store. Budgets: "24GiB"-style strings or bytes; None = room for every record on a
     CPU, and on a GPU 90 % of its free memory and 75 % of the available RAM (`machine_free_bytes`).

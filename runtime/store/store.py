@@ -105,7 +105,7 @@ class TieredStore(TransferJobs, TableSteps):
         rebalance: bool = True,
         poison: bool = False,
         layers: list[int] | None = None,
-        promote: bool = True,
+        promote: bool = False,
     ):
         """`layers`: the layers whose experts it serves (default: every layer the pack has records
         for); the others take no share of the tiers. `promote`: a decode step's staged expert that

@@ -69,7 +69,7 @@ def test_graph_decode_matches_eager(tiny_pack, tiered, compiled):
     assert graphed.model.decode_graphs is not None and eager.model.decode_graphs is None
     # a tiered prompt adds its experts' outputs chunk by chunk with atomic index_add, in an order
     # that varies run to run and with what each store holds (the eager engine loads its misses,
-    # the graphed one promotes): 3.3e-5 was seen on the H200 for tiered-60, so 1e-4 as compiled
+    # the graphed one stages from RAM): 3.3e-5 was seen on the H200 for tiered-60, so 1e-4 as compiled
     tolerance = 1e-4 if compiled or tiered is not None else 1e-5
     for _ in range(2):  # a second sequence: new state buffers, graphs captured again
         # 40 steps: past the indexer's budget, and the attention caches grow (graphs captured again)

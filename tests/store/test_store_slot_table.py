@@ -18,11 +18,12 @@ from flashpack.runtime.store import build_store
 from flashpack.runtime.store.budget import STAGING_ROW_SETS
 
 
-def _store(pack: Pack, device_slots: int, host_slots: int, layers: list[int] | None = None):
+def _store(pack: Pack, device_slots: int, host_slots: int, layers: list[int] | None = None, promote: bool = False):
     stride = pack.manifest.document["experts"]["record_stride"]
     staging = STAGING_ROW_SETS * pack.manifest.config.num_experts_per_tok
     return build_store(pack, vram_budget=(device_slots + staging) * stride, ram_budget=host_slots * stride,
-                       device_reserved=0, poison=True, rebalance=False, staging=True, layers=layers)
+                       device_reserved=0, poison=True, rebalance=False, staging=True, layers=layers,
+                       promote=promote)
 
 
 def _table(store) -> torch.Tensor:
@@ -103,10 +104,13 @@ def test_record_step_counts_requests_and_uses_prefetches(store_pack):
         assert store.stats.layer(layer).bytes_host_to_device - moved == 3 * store.stride
 
 
-def test_a_staged_expert_is_promoted_once_it_outranks_what_it_would_evict(store_pack):
+@pytest.mark.parametrize("promote", [True, False])
+def test_a_staged_expert_is_promoted_once_it_outranks_what_it_would_evict(store_pack, promote):
+    """With promotions on (off by default): a staged expert takes a device slot once it outranks
+    its victim; off, it stays staged however often it is used."""
     pack = Pack.open(store_pack)
     layer = sorted({r.layer for r in pack.manifest.expert_records()})[0]
-    with _store(pack, device_slots=4, host_slots=64, layers=[layer]) as store:
+    with _store(pack, device_slots=4, host_slots=64, layers=[layer], promote=promote) as store:
         store.load(layer, [0, 1, 2, 3])  # the layer's whole share, each requested once
         settle(store)
         store.record_step([(layer, [], [9], 0)])  # one request: ties the victim's count, stays staged
@@ -114,6 +118,9 @@ def test_a_staged_expert_is_promoted_once_it_outranks_what_it_would_evict(store_
         assert (layer, 9) not in store.device_slots
         store.record_step([(layer, [], [9], 0)])  # two: outranks it, loaded into a device slot
         settle(store)
+        if not promote:
+            assert (layer, 9) not in store.device_slots and store.stats.layer(layer).prefetch_issued == 0
+            return
         assert store.device_slots.get((layer, 9)).ready
         assert int(_table(store)[layer, 9]) == store.device_slots.get((layer, 9)).slot
         assert store.stats.layer(layer).prefetch_issued == 1 and len(store.device_slots.entries) == 4

@@ -7,7 +7,8 @@
 # STAGES picks steps and their order (default all: tests layers unbounded fp8 budgets long baseline
 # profile hotset prefill-profile eager fp8-unbounded staging); tests run beside the build, the rest
 # after it. staging times the stage_records kernel against the copy engine (bench/kernels.py);
-# ablations benches 24/64 without next-layer prefetch, then with promotions.
+# no-prefetch and promote bench 24/64 as budgets does, but without next-layer prefetch, or with
+# promotions.
 # fp8 also converts a --dense-fp8 pack from the same snapshot and benches 8/32 on it (BF16 dense
 # weights alone exceed an 8 GB card at 48 layers). budgets, long (a 32k prompt) and baseline (with
 # transformers + accelerate beside) run 24/64 with every record pre-warmed (--hot-set '*'). TESTS
@@ -19,7 +20,7 @@ set -o pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site wheels/*.whl || exit 1
 mkdir -p /tmp/pkg && ln -sfn "$PWD" /tmp/pkg/flashpack
 export PYTHONPATH=/tmp/pkg:/tmp/site PYTHONUNBUFFERED=1
-LAYERS=${LAYERS:-4} GEN=${GEN:-32} PROMPT=${PROMPT:-512} W=/tmp/fp R=/tmp/results STAGES=${STAGES:-"tests layers unbounded fp8 budgets long baseline profile hotset prefill-profile eager fp8-unbounded staging ablations"}
+LAYERS=${LAYERS:-4} GEN=${GEN:-32} PROMPT=${PROMPT:-512} W=/tmp/fp R=/tmp/results STAGES=${STAGES:-"tests layers unbounded fp8 budgets long baseline profile hotset prefill-profile eager fp8-unbounded staging no-prefetch promote"}
 has() { [[ " $STAGES " == *" $1 "* ]]; }
 mkdir -p $R
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee $OUT/gpu.txt
@@ -61,9 +62,8 @@ for stage in $STAGES; do
       if [[ " ${PROFILES:-resident tiered overhead} " == *" overhead "* ]]; then
         timeout 90 python3 bench/store_overhead.py $W/full.pack --device cuda --calls 1000 \
           --json $R/store-overhead-h200.json 2>&1 | tail -1; fi ;;
-    ablations)  # 24/64 as in budgets, one feature off at a time
-      bench 24g-64g-no-prefetch 24GiB 64GiB --prompt-len $PROMPT --gen $GEN --hot-set '*' --no-prefetch
-      bench 24g-64g-promote 24GiB 64GiB --prompt-len $PROMPT --gen $GEN --hot-set '*' --promote ;;
+    no-prefetch) bench 24g-64g-no-prefetch 24GiB 64GiB --prompt-len $PROMPT --gen $GEN --hot-set '*' --no-prefetch ;;
+    promote) bench 24g-64g-promote 24GiB 64GiB --prompt-len $PROMPT --gen $GEN --hot-set '*' --promote ;;
     hotset)  # a hot set profiled on the synth corpus, then 24/64 pre-warmed from it (not '*': id order)
       python3 -c "import json; [print(json.dumps({'prompt': t})) for t in json.load(open('convert/synth/corpus.json'))['texts']]" \
         > $W/workload.jsonl

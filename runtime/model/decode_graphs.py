@@ -112,11 +112,10 @@ def _host_offsets(codes: torch.Tensor, wanted: torch.Tensor, host: HostRecords) 
 
 def table_slots(experts, code_row, host: HostRecords | None, ahead: tuple[torch.Tensor, torch.Tensor] | None):
     """Where a layer's experts [1, k] are, from its slot-table row `code_row` [num_experts] (the
-    codes of runtime/experts.py): (bank rows [1, k], on disk [1, k], staged ahead [1, k]). Experts
-    in the host cache come from the rows the previous layer staged them into when it predicted
-    them (`ahead`: predicted ids [1, k] and their bank rows, -1 where not staged), or are staged
-    into staging set 0 now. Returns (bank rows, codes, on disk, staged ahead), each [1, k]; a disk
-    expert's row is 0, to be weighted zero."""
+    codes of runtime/experts.py). Experts in the host cache come from the rows the previous layer
+    staged them into when it predicted them (`ahead`: predicted ids [1, k] and their bank rows, -1
+    where not staged), or are staged into staging set 0 now. Returns (bank rows, codes, on disk,
+    staged ahead), each [1, k]; a disk expert's row is 0, to be weighted zero."""
     codes = code_row[experts]
     if host is None:  # no staging rows: host experts miss as disk ones do
         return codes.clamp(min=0), codes, codes < 0, torch.zeros_like(codes, dtype=torch.bool)
@@ -286,18 +285,19 @@ class DecodeGraphs:
             for live, saved in self._saved:
                 live.copy_(saved)
             return None
-        found, counts = [], self.staging
+        found, counts, guessed = [], self.staging, False
         for layer, (_, ahead, right, *picks) in zip(layers, report):
             k = len(picks) // 3
-            experts, codes, early = picks[:k], picks[k:2 * k], picks[2 * k:]
+            experts, codes, used_ahead = picks[:k], picks[k:2 * k], sum(picks[2 * k:])
             staged = [e for e, code in zip(experts, codes) if code < 0]
-            found.append((layer.layer, [e for e, code in zip(experts, codes) if code >= 0], staged, ahead - sum(early)))
-            if layer is not layers[0] and layers[layers.index(layer) - 1].moe.next_moe is not None:  # guessed
+            found.append((layer.layer, [e for e, code in zip(experts, codes) if code >= 0], staged, ahead - used_ahead))
+            if guessed:  # the layer before predicted this one's experts
                 counts.predicted += k
                 counts.right += right
+            guessed = layer.moe.next_moe is not None
             counts.ahead += ahead
-            counts.ahead_used += sum(early)
-            counts.late += len(staged) - sum(early)
+            counts.ahead_used += used_ahead
+            counts.late += len(staged) - used_ahead
         self.tabled.record_step(found)
         return out
 
@@ -325,10 +325,10 @@ class DecodeGraphs:
         return self.front(layer, streams, position, ple_rows, ple_state, self._mixer_state(layer))
 
     def _table_layers(self, layers: list[DecoderLayer], bank, host: HostRecords | None) -> Callable:
-        """(streams, report int64 [layers, 3 + 3k]) against a slot table [layers, experts]; first
+        """(streams, report int32 [layers, 3 + 3k]) against a slot table [layers, experts]; first
         saves the state a redo restores. A layer's report row: whether an expert was on disk, how
-        many records were staged ahead for it, how many of its experts were predicted; then its
-        expert ids, their codes, and which came staged ahead. While a layer computes, the next
+        many records were staged ahead for it, how many of its experts the layer before predicted;
+        then its expert ids, their codes, and which came staged ahead. While a layer computes, the next
         layer's predicted host experts are staged on a side stream (staging sets 1 and 2 in turn)."""
         def step(streams, position, table, *ple_rows):
             for live, saved in self._saved:
@@ -346,6 +346,8 @@ class DecodeGraphs:
                     self._join_side()  # the records staged ahead for this layer have landed
                 guess, ahead = predicted, None
                 if host is not None and predicted is not None:
+                    # `offsets` stays bound until the next layer has joined the side stream, so the
+                    # allocator cannot hand its memory to other work while the staging reads it
                     row_set = 1 + index % 2
                     offsets, ahead_rows = self.ahead_offsets(predicted, table[layer.moe.next_moe.layer], host, row_set)
                     self._beside(lambda: stage_records(host.source, offsets, host.rows(row_set),

@@ -22,7 +22,7 @@ def _stage_kernel(
     source, offsets, target, words, tiles_per_row, tiles, programs, steps: tl.constexpr, BLOCK: tl.constexpr,
 ):
     # A few long-lived programs leave the rest of the GPU to the compute a staging on a side
-    # stream overlaps; each keeps one 16 KiB tile in flight over PCIe at a time.
+    # stream overlaps; each keeps one tile (16 KiB by default) in flight over PCIe at a time.
     for step in range(steps):  # cdiv(tiles, programs); a constexpr: the interpreter loops over no argument
         tile = tl.program_id(0) + step * programs
         row = tile // tiles_per_row
@@ -49,6 +49,5 @@ def stage_records_triton(
     tiles = rows * tiles_per_row
     programs = min(programs, tiles) if programs else tiles
     _stage_kernel[(programs,)](source, offsets, target, words, tiles_per_row, tiles, programs,
-                               triton.cdiv(tiles, programs), BLOCK=block,
-                               num_warps=num_warps)
+                               triton.cdiv(tiles, programs), BLOCK=block, num_warps=num_warps)
     return target

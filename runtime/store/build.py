@@ -93,8 +93,9 @@ def build_store(
     `ResidentExperts` instead: all records loaded once, slots looked up on the device. `staging`
     (CUDA-graph decode) sets STAGING_ROW_SETS * top_k rows of the device budget aside for decode
     steps to stage host records into (TabledSlots.host_records); `promote` lets a staged expert
-    that outranks what it would evict take a device slot (TieredStore). `layers` limits the store to those layers' experts (the
-    engine's decoder layers: the MTP head's experts take no room while nothing runs it).
+    that outranks what it would evict take a device slot (TieredStore). `layers` limits the store
+    to those layers' experts (the engine's decoder layers: the MTP head's experts take no room
+    while nothing runs it).
 
     `device_reserved` overrides the estimate of what else lives on the device (see
     `resident_device_bytes`); `hot_set` names a profile in the manifest's hot_sets to pre-warm

@@ -4,8 +4,9 @@ A step publishes and holds the slot table (slot_table.py), runs against it, rele
 reports what it found, layer by layer: the experts on the device, and those it staged from the host
 cache itself (`host_records`). The hold keeps every slot the table names as it is: reader and copy
 jobs wait for the release, and on CUDA for the step's work to have run (transfers.py). Promotions
-are prefetches: a staged expert the device policy now ranks above what it would evict is loaded
-into a device slot in the background.
+(when the store was built with `promote`; off by default, since on the H200 their copies and
+bookkeeping cost more than the hits bought) are prefetches: a staged expert the device policy now
+ranks above what it would evict is loaded into a device slot in the background.
 """
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ import torch
 
 from flashpack.errors import FlashpackError
 from flashpack.runtime.experts import HostRecords
-from flashpack.runtime.store.budget import STAGING_ROW_SETS
 
 
 class TableSteps:
@@ -45,7 +45,7 @@ class TableSteps:
                 source=base.view(-1).view(torch.int32),
                 offsets=torch.tensor(offsets, dtype=torch.int64, device=self.device),
                 staging=self.device_pool.tensor[first:first + self.plan.staging_slots].view(torch.int32),
-                first_staging_slot=first, top_k=self.plan.staging_slots // STAGING_ROW_SETS,
+                first_staging_slot=first, top_k=self.top_k,
             )
         return self._host_records
 
@@ -63,8 +63,8 @@ class TableSteps:
         """Count what a decode step found through the slot table, (layer, experts on the device,
         experts staged from the host cache, records staged for the layer but not used: predicted
         wrongly) for each layer, under one lock: as requests and hits
-        (the eviction policies see them as they see requests). A staged expert the device policy
-        now ranks above what it would evict is promoted: loaded into a device slot in the
+        (the eviction policies see them as they see requests). With `promote`, a staged expert the
+        device policy now ranks above what it would evict is loaded into a device slot in the
         background, as a prefetch (steps stage it until its copy lands)."""
         with self._changed:
             if self._closed:

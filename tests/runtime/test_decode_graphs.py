@@ -166,15 +166,15 @@ def test_control_a_tiered_step_must_see_its_misses_and_restore_its_state(tiny_pa
     """Controls: a step that took a missing expert as found, that was redone without restoring the
     state it had advanced, or whose predicted experts' rows were named but never staged, must give
     other logits."""
-    from flashpack.runtime.model import decode_graphs
+    from flashpack.runtime.model import graph_pieces
 
     if broken == "misses-ignored":
-        found = decode_graphs.table_slots
-        monkeypatch.setattr(decode_graphs, "table_slots", lambda *args: (
+        found = graph_pieces.table_slots
+        monkeypatch.setattr(graph_pieces, "table_slots", lambda *args: (
             lambda slots, codes, missing, early: (slots, codes, torch.zeros_like(missing), early))(*found(*args)))
     if broken == "ahead-not-staged":
-        ahead = decode_graphs.ahead_offsets
-        monkeypatch.setattr(decode_graphs, "ahead_offsets", lambda *args: (
+        ahead = graph_pieces.ahead_offsets
+        monkeypatch.setattr(graph_pieces, "ahead_offsets", lambda *args: (
             lambda offsets, rows: (torch.full_like(offsets, -1), rows))(*ahead(*args)))
     # 40 host slots: most steps meet a disk miss; 300: every step stands, staging host records
     stores, models = _tiered_pair(tiny_pack, 60, host_slots=300 if broken == "ahead-not-staged" else 40)

@@ -1,0 +1,77 @@
+"""The pieces a decode step's CUDA graphs are made of, as module-level functions taking the layer
+and its state as arguments, so that every layer of a kind shares one compiled graph
+(decode_graphs.py). Slot-table codes are runtime/experts.py's: a device slot (>= 0), a host-cache
+slot (<= -2), or on disk (-1)."""
+
+from __future__ import annotations
+
+import torch
+
+from flashpack.runtime.experts import ON_DISK, HostRecords, host_code, host_slot_of
+from flashpack.runtime.kernels import stage_records
+from flashpack.runtime.model.decoder_layer import DecoderLayer
+
+
+def layer_front(layer: DecoderLayer, streams, position, ple_rows, ple_state, mixer_state):
+    """[PLE addend,] attention-side mix, the sequence mixer, combine: streams before the MoE block."""
+    if ple_rows is not None:
+        streams = streams + layer.ple.addend(streams, ple_rows, ple_state)
+    block_input, inject = layer.attn_hc.mix(streams)
+    if layer.linear:
+        mixed = layer.mixer(block_input, mixer_state)
+    else:
+        attention = layer.mixer
+        q, gate, k, v, index_q, index_k = attention.project(block_input, position)
+        mixed = attention.output(attention.attend_step(q, k, v, index_q, index_k, mixer_state, position), gate)
+    return layer.attn_hc.combine(streams, mixed, inject)
+
+
+def _host_offsets(codes: torch.Tensor, wanted: torch.Tensor, host: HostRecords) -> torch.Tensor:
+    """int64 [k]: the word offset of each wanted host-cache code's record, -1 elsewhere."""
+    host_slots = torch.where(wanted, host_slot_of(codes), 0).flatten()
+    return torch.where(wanted.flatten(), host.offsets[host_slots], -1)
+
+
+def table_slots(experts, code_row, host: HostRecords | None, ahead: tuple[torch.Tensor, torch.Tensor] | None):
+    """Where a layer's experts [1, k] are, from its slot-table row `code_row` [num_experts] (the
+    codes of runtime/experts.py). Experts in the host cache come from the rows the previous layer
+    staged them into when it predicted them (`ahead`: predicted ids [1, k] and their bank rows, -1
+    where not staged), or are staged into staging set 0 now. Returns (bank rows, codes, on disk,
+    staged ahead), each [1, k]; a disk expert's row is 0, to be weighted zero."""
+    codes = code_row[experts]
+    if host is None:  # no staging rows: host experts miss as disk ones do
+        return codes.clamp(min=0), codes, codes < 0, torch.zeros_like(codes, dtype=torch.bool)
+    in_host = codes <= host_code(0)
+    early, early_row = torch.zeros_like(in_host), torch.zeros_like(codes)
+    if ahead is not None:
+        ahead_ids, ahead_rows = ahead
+        match = (experts.unsqueeze(-1) == ahead_ids.unsqueeze(-2)) & (ahead_rows >= 0).unsqueeze(-2)  # [1, k, k]
+        early = in_host & match.any(-1)
+        early_row = (match * ahead_rows.unsqueeze(-2)).sum(-1).to(codes.dtype)  # predicted ids are distinct
+    late = in_host & ~early
+    stage_records(host.source, _host_offsets(codes, late, host), host.rows(0))
+    late_rows = host.first_slot(0) + torch.arange(codes.shape[-1], device=codes.device, dtype=codes.dtype)
+    slots = torch.where(early, early_row, torch.where(late, late_rows, codes))
+    return slots.clamp(min=0), codes, codes == ON_DISK, early
+
+
+def ahead_offsets(predicted, code_row, host: HostRecords, row_set: int):
+    """The next layer's predicted experts [1, k] that are in the host cache, against its slot-table
+    row: (offsets [k] for staging them into staging set `row_set`, -1 elsewhere; their bank rows
+    [1, k], -1 where not staged)."""
+    codes = code_row[predicted]
+    in_host = codes <= host_code(0)
+    rows = host.first_slot(row_set) + torch.arange(codes.shape[-1], device=codes.device, dtype=codes.dtype)
+    return _host_offsets(codes, in_host, host), torch.where(in_host, rows, -1)
+
+
+def tiered_route(layer: DecoderLayer, streams):
+    """Up to the routed experts: (MoE input, its inject, routing weights, expert ids, shared expert
+    output, next layer's predicted ids or None)."""
+    x, inject = layer.mlp_hc.mix(streams)
+    weights, experts, shared = layer.moe.gate(x)
+    return x, inject, weights, experts, shared, layer.moe.predict_next(x)
+
+
+def expert_combine(layer: DecoderLayer, streams, expert_output, inject):
+    return layer.mlp_hc.combine(streams, expert_output, inject)

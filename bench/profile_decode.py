@@ -11,7 +11,8 @@ step's wall time against the device-busy time (the sum of kernel and copy times)
 host overhead (Python, launches, waits on the store). `host_split_ms` times, unprofiled, what a
 decode step's host thread spends in the calls that matter for a tiered store (each call's wall
 time per step, nested calls inside their callers); `--trace` also writes the profiled steps as a
-gzipped Chrome trace (every thread, both streams), for chrome://tracing or Perfetto.
+gzipped Chrome trace (every thread, both streams), for chrome://tracing or Perfetto, and
+`gpu_idle`: where the GPU waited, by what the host was doing (runtime/bench/gaps.py).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from flashpack.layout.pack import Pack
+from flashpack.runtime.bench.gaps import format_gaps, gpu_gaps, load_trace
 from flashpack.runtime.bench.emulate import check_layers, scaled_budgets
 from flashpack.runtime.bench.sizes import model_sizes
 from flashpack.runtime.loader import StoreOptions, load_engine, parse_device, parse_dtype
@@ -136,14 +138,18 @@ def main() -> None:
               events.table(sort_by="self_device_time_total", row_limit=25)]
     Path(args.out).mkdir(parents=True, exist_ok=True)
     Path(args.out, f"profile-{args.name}.txt").write_text("\n\n".join(tables))
+    idle = None
     if args.trace:
         trace = Path(args.out, f"trace-{args.name}.json")
         prof.export_chrome_trace(str(trace))
+        idle = gpu_gaps(load_trace(trace), steps)
+        print(format_gaps(idle))
         with trace.open("rb") as raw, gzip.open(f"{trace}.gz", "wb") as packed:
             shutil.copyfileobj(raw, packed)
         trace.unlink()
     summary = {"name": args.name, "step_wall_ms": wall * 1e3, "device_busy_ms": device_busy * 1e3,
-               "host_overhead_ms": (wall - device_busy) * 1e3, "host_split_ms": host_split, "phase": args.phase, "prompt_tokens": args.prompt_len,
+               "host_overhead_ms": (wall - device_busy) * 1e3, "host_split_ms": host_split, "gpu_idle": idle,
+               "phase": args.phase, "prompt_tokens": args.prompt_len,
                "kernel_launches_per_step": sum(e.count for e in events if e.device_type.name == "CUDA") / steps}
     print(json.dumps(summary))
     Path(args.out, f"profile-{args.name}.json").write_text(json.dumps(summary, indent=1))

@@ -78,6 +78,8 @@ def test_graph_decode_matches_eager(tiny_pack, tiered, compiled):
     assert graphed.store.stats.total().requests == eager.store.stats.total().requests
     if tiered is not None:  # the host cache holds every record read: steps from the slot table stand
         assert graphed.model.decode_graphs.speculation.confirmed > 0
+    if tiered == 60:  # most records in RAM: some staged beside the layer before, on the side stream
+        assert graphed.model.decode_graphs.staging.ahead_used > 0
 
 
 @needs_gpu

@@ -233,11 +233,12 @@ class DecodeGraphs:
         ple_rows = next(rows) if layer.ple is not None else None
         return self.front(layer, streams, position, ple_rows, ple_state, self._mixer_state(layer))
 
-    def _table_layers(self, layers: list[DecoderLayer], bank, host: HostRecords | None) -> Callable:
-        """(streams, report int32 [layers, 3 + 3k]) against a slot table [layers, experts]; first
-        saves the state a redo restores. A layer's report row: whether an expert was on disk, how
-        many records were staged ahead for it, how many of its experts the layer before predicted;
-        then its expert ids, their codes, and which came staged ahead. While a layer computes, the next
+    def _table_layers(self, layers: list[DecoderLayer], bank, host: HostRecords | None, reporting: bool) -> Callable:
+        """(streams, report int32 [layers, 3 + 3k] or None) against a slot table [layers, experts];
+        first saves the state a redo restores. A layer's report row (built only when `reporting`:
+        a resident table has no reader for it): whether an expert was on disk, how many records
+        were staged ahead for it, how many of its experts the layer before predicted; then its
+        expert ids, their codes, and which came staged ahead. While a layer computes, the next
         layer's predicted host experts are staged on a side stream (staging sets 1 and 2 in turn)."""
         def step(streams, position, table, *ple_rows):
             for live, saved in self._saved:
@@ -247,11 +248,9 @@ class DecodeGraphs:
                 streams = self._layer_front(layer, streams, position, rows)
                 x, inject, weights, experts, shared, predicted = self.route(layer, streams)
                 slots, codes, missing, early = self.table_slots(experts, table[layer.layer], host, ahead)
-                counts = torch.zeros(2, dtype=codes.dtype, device=codes.device)
-                if guess is not None:
-                    counts[1] = (experts.unsqueeze(-1) == guess.unsqueeze(-2)).sum()
+                if reporting:
+                    reports.append(self._report_row(experts, codes, missing, early, guess, ahead))
                 if ahead is not None:
-                    counts[0] = (ahead[1] >= 0).sum()
                     self._join_side()  # the records staged ahead for this layer have landed
                 guess, ahead = predicted, None
                 if host is not None and predicted is not None:
@@ -264,11 +263,18 @@ class DecodeGraphs:
                     ahead = (predicted, ahead_rows)
                 routed = moe_experts(x, bank, slots, weights.masked_fill(missing, 0))
                 streams = self.combine(layer, streams, routed + shared, inject)
-                reports.append(torch.cat([missing.any().view(1).to(codes.dtype), counts, experts.flatten().to(codes.dtype),
-                                          codes.flatten(), early.flatten().to(codes.dtype)]))
-            return streams, torch.stack(reports)
+            return streams, torch.stack(reports) if reporting else None
 
         return step
+
+    @staticmethod
+    def _report_row(experts, codes, missing, early, guess, ahead) -> torch.Tensor:
+        """A layer's row of the step's report (_table_layers)."""
+        zero = torch.zeros((), dtype=codes.dtype, device=codes.device)
+        staged_ahead = (ahead[1] >= 0).sum().to(codes.dtype) if ahead is not None else zero
+        right = (experts.unsqueeze(-1) == guess.unsqueeze(-2)).sum().to(codes.dtype) if guess is not None else zero
+        return torch.cat([torch.stack([missing.any().to(codes.dtype), staged_ahead, right]),
+                          experts.flatten().to(codes.dtype), codes.flatten(), early.flatten().to(codes.dtype)])
 
     def _beside(self, work: Callable[[], object]) -> None:
         """Enqueue `work` on the side stream, after what the current stream has enqueued (inline
@@ -325,4 +331,5 @@ class DecodeGraphs:
                 self._side = torch.cuda.Stream(host.staging.device)
             groups = [self.layers]
             self._saved = [(t, t.clone()) for t in live]
-        self._table_pieces = [(layers, make_table_call(self._table_layers(layers, bank, host))) for layers in groups]
+        self._table_pieces = [(layers, make_table_call(self._table_layers(layers, bank, host, not self.resident)))
+                              for layers in groups]

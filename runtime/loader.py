@@ -42,6 +42,7 @@ class LoadedEngine:
     store: object | None = None  # runtime.store.TieredStore (or ResidentExperts) when tiers are in use
 
     def stats(self) -> dict | None:
+        self.model.settle()
         return self.store.stats.to_dict() if self.store is not None else None
 
 

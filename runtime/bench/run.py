@@ -103,12 +103,14 @@ def timed_run(model, store, state, prompt: list[int], gen: int, progress: bool =
     device = model.device
     state.restore(model.new_state())
     tokens = torch.tensor(prompt, dtype=torch.long)
+    model.settle()
     before = snapshot(store)
     synchronize(device)
     start = time.perf_counter()
     token, _ = greedy(model, state, tokens)
     synchronize(device)
     ttft = time.perf_counter() - start
+    model.settle()
     middle = snapshot(store)
     table_before = _table_counts(model)
     generated, steps = [token], []
@@ -118,6 +120,7 @@ def timed_run(model, store, state, prompt: list[int], gen: int, progress: bool =
         synchronize(device)
         steps.append(time.perf_counter() - start)
         generated.append(token)
+    model.settle()
     after = snapshot(store)
     table_after = _table_counts(model)
     return {

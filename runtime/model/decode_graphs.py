@@ -18,7 +18,9 @@ in a slot table. So a step is one graph for all the layers:
                             this layer's MoE input (the prediction); the next layer stages only
                             what the prediction missed, after its own router. One read-back after the step: none,
                             the step stands and the store counts what it used (and may promote
-                            staged experts to device slots in the background); some, the step is
+                            staged experts to device slots in the background), once the next
+                            step's graph is launched or at `settle()`, which readers of the
+                            store's counters call first; some, the step is
                             redone through the store from a copy of the state the graph took
                             first. That redo is one graph per layer, cut at the routed experts:
                                 graph(combine previous layer's experts, [PLE addend,] mix, mixer,
@@ -50,6 +52,7 @@ kernels of our own and flash-linear-attention's run as they are between compiled
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -139,6 +142,8 @@ class DecodeGraphs:
         self._table_pieces: list[tuple[list[DecoderLayer], CapturedCall]] = []
         self._store_pieces: list[tuple[DecoderLayer, CapturedCall]] = []
         self._saved: list[tuple[torch.Tensor, torch.Tensor]] = []  # (live state, its copy) for redoing a step
+        self._unrecorded: tuple[list[DecoderLayer], list[list[int]]] | None = None  # a stood step's report
+        self._settling = threading.Lock()
 
     def run(
         self, streams: torch.Tensor, tokens: torch.Tensor, state: SequenceState,
@@ -178,7 +183,7 @@ class DecodeGraphs:
 
     def _try_table(self, streams, position, rows) -> torch.Tensor | None:
         """The step against the store's slot table: its streams, or None (state as before) when an
-        expert was missing."""
+        expert was missing. The previous step's accounting is done while this one's graph runs."""
         if not self.speculation.due():
             return None
         ((layers, call),) = self._table_pieces
@@ -187,6 +192,7 @@ class DecodeGraphs:
             out, report = call(streams, position, table, *self._rows_of(layers, rows))
         finally:
             self.tabled.release_slot_table()
+        self.settle()
         report = report.tolist()  # the one read-back
         confirmed = not any(row[0] for row in report)
         self.speculation.record(confirmed)
@@ -194,6 +200,20 @@ class DecodeGraphs:
             for live, saved in self._saved:
                 live.copy_(saved)
             return None
+        with self._settling:
+            self._unrecorded = (layers, report)
+        return out
+
+    def settle(self) -> None:
+        """Hand the store what the last step from the slot table used. A step's accounting waits
+        for the next step's graph to be launched, so the GPU does not idle through it; call this
+        before reading the store's counters or `staging`."""
+        with self._settling:  # a server's metrics thread may settle while the engine's thread steps
+            if self._unrecorded is not None:
+                self._record(*self._unrecorded)
+                self._unrecorded = None
+
+    def _record(self, layers: list[DecoderLayer], report: list[list[int]]) -> None:
         found, counts, guessed = [], self.staging, False
         for layer, (_, ahead, right, *picks) in zip(layers, report):
             k = len(picks) // 3
@@ -208,9 +228,9 @@ class DecodeGraphs:
             counts.ahead_used += used_ahead
             counts.late += len(staged) - used_ahead
         self.tabled.record_step(found)
-        return out
 
     def _through_store(self, streams, position, rows, after_layer) -> torch.Tensor:
+        self.settle()  # the store sees the steps in order
         carried = ()  # the previous layer's (routed + shared expert output, inject), combined next
         for layer, call in self._store_pieces:
             streams, x, inject, weights, experts, shared, predicted = call(

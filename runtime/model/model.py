@@ -66,6 +66,12 @@ class Qwen4ExpModel(nn.Module):
         for layer, following in zip(self.layers, self.layers[1:]):
             layer.moe.next_moe = following.moe if enabled else None
 
+    def settle(self) -> None:
+        """Finish the bookkeeping decode steps defer (decode_graphs.DecodeGraphs.settle): call it
+        before reading the expert store's counters."""
+        if self.decode_graphs is not None:
+            self.decode_graphs.settle()
+
     def new_state(self) -> SequenceState:
         return SequenceState.empty(self.config, self.dtype, self.device)
 

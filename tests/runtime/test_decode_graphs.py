@@ -75,6 +75,7 @@ def test_graph_decode_matches_eager(tiny_pack, tiered, compiled):
         # 40 steps: past the indexer's budget, and the attention caches grow (graphs captured again)
         expected, got = _decode(eager, prompt, 40, restore_at=30), _decode(graphed, prompt, 40, restore_at=30)
         assert _worst(got, expected) < tolerance, [float((a - b).norm() / b.norm()) for a, b in zip(got, expected)]
+    graphed.model.settle()
     assert graphed.store.stats.total().requests == eager.store.stats.total().requests
     if tiered is not None:  # the host cache holds every record read: steps from the slot table stand
         assert graphed.model.decode_graphs.speculation.confirmed > 0
@@ -146,9 +147,13 @@ def test_tiered_pieces_compose_to_the_layers_on_cpu(tiny_pack, device_slots, hos
     expected, got = _decode(models[0], prompt, 24), _decode(models[1], prompt, 24)
     for step, (a, b) in enumerate(zip(got, expected)):
         assert float((a - b).norm() / b.norm()) < TOLERANCE, f"step {step}"
-    # the same requests; which of them hit depends on when the reader threads land the prefetches
+    # the same requests; which of them hit depends on when the reader threads land the prefetches.
+    # A step from the slot table is counted once the next step is under way, or at settle()
+    models[1].settle()
     plain, pieces = (store.stats.total() for store in stores)
     assert pieces.requests == plain.requests and pieces.prefetch_issued > 0
+    models[1].settle()  # nothing left to count twice
+    assert stores[1].stats.total().requests == plain.requests
     speculation = models[1].decode_graphs.speculation
     if host_slots == 40 or not staging:
         assert speculation.tries > speculation.confirmed

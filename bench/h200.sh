@@ -31,10 +31,11 @@ start=$(date +%s)
   ; echo "build rc=$? $(( $(date +%s) - start )) s" >> $OUT/gpu.txt ) &
 build=$!
 if has tests; then
-  timeout 420 python3 -m pytest ${TESTS:-tests/kernels tests/runtime/test_engine_slots.py tests/runtime/test_decode_graphs.py \
+  timeout 420 python3 -m pytest ${TESTS:-tests/kernels tests/runtime/test_engine_slots.py tests/runtime/test_decode_graphs.py tests/runtime/test_captured_call.py \
     tests/runtime/test_delta_rule.py tests/runtime/test_dense_fp8.py tests/store/test_store_stream.py \
     tests/store/test_store_fetch.py tests/store/test_store_slot_table.py} -q --tb=short \
-    -p no:cacheprovider -p no:logging > $OUT/tests.log 2>&1; tail -40 $OUT/tests.log
+    -p no:cacheprovider -p no:logging > $OUT/tests.log 2>&1; echo "tests rc=$? $(( $(date +%s) - start )) s" >> $OUT/tests.log
+  tail -40 $OUT/tests.log
 fi
 wait $build; cat $OUT/gpu.txt; [ -f $W/full.pack/manifest.json ] || exit 1
 fp8_pack() {  # the --dense-fp8 pack from the same snapshot, converted when a stage first needs it
@@ -47,6 +48,7 @@ bench() {  # name, vram, ram, extra args (PACK=full-fp8 for the --dense-fp8 pack
     ${ram:+--ram-budget $ram} --emulate-layers 48 --json $R/bench-$name.json --quiet "$@" 2>&1 | tail -22
 }
 for stage in $STAGES; do
+  echo "== $stage at $(( $(date +%s) - start )) s"
   case $stage in
     staging) timeout 120 python3 bench/kernels.py --only staging --sweep --sweep-seconds 20 \
       --json $R/kernels-staging.json 2>&1 | tail -30 ;;

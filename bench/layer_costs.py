@@ -3,9 +3,9 @@ pack cut to a few layers up to the full 48.
 
     python bench/layer_costs.py PACK --out DIR
 
-Times S greedy steps two ways: as they run (asynchronous, one graph for all layers: the real step
-time), and with a graph per layer and a device synchronize after each, so each layer's time (issue
-+ run) can be told apart by kind: the PLE layer, DeltaNet layers, QSA attention layers, and the
+Times S greedy steps two ways: as they run (asynchronous, a graph a layer launched while the layer
+before runs: the real step time), and with a device synchronize after each layer's graph, so each
+layer's time (issue + run) can be told apart by kind: the PLE layer, DeltaNet layers, QSA attention layers, and the
 fixed part (embedding, PLE rows, final mixer, lm_head, argmax). The full model's step is then
 estimated as
     fixed + ple_layer + (linear_layers - ple_layers) * deltanet + attention_layers * attention
@@ -24,7 +24,6 @@ from pathlib import Path
 import torch
 
 from flashpack.runtime.loader import StoreOptions, load_engine
-from flashpack.runtime.model.decode_graphs import DecodeGraphs
 
 
 def main() -> None:
@@ -50,9 +49,6 @@ def main() -> None:
         token = int(model(torch.tensor([token]), state).logits.argmax())
     async_step = (time.perf_counter() - start) / args.steps
 
-    model.decode_graphs = DecodeGraphs(model.layers, engine.store.count_replay, per_layer=True)
-    for _ in range(4):
-        token = int(model(torch.tensor([token]), state).logits.argmax())
     kinds: dict[str, list[float]] = {"fixed": [], "ple": [], "deltanet": [], "attention": []}
     for _ in range(args.steps):
         torch.cuda.synchronize()

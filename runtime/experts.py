@@ -47,11 +47,15 @@ def host_slot_of(code):
     return -code - 2
 
 
+LATE_ROWS, AHEAD_ROWS = 0, 1  # HostRecords' staging row sets
+
+
 @dataclass(frozen=True)
 class HostRecords:
     """What a decode step needs to stage host-cache records into device rows itself. The staging
-    rows come in sets of top_k: set 0 takes a layer's host experts once its router has picked
-    them; sets 1 and 2, in turn, the next layer's predicted ones while this layer computes."""
+    rows come in sets of top_k: LATE_ROWS takes a layer's host experts once its router has picked
+    them, AHEAD_ROWS those the layer before predicted, staged while the layer computes up to its
+    experts."""
 
     source: torch.Tensor  # int32 view of the host pool's lowest chunk: the base every address counts from
     offsets: torch.Tensor  # int64 [host slots] on the device: each host slot's offset from `source`, in words

@@ -3,16 +3,21 @@ captured the second time, replayed from then on with its inputs copied into the 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 
 import torch
 
 
 class CapturedCall:
-    """fn(*tensors) -> tensor or tuple of tensors: eager once, then captured, then replayed."""
+    """fn(*tensors) -> tensor or tuple of tensors: eager once, then captured, then replayed.
 
-    def __init__(self, fn: Callable, pool):
-        self.fn, self.pool = fn, pool
+    Inputs at the positions in `kept` are the very same tensors every call (the previous piece's
+    outputs, buffers that live as long as the graphs): they are captured in place, so a chain of
+    pieces hands its tensors on without a copy. The others are cloned at capture and copied into
+    the clones before each replay (as a kept one is, should it ever come as another tensor)."""
+
+    def __init__(self, fn: Callable, pool, kept: Collection[int] = ()):
+        self.fn, self.pool, self.kept = fn, pool, frozenset(kept)
         self.calls = 0
         self.graph: torch.cuda.CUDAGraph | None = None
         self.inputs: list[torch.Tensor] = []
@@ -23,7 +28,7 @@ class CapturedCall:
         if self.calls == 1:
             return self.fn(*inputs)
         if self.graph is None:
-            self.inputs = [x.clone() for x in inputs]
+            self.inputs = [x if i in self.kept else x.clone() for i, x in enumerate(inputs)]
             self.graph = torch.cuda.CUDAGraph()
             # thread_local: the store's copy and reader threads keep landing records on their own
             # streams while a layer is captured; in the default (global) mode any CUDA call of
@@ -32,6 +37,7 @@ class CapturedCall:
                 self.outputs = self.fn(*self.inputs)
         else:
             for static, x in zip(self.inputs, inputs):
-                static.copy_(x)
+                if x is not static:
+                    static.copy_(x)
         self.graph.replay()
         return self.outputs

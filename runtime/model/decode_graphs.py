@@ -5,24 +5,29 @@ host, not the GPU, sets the pace. Nearly all of a step has the same shapes every
 and writes the same buffers: DeltaNet and PLE state are updated in place, QSA attention writes
 the new token into its cache at a device-side position and attends over the whole buffer under
 a mask (`QSAAttention.attend_step`), and the routed experts' slots can be looked up on the device
-in a slot table. So a step is one graph for all the layers:
+in a slot table. So a step is a chain of graphs, one a layer, each handing its outputs to the
+next in place (captured_call.CapturedCall's `kept` inputs). One graph a layer, not one a step:
+launching a graph takes the host about a microsecond a node, and the GPU runs layer L while the
+host launches layer L + 1, where a whole step's graph would idle the GPU through its launch.
 
-    every expert resident   the source's slot table never misses: the graph is the whole step
+    every expert resident   the source's slot table never misses: the chain is the whole step
     a tiered store          the store publishes where each expert is now, a device slot, a
                             host-cache slot or only on disk (TabledSlots.hold_slot_table), and
-                            the graph runs against that: it stages host-cache experts into the
-                            bank's staging rows itself (kernels.stage_records, reading pinned
-                            host memory over PCIe) and reports every expert it found only on
-                            disk (zero-weighted meanwhile). While a layer computes, a side
-                            stream stages the host experts the next layer's router picks from
-                            this layer's MoE input (the prediction); the next layer stages only
-                            what the prediction missed, after its own router. One read-back after the step: none,
-                            the step stands and the store counts what it used (and may promote
-                            staged experts to device slots in the background), once the next
-                            step's graph is launched or at `settle()`, which readers of the
-                            store's counters call first; some, the step is
-                            redone through the store from a copy of the state the graph took
-                            first. That redo is one graph per layer, cut at the routed experts:
+                            the graphs run against that: they stage host-cache experts into the
+                            bank's staging rows themselves (kernels.stage_records, reading pinned
+                            host memory over PCIe) and report every expert found only on disk
+                            (zero-weighted meanwhile). Each layer applies the next layer's router
+                            to its MoE input (the prediction); the next layer's graph starts by
+                            staging the predicted host experts on a side stream, beside its
+                            sequence mixer, router and shared expert, and after its own router
+                            stages only what the prediction missed. One read-back after the
+                            step, of the report every layer wrote: nothing on disk, the step
+                            stands and the store counts what it used (and may promote staged
+                            experts to device slots in the background), once the next step's
+                            graphs are launched or at `settle()`, which readers of the store's
+                            counters call first; something on disk, the step is redone through
+                            the store from a copy of the state the first graph took. That redo
+                            is one graph per layer too, cut at the routed experts:
                                 graph(combine previous layer's experts, [PLE addend,] mix, mixer,
                                 combine, mix, router, shared expert, next layer's prediction) ->
                                 eager(expert ids to the host, the store, the expert kernels) -> ...
@@ -39,15 +44,14 @@ from then on. Graphs read the state buffers of the sequence they were captured w
 snapshot is copied into them); a step with another sequence's state drops them and starts over
 (the Generator and the bench reset one state in place for each new sequence, so theirs stay). A
 resident expert source's requests are counted here, every step, since neither a replay nor the
-pieces call it. `per_layer=True` gives every layer its own graph also when resident
+pieces call it. `run(after_layer=...)` is called after each layer's graph is launched
 (bench/layer_costs.py times layers apart that way).
 
 With `compile_layers`, the pieces are first compiled by torch.compile (TorchInductor), which fuses
 the hundred-odd small kernels of a layer (norms, gates, the hyper-connection mixing) into a few;
 the graphs then replay the fused kernels. The pieces are module-level functions taking the layer
-and its state as arguments (graph_pieces.py), so every layer of a kind shares one compiled graph;
-each captured call is a captured_call.CapturedCall. The Triton
-kernels of our own and flash-linear-attention's run as they are between compiled parts.
+and its state as arguments (graph_pieces.py), so every layer of a kind shares one compiled graph.
+The Triton kernels of our own and flash-linear-attention's run as they are between compiled parts.
 """
 
 from __future__ import annotations
@@ -59,7 +63,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from flashpack.runtime.experts import HostRecords, TabledSlots
+from flashpack.runtime.experts import AHEAD_ROWS, HostRecords, TabledSlots
 from flashpack.runtime.kernels import moe_experts, stage_records
 from flashpack.runtime.model import graph_pieces as pieces
 from flashpack.runtime.model.captured_call import CapturedCall
@@ -117,11 +121,10 @@ class Speculation:
 class DecodeGraphs:
     def __init__(
         self, layers: nn.ModuleList, count_replay: Callable[[int], None] | None = None,
-        make_call: Callable[[Callable], CapturedCall] | None = None, per_layer: bool = False,
-        compile_layers: bool = False,
+        make_call: Callable[..., CapturedCall] | None = None, compile_layers: bool = False,
     ):
-        """`make_call(fn)` wraps each piece (default: a CapturedCall; the table's pieces and the
-        store's share no graph pool, since a redo replays them out of capture order); the CPU
+        """`make_call(fn, kept)` wraps each piece (default: a CapturedCall; the table's pieces and
+        the store's share no graph pool, since a redo replays them out of capture order); the CPU
         tests pass a plain call to check how the layers are cut into pieces."""
         self.layers = list(layers)
         self.count_replay = count_replay  # count_replay(layer): a resident MoE block's requests
@@ -131,7 +134,6 @@ class DecodeGraphs:
         self.tabled = source if not self.resident and isinstance(source, TabledSlots) else None
         self.speculation = Speculation() if self.tabled is not None else None
         self.staging = StagingCounts()
-        self.per_layer = per_layer
         compiled = torch.compile if compile_layers else (lambda fn: fn)
         self.front, self.combine = compiled(pieces.layer_front), compiled(pieces.expert_combine)
         self.route = compiled(pieces.tiered_route)
@@ -139,10 +141,12 @@ class DecodeGraphs:
         self._side: torch.cuda.Stream | None = None  # stages the next layer's predicted experts
         self._bound_to: tuple[int, ...] | None = None
         self._state: SequenceState | None = None
-        self._table_pieces: list[tuple[list[DecoderLayer], CapturedCall]] = []
+        self._position: torch.Tensor | None = None  # int64 [1], the step's position, read by every piece
+        self._report: torch.Tensor | None = None  # int32 [layers, 3 + 3k], written by the table pieces
+        self._table_pieces: list[tuple[DecoderLayer, CapturedCall]] = []
         self._store_pieces: list[tuple[DecoderLayer, CapturedCall]] = []
         self._saved: list[tuple[torch.Tensor, torch.Tensor]] = []  # (live state, its copy) for redoing a step
-        self._unrecorded: tuple[list[DecoderLayer], list[list[int]]] | None = None  # a stood step's report
+        self._unrecorded: list[list[int]] | None = None  # the report of a step that stood, not yet counted
         self._settling = threading.Lock()
 
     def run(
@@ -150,50 +154,49 @@ class DecodeGraphs:
         after_layer: Callable[[DecoderLayer], None] | None = None,
     ) -> torch.Tensor:
         """streams [1, hc*H] through every decoder layer for one token (`tokens` [1] on the host);
-        advances `state` (not its position). `after_layer(layer)` is called after each piece's
-        work is issued (per_layer: after each layer; bench/layer_costs.py)."""
+        advances `state` (not its position). `after_layer(layer)` is called after each layer's
+        work is issued."""
         for layer in self.layers:
             if not layer.linear:
                 state.attention[layer.layer].reserve(state.position + 1)
-        self._bind(state)
+        self._bind(state, streams.device)
         self._state = state
-        position = torch.full((1,), state.position, dtype=torch.int64, device=streams.device)
+        self._position.fill_(state.position)
         rows = {layer.layer: layer.ple.embed(tokens, state.ple[layer.layer])
                 for layer in self.layers if layer.ple is not None}  # advances the n-gram context: once
         if self.resident:
-            streams = self._from_table(streams, position, rows, after_layer)
+            streams = self._through_table(streams, self.layers[0].moe.resident.slot_table, rows, after_layer)
         else:
-            tried = self._try_table(streams, position, rows) if self.speculation is not None else None
-            streams = tried if tried is not None else self._through_store(streams, position, rows, after_layer)
+            tried = self._try_table(streams, rows) if self.speculation is not None else None
+            streams = tried if tried is not None else self._through_store(streams, rows, after_layer)
         for layer in self.layers:
             if not layer.linear:
                 state.attention[layer.layer].advance(1)
         return streams
 
-    def _from_table(self, streams, position, rows, after_layer) -> torch.Tensor:
-        table = self.layers[0].moe.resident.slot_table
-        for layers, call in self._table_pieces:
-            streams, _ = call(streams, position, table, *self._rows_of(layers, rows))
+    def _through_table(self, streams, table, rows, after_layer=None) -> torch.Tensor:
+        """Launch the table pieces, layer after layer, each handed the one before's outputs."""
+        carried = ()  # the previous layer's prediction of this one's experts (_table_layer)
+        for layer, call in self._table_pieces:
+            streams, *carried = call(table, self._position, streams, *self._rows_of(layer, rows), *carried)
             if self.count_replay is not None:
-                for layer in layers:
-                    self.count_replay(layer.layer)
+                self.count_replay(layer.layer)
             if after_layer is not None:
-                after_layer(layers[-1])
+                after_layer(layer)
         return streams
 
-    def _try_table(self, streams, position, rows) -> torch.Tensor | None:
+    def _try_table(self, streams, rows) -> torch.Tensor | None:
         """The step against the store's slot table: its streams, or None (state as before) when an
-        expert was missing. The previous step's accounting is done while this one's graph runs."""
+        expert was missing. The previous step's accounting is done while this one's graphs run."""
         if not self.speculation.due():
             return None
-        ((layers, call),) = self._table_pieces
         table = self.tabled.hold_slot_table()
         try:
-            out, report = call(streams, position, table, *self._rows_of(layers, rows))
+            out = self._through_table(streams, table, rows)
         finally:
             self.tabled.release_slot_table()
         self.settle()
-        report = report.tolist()  # the one read-back
+        report = self._report.tolist()  # the one read-back
         confirmed = not any(row[0] for row in report)
         self.speculation.record(confirmed)
         if not confirmed:
@@ -201,21 +204,21 @@ class DecodeGraphs:
                 live.copy_(saved)
             return None
         with self._settling:
-            self._unrecorded = (layers, report)
+            self._unrecorded = report
         return out
 
     def settle(self) -> None:
         """Hand the store what the last step from the slot table used. A step's accounting waits
-        for the next step's graph to be launched, so the GPU does not idle through it; call this
+        for the next step's graphs to be launched, so the GPU does not idle through it; call this
         before reading the store's counters or `staging`."""
         with self._settling:  # a server's metrics thread may settle while the engine's thread steps
             if self._unrecorded is not None:
-                self._record(*self._unrecorded)
+                self._record(self._unrecorded)
                 self._unrecorded = None
 
-    def _record(self, layers: list[DecoderLayer], report: list[list[int]]) -> None:
+    def _record(self, report: list[list[int]]) -> None:
         found, counts, guessed = [], self.staging, False
-        for layer, (_, ahead, right, *picks) in zip(layers, report):
+        for layer, (_, ahead, right, *picks) in zip(self.layers, report):
             k = len(picks) // 3
             experts, codes, used_ahead = picks[:k], picks[k:2 * k], sum(picks[2 * k:])
             staged = [e for e, code in zip(experts, codes) if code < 0]
@@ -229,12 +232,12 @@ class DecodeGraphs:
             counts.late += len(staged) - used_ahead
         self.tabled.record_step(found)
 
-    def _through_store(self, streams, position, rows, after_layer) -> torch.Tensor:
+    def _through_store(self, streams, rows, after_layer) -> torch.Tensor:
         self.settle()  # the store sees the steps in order
         carried = ()  # the previous layer's (routed + shared expert output, inject), combined next
         for layer, call in self._store_pieces:
             streams, x, inject, weights, experts, shared, predicted = call(
-                streams, position, *carried, *self._rows_of([layer], rows))
+                streams, self._position, *carried, *self._rows_of(layer, rows))
             routed = layer.moe.routed_from_store(x, weights, experts, predicted)
             carried = (routed + shared, inject)
             if after_layer is not None:
@@ -242,54 +245,55 @@ class DecodeGraphs:
         return self.combine(self.layers[-1], streams, *carried)
 
     @staticmethod
-    def _rows_of(layers: list[DecoderLayer], rows: dict[int, torch.Tensor]) -> list[torch.Tensor]:
-        return [rows[layer.layer] for layer in layers if layer.ple is not None]
+    def _rows_of(layer: DecoderLayer, rows: dict[int, torch.Tensor]) -> list[torch.Tensor]:
+        return [rows[layer.layer]] if layer.ple is not None else []
 
-    def _mixer_state(self, layer: DecoderLayer):
-        return self._state.deltanet[layer.layer] if layer.linear else self._state.attention[layer.layer]
-
-    def _layer_front(self, layer: DecoderLayer, streams, position, rows):
+    def _layer_front(self, layer: DecoderLayer, streams, position, ple_rows):
         ple_state = self._state.ple[layer.layer] if layer.ple is not None else None
-        ple_rows = next(rows) if layer.ple is not None else None
-        return self.front(layer, streams, position, ple_rows, ple_state, self._mixer_state(layer))
+        mixer_state = self._state.deltanet[layer.layer] if layer.linear else self._state.attention[layer.layer]
+        return self.front(layer, streams, position, ple_rows, ple_state, mixer_state)
 
-    def _table_layers(self, layers: list[DecoderLayer], bank, host: HostRecords | None, reporting: bool) -> Callable:
-        """(streams, report int32 [layers, 3 + 3k] or None) against a slot table [layers, experts];
-        first saves the state a redo restores. A layer's report row (built only when `reporting`:
-        a resident table has no reader for it): whether an expert was on disk, how many records
-        were staged ahead for it, how many of its experts the layer before predicted; then its
-        expert ids, their codes, and which came staged ahead. While a layer computes, the next
-        layer's predicted host experts are staged on a side stream (staging sets 1 and 2 in turn)."""
-        def step(streams, position, table, *ple_rows):
-            for live, saved in self._saved:
-                saved.copy_(live)
-            rows, reports, guess, ahead = iter(ple_rows), [], None, None
-            for index, layer in enumerate(layers):
-                streams = self._layer_front(layer, streams, position, rows)
-                x, inject, weights, experts, shared, predicted = self.route(layer, streams)
-                slots, codes, missing, early = self.table_slots(experts, table[layer.layer], host, ahead)
-                if reporting:
-                    reports.append(self._report_row(experts, codes, missing, early, guess, ahead))
-                if ahead is not None:
-                    self._join_side()  # the records staged ahead for this layer have landed
-                guess, ahead = predicted, None
-                if host is not None and predicted is not None:
-                    # `offsets` stays bound until the next layer has joined the side stream, so the
-                    # allocator cannot hand its memory to other work while the staging reads it
-                    row_set = 1 + index % 2
-                    offsets, ahead_rows = self.ahead_offsets(predicted, table[layer.moe.next_moe.layer], host, row_set)
-                    self._beside(lambda: stage_records(host.source, offsets, host.rows(row_set),
-                                                       programs=AHEAD_PROGRAMS))
-                    ahead = (predicted, ahead_rows)
-                routed = moe_experts(x, bank, slots, weights.masked_fill(missing, 0))
-                streams = self.combine(layer, streams, routed + shared, inject)
-            return streams, torch.stack(reports) if reporting else None
+    def _table_layer(self, index: int, bank, host: HostRecords | None, reporting: bool) -> Callable:
+        """Layer `index` against a slot table [layers, experts]: (table, position, streams, [PLE
+        rows,] [the layer before's prediction of this one's experts: ids, and with staging rows
+        the offsets of those in the host cache and their bank rows]) -> (streams, [this layer's
+        prediction of the next one's, as handed on]). The first layer saves the state a redo
+        restores; with `reporting`, each writes its row of the step's report: whether an expert
+        was on disk, how many records were staged ahead for it, how many of its experts the layer
+        before predicted; then its expert ids, their codes, and which came staged ahead."""
+        layer = self.layers[index]
 
-        return step
+        def piece(table, position, streams, *rest):
+            if index == 0:
+                for live, saved in self._saved:
+                    saved.copy_(live)
+            rest = list(rest)
+            ple_rows = rest.pop(0) if layer.ple is not None else None
+            guess, ahead = (rest[0] if rest else None), None  # the layer before's prediction
+            if len(rest) == 3:  # stage the predicted host experts beside this layer's work up to its experts
+                offsets, ahead_rows = rest[1:]
+                self._beside(lambda: stage_records(host.source, offsets, host.rows(AHEAD_ROWS),
+                                                   programs=AHEAD_PROGRAMS))
+                ahead = (guess, ahead_rows)
+            streams = self._layer_front(layer, streams, position, ple_rows)
+            x, inject, weights, experts, shared, predicted = self.route(layer, streams)
+            slots, codes, missing, early = self.table_slots(experts, table[layer.layer], host, ahead)
+            if reporting:
+                self._report[index].copy_(self._report_row(experts, codes, missing, early, guess, ahead))
+            if ahead is not None:
+                self._join_side()  # the records staged ahead for this layer have landed
+            routed = moe_experts(x, bank, slots, weights.masked_fill(missing, 0))
+            streams = self.combine(layer, streams, routed + shared, inject)
+            if predicted is None:
+                return (streams,)
+            if host is None:
+                return streams, predicted
+            return streams, predicted, *self.ahead_offsets(predicted, table[layer.moe.next_moe.layer], host)
 
+        return piece
     @staticmethod
     def _report_row(experts, codes, missing, early, guess, ahead) -> torch.Tensor:
-        """A layer's row of the step's report (_table_layers)."""
+        """A layer's row of the step's report (_table_layer)."""
         zero = torch.zeros((), dtype=codes.dtype, device=codes.device)
         staged_ahead = (ahead[1] >= 0).sum().to(codes.dtype) if ahead is not None else zero
         right = (experts.unsqueeze(-1) == guess.unsqueeze(-2)).sum().to(codes.dtype) if guess is not None else zero
@@ -317,12 +321,12 @@ class DecodeGraphs:
             if previous is not None:
                 expert_output, inject, *rest = rest
                 streams = self.combine(previous, streams, expert_output, inject)
-            streams = self._layer_front(layer, streams, position, iter(rest))
+            streams = self._layer_front(layer, streams, position, rest[0] if rest else None)
             return (streams, *self.route(layer, streams))
 
         return step
 
-    def _bind(self, state: SequenceState) -> None:
+    def _bind(self, state: SequenceState, device: torch.device) -> None:
         live = [t for s in state.deltanet.values() for t in (s.conv, s.recurrent)]
         live += [s.conv for s in state.ple.values()]
         key = tuple(t.data_ptr() for t in live)
@@ -333,23 +337,30 @@ class DecodeGraphs:
         make_table_call = make_store_call = self.make_call
         if self.make_call is None:
             table_pool, store_pool = torch.cuda.graph_pool_handle(), torch.cuda.graph_pool_handle()
-            make_table_call = lambda fn: CapturedCall(fn, table_pool)  # noqa: E731
-            make_store_call = lambda fn: CapturedCall(fn, store_pool)  # noqa: E731
-        host = None
+            make_table_call = lambda fn, kept: CapturedCall(fn, table_pool, kept)  # noqa: E731
+            make_store_call = lambda fn, kept: CapturedCall(fn, store_pool, kept)  # noqa: E731
+        self._position = torch.zeros(1, dtype=torch.int64, device=device)
+        # the store's pieces: (streams, position, [previous experts' output, inject,] [PLE rows])
+        previous = [None, *self.layers[:-1]]
+        self._store_pieces = [] if self.resident else [
+            (layer, make_store_call(self._store_layer(layer, before), kept=(1,)))
+            for layer, before in zip(self.layers, previous)]
+        self._table_pieces = []
         if self.resident:
-            bank = self.layers[0].moe.resident.bank
-            groups = [[layer] for layer in self.layers] if self.per_layer else [self.layers]
-        else:
-            previous = [None, *self.layers[:-1]]
-            self._store_pieces = [(layer, make_store_call(self._store_layer(layer, before)))
-                                  for layer, before in zip(self.layers, previous)]
-            if self.tabled is None:
-                self._table_pieces = []
-                return
+            bank, host = self.layers[0].moe.resident.bank, None
+        elif self.tabled is not None:
             bank, host = self.tabled.bank, self.tabled.host_records
             if host is not None and host.staging.is_cuda and self._side is None:
                 self._side = torch.cuda.Stream(host.staging.device)
-            groups = [self.layers]
             self._saved = [(t, t.clone()) for t in live]
-        self._table_pieces = [(layers, make_table_call(self._table_layers(layers, bank, host, not self.resident)))
-                              for layers in groups]
+            k = self.layers[0].moe.top_k
+            self._report = torch.zeros(len(self.layers), 3 + 3 * k, dtype=torch.int32, device=device)
+        else:
+            return
+        for index, layer in enumerate(self.layers):
+            # (table, position, streams, [PLE rows,] [carried]): all but the first layer's streams
+            # and the PLE rows are the same tensors every step
+            ple = 1 if layer.ple is not None else 0
+            kept = {0, 1} | ({2} if index else set()) | set(range(3 + ple, 3 + ple + 3))
+            call = make_table_call(self._table_layer(index, bank, host, not self.resident), kept=kept)
+            self._table_pieces.append((layer, call))

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from flashpack.runtime.experts import ON_DISK, HostRecords, host_code, host_slot_of
+from flashpack.runtime.experts import AHEAD_ROWS, LATE_ROWS, ON_DISK, HostRecords, host_code, host_slot_of
 from flashpack.runtime.kernels import stage_records
 from flashpack.runtime.model.decoder_layer import DecoderLayer
 
@@ -34,10 +34,10 @@ def _host_offsets(codes: torch.Tensor, wanted: torch.Tensor, host: HostRecords) 
 
 def table_slots(experts, code_row, host: HostRecords | None, ahead: tuple[torch.Tensor, torch.Tensor] | None):
     """Where a layer's experts [1, k] are, from its slot-table row `code_row` [num_experts] (the
-    codes of runtime/experts.py). Experts in the host cache come from the rows the previous layer
-    staged them into when it predicted them (`ahead`: predicted ids [1, k] and their bank rows, -1
-    where not staged), or are staged into staging set 0 now. Returns (bank rows, codes, on disk,
-    staged ahead), each [1, k]; a disk expert's row is 0, to be weighted zero."""
+    codes of runtime/experts.py). Experts in the host cache come from the rows they were staged
+    into ahead, as the previous layer predicted them (`ahead`: predicted ids [1, k] and their bank
+    rows, -1 where not staged), or are staged into the LATE_ROWS staging rows now. Returns (bank
+    rows, codes, on disk, staged ahead), each [1, k]; a disk expert's row is 0, to be weighted zero."""
     codes = code_row[experts]
     if host is None:  # no staging rows: host experts miss as disk ones do
         return codes.clamp(min=0), codes, codes < 0, torch.zeros_like(codes, dtype=torch.bool)
@@ -49,19 +49,19 @@ def table_slots(experts, code_row, host: HostRecords | None, ahead: tuple[torch.
         early = in_host & match.any(-1)
         early_row = (match * ahead_rows.unsqueeze(-2)).sum(-1).to(codes.dtype)  # predicted ids are distinct
     late = in_host & ~early
-    stage_records(host.source, _host_offsets(codes, late, host), host.rows(0))
-    late_rows = host.first_slot(0) + torch.arange(codes.shape[-1], device=codes.device, dtype=codes.dtype)
+    stage_records(host.source, _host_offsets(codes, late, host), host.rows(LATE_ROWS))
+    late_rows = host.first_slot(LATE_ROWS) + torch.arange(codes.shape[-1], device=codes.device, dtype=codes.dtype)
     slots = torch.where(early, early_row, torch.where(late, late_rows, codes))
     return slots.clamp(min=0), codes, codes == ON_DISK, early
 
 
-def ahead_offsets(predicted, code_row, host: HostRecords, row_set: int):
+def ahead_offsets(predicted, code_row, host: HostRecords):
     """The next layer's predicted experts [1, k] that are in the host cache, against its slot-table
-    row: (offsets [k] for staging them into staging set `row_set`, -1 elsewhere; their bank rows
-    [1, k], -1 where not staged)."""
+    row: (offsets [k] for staging them into the AHEAD_ROWS staging rows, -1 elsewhere; their bank
+    rows [1, k], -1 where not staged)."""
     codes = code_row[predicted]
     in_host = codes <= host_code(0)
-    rows = host.first_slot(row_set) + torch.arange(codes.shape[-1], device=codes.device, dtype=codes.dtype)
+    rows = host.first_slot(AHEAD_ROWS) + torch.arange(codes.shape[-1], device=codes.device, dtype=codes.dtype)
     return _host_offsets(codes, in_host, host), torch.where(in_host, rows, -1)
 
 

@@ -63,7 +63,7 @@ class StorePlan:
         return self.host_slots * self.record_stride
 
 
-STAGING_ROW_SETS = 3  # top_k rows each: a layer's late staging, and two for the next layer's predicted experts
+STAGING_ROW_SETS = 2  # top_k rows each: a layer's late staging, and its experts predicted by the layer before
 
 
 def plan_store(

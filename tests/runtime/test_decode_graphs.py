@@ -99,7 +99,7 @@ class PlainCall:
 
     graph = None
 
-    def __init__(self, fn):
+    def __init__(self, fn, kept=()):
         self.fn = fn
 
     def __call__(self, *inputs):
@@ -188,7 +188,7 @@ def test_control_a_tiered_step_must_see_its_misses_and_restore_its_state(tiny_pa
     if broken == "state-not-restored":
         bind = models[1].decode_graphs._bind
         monkeypatch.setattr(models[1].decode_graphs, "_bind",
-                            lambda state: (bind(state), models[1].decode_graphs._saved.clear()))
+                            lambda *args: (bind(*args), models[1].decode_graphs._saved.clear()))
     prompt = torch.randint(0, 1000, (30,), generator=torch.Generator().manual_seed(5))
     expected, got = _decode(models[0], prompt, 24), _decode(models[1], prompt, 24)
     assert _worst(got, expected) > 1e-3

@@ -13,7 +13,7 @@ import torch
 
 from flashpack.errors import FlashpackError
 from flashpack.layout.pack import Pack
-from flashpack.runtime.experts import ExpertFetcher
+from flashpack.runtime.experts import AHEAD_ROWS, ExpertFetcher
 from flashpack.runtime.pack_source import PackExperts
 from flashpack.runtime.store import build_store
 from flashpack.runtime.store.hotset import hot_set_from_trace, save_hot_set
@@ -131,7 +131,8 @@ def test_staging_rows_come_out_of_the_device_budget(store_pack):
         assert store.device_pool.nbytes == store.plan.device_pool_bytes == (10 + staging) * stride
         records = store.host_records
         assert records.first_staging_slot == 10 and records.staging.shape[0] == staging
-        assert records.first_slot(2) == 10 + 2 * top_k and records.rows(2).data_ptr() == records.staging[2 * top_k].data_ptr()
+        assert records.first_slot(AHEAD_ROWS) == 10 + top_k
+        assert records.rows(AHEAD_ROWS).data_ptr() == records.staging[top_k].data_ptr()
     with pytest.raises(FlashpackError, match=rf"{top_k} expert slots \(top_k of one layer\) and {staging} staging"):
         build_store(pack, vram_budget=(top_k + staging - 1) * stride, device_reserved=0, staging=True)
 

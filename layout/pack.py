@@ -27,6 +27,7 @@ class Pack:
     _maps: dict[str, mmap.mmap] = field(default_factory=dict, repr=False)
     _records: dict[tuple[int, int], ExpertRecordEntry] = field(default_factory=dict, repr=False)
     _verified: set[tuple[int, int]] = field(default_factory=set, repr=False)
+    _ple_arrays: dict[str, np.ndarray] = field(default_factory=dict, repr=False)  # uint8 [rows, row_stride] views
 
     @classmethod
     def open(cls, root: Path | str) -> "Pack":
@@ -46,6 +47,7 @@ class Pack:
         return pack
 
     def close(self) -> None:
+        self._ple_arrays.clear()  # the views export the maps' buffers, which must go before a map closes
         for mapping in self._maps.values():
             mapping.close()
         self._maps.clear()
@@ -81,14 +83,19 @@ class Pack:
         return decode_record(self.manifest.geometry, buffer, where=f"layer {layer} expert {expert}")
 
     def ple_rows(self, table: PleTable, rows: torch.Tensor) -> torch.Tensor:
-        """int64 [n] row ids -> float32 [n, dim], dequantised."""
-        if rows.numel() and (int(rows.min()) < 0 or int(rows.max()) >= table.rows):
+        """int64 [n] row ids -> float32 [n, dim], dequantised. A decode step reads one row per hash
+        head, so this stays in numpy until the last moment: a dozen torch ops would cost more."""
+        ids = rows.cpu().numpy()
+        if ids.size and (ids.min() < 0 or ids.max() >= table.rows):
             raise FlashpackError(f"PLE row out of range for layer {table.layer} ({table.rows} rows)")
-        data = np.frombuffer(self.file_map(table.file), dtype=np.uint8).reshape(table.rows, table.row_stride)
-        picked = torch.from_numpy(data[rows.cpu().numpy()])
-        values = picked[:, :table.dim].contiguous().view(torch.float8_e4m3fn).float()
-        scales = picked[:, table.dim:table.dim + 4].contiguous().view(torch.float32)
-        return values * scales
+        data = self._ple_arrays.get(table.file)
+        if data is None:
+            data = np.frombuffer(self.file_map(table.file), dtype=np.uint8).reshape(table.rows, table.row_stride)
+            self._ple_arrays[table.file] = data
+        picked = data[ids]
+        scales = np.ascontiguousarray(picked[:, table.dim:table.dim + 4]).view(np.float32)  # [n, 1]
+        values = torch.from_numpy(picked[:, :table.dim]).view(torch.float8_e4m3fn).float()
+        return values.mul_(torch.from_numpy(scales))
 
     def dense_tensor(self, name: str) -> torch.Tensor:
         """A dense tensor as stored (BF16, or FP8 values; see `dense_row_scale`)."""

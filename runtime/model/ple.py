@@ -103,7 +103,8 @@ class PLELayer(nn.Module):
             history = state.context.tolist() + tokens.tolist()
             state.context = torch.tensor(history[1:], dtype=torch.int64)
             rows = torch.tensor(self.hasher.last_rows(history), dtype=torch.int64)
-            return self.source.ple_rows(self.ple_index, rows).to(device=self.device, dtype=self.dtype).reshape(1, -1)
+            rows = self.source.ple_rows(self.ple_index, rows).reshape(1, -1)
+            return rows.to(self.dtype).to(self.device)  # cast first: half the bytes to copy
         history = torch.cat([state.context, tokens])
         rows = self.hasher.rows(history, tokens.shape[0])  # [T, heads]
         state.context = history[history.shape[0] - state.context.shape[0]:].clone()

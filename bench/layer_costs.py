@@ -68,7 +68,7 @@ def main() -> None:
         torch.cuda.synchronize()
         per_step["fixed"] += time.perf_counter() - mark
         mark = time.perf_counter()
-        streams = model.decode_graphs.run(streams, tokens, state, after_layer=after_layer)
+        streams, _ = model.decode_graphs.run(streams, tokens, state, after_layer=after_layer)
         state.position += 1
         token = int(model.logits(streams[-1:]).argmax())
         per_step["fixed"] += time.perf_counter() - mark

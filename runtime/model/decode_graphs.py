@@ -152,10 +152,13 @@ class DecodeGraphs:
     def run(
         self, streams: torch.Tensor, tokens: torch.Tensor, state: SequenceState,
         after_layer: Callable[[DecoderLayer], None] | None = None,
-    ) -> torch.Tensor:
+        head: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """streams [1, hc*H] through every decoder layer for one token (`tokens` [1] on the host);
-        advances `state` (not its position). `after_layer(layer)` is called after each layer's
-        work is issued."""
+        advances `state` (not its position). Returns the streams and `head(streams)` (or None),
+        issued as soon as the layers are: with a tiered store before the step's read-back, so the
+        host issues it while the GPU still runs the layers. `after_layer(layer)` is called after
+        each layer's work is issued."""
         for layer in self.layers:
             if not layer.linear:
                 state.attention[layer.layer].reserve(state.position + 1)
@@ -164,15 +167,19 @@ class DecodeGraphs:
         self._position.fill_(state.position)
         rows = {layer.layer: layer.ple.embed(tokens, state.ple[layer.layer])
                 for layer in self.layers if layer.ple is not None}  # advances the n-gram context: once
+        head = head or (lambda streams: None)
         if self.resident:
             streams = self._through_table(streams, self.layers[0].moe.resident.slot_table, rows, after_layer)
+            out = streams, head(streams)
         else:
-            tried = self._try_table(streams, rows) if self.speculation is not None else None
-            streams = tried if tried is not None else self._through_store(streams, rows, after_layer)
+            out = self._try_table(streams, rows, head) if self.speculation is not None else None
+            if out is None:
+                streams = self._through_store(streams, rows, after_layer)
+                out = streams, head(streams)
         for layer in self.layers:
             if not layer.linear:
                 state.attention[layer.layer].advance(1)
-        return streams
+        return out
 
     def _through_table(self, streams, table, rows, after_layer=None) -> torch.Tensor:
         """Launch the table pieces, layer after layer, each handed the one before's outputs."""
@@ -185,16 +192,18 @@ class DecodeGraphs:
                 after_layer(layer)
         return streams
 
-    def _try_table(self, streams, rows) -> torch.Tensor | None:
-        """The step against the store's slot table: its streams, or None (state as before) when an
-        expert was missing. The previous step's accounting is done while this one's graphs run."""
+    def _try_table(self, streams, rows, head) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """The step against the store's slot table: its streams and head, or None (state as before)
+        when an expert was missing. The previous step's accounting is done while this one's graphs
+        run."""
         if not self.speculation.due():
             return None
         table = self.tabled.hold_slot_table()
         try:
-            out = self._through_table(streams, table, rows)
+            streams = self._through_table(streams, table, rows)
         finally:
             self.tabled.release_slot_table()
+        out = streams, head(streams)
         self.settle()
         report = self._report.tolist()  # the one read-back
         confirmed = not any(row[0] for row in report)

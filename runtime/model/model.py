@@ -83,13 +83,13 @@ class Qwen4ExpModel(nn.Module):
         host_tokens = tokens.cpu()  # the PLE layers hash them on the host: no read-back mid-step
         streams = self.embed(tokens.to(self.device)).repeat(1, self.config.hc_count)  # [T, hc*H]
         if self.decode_graphs is not None and tokens.shape[0] == 1:
-            streams = self.decode_graphs.run(streams, host_tokens, state)
+            streams, logits = self.decode_graphs.run(streams, host_tokens, state, head=self.logits)
         else:
             for layer in self.layers:
                 streams = layer(streams, host_tokens, state)
+            logits = self.logits(streams[-1:] if last_only else streams)
         state.position += tokens.shape[0]
-        hidden = streams[-1:] if last_only else streams
-        return StepOutput(logits=self.logits(hidden), streams=streams)
+        return StepOutput(logits=logits, streams=streams)
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         return F.embedding(tokens, self.embed_tokens)

@@ -48,6 +48,13 @@ def _store_options(command):
     return command
 
 
+def _budget_options(command):
+    """--vram-budget and --ram-budget alone: the workload runs through the store (always on a GPU)."""
+    command = click.option("--ram-budget", help="Pinned host memory for the expert cache (as for `run`).")(command)
+    return click.option("--vram-budget", help="Device memory for the run, e.g. 24GiB (as for `run`; on a GPU the "
+                        "default is 90% of its free memory).")(command)
+
+
 def _store_settings(vram_budget: str | None, ram_budget: str | None, policy: str, hot_set: str | None,
                     no_direct_io: bool):
     from flashpack.runtime.loader import StoreOptions
@@ -243,14 +250,15 @@ def serve(pack: Path, host: str, port: int, api_key: str | None, device: str, dt
 @click.option("--device", default="cpu", show_default=True)
 @click.option("--dtype", default="auto", show_default=True)
 @click.option("--trace-out", type=click.Path(path_type=Path), help="Also save the routing trace here.")
+@_budget_options
 @_one_line_errors
 def profile(pack: Path, workload: Path, name: str, reorder: bool, max_tokens: int, device: str, dtype: str,
-            trace_out: Path | None) -> None:
+            trace_out: Path | None, vram_budget: str | None, ram_budget: str | None) -> None:
     """Run a workload on PACK and bake its hot expert set into the manifest."""
     from flashpack.runtime.store import profile_pack
 
     result = profile_pack(pack, workload, name, reorder=reorder, max_tokens=max_tokens, device=device, dtype=dtype,
-                          trace_out=trace_out)
+                          trace_out=trace_out, store=_store_settings(vram_budget, ram_budget, "lfu", None, False))
     hot = [len(layer["experts"]) for layer in result["layers"]]
     moved = f"; {sum(result['moved'].values())} records moved" if reorder else ""
     click.echo(f"hot set {name!r} written: {len(hot)} layers, {min(hot)}-{max(hot)} experts each{moved}")
@@ -268,12 +276,15 @@ def trace() -> None:
 @click.option("--max-tokens", type=int, default=32, show_default=True)
 @click.option("--device", default="cpu", show_default=True)
 @click.option("--dtype", default="auto", show_default=True)
+@_budget_options
 @_one_line_errors
-def trace_record(pack: Path, workload: Path, out: Path, max_tokens: int, device: str, dtype: str) -> None:
+def trace_record(pack: Path, workload: Path, out: Path, max_tokens: int, device: str, dtype: str,
+                 vram_budget: str | None, ram_budget: str | None) -> None:
     """Run WORKLOAD on PACK and save every layer's expert requests."""
     from flashpack.runtime.store import record_trace
 
-    recorded = record_trace(pack, workload, out, max_tokens=max_tokens, device=device, dtype=dtype)
+    recorded = record_trace(pack, workload, out, max_tokens=max_tokens, device=device, dtype=dtype,
+                            store=_store_settings(vram_budget, ram_budget, "lfu", None, False))
     click.echo(f"wrote {out} ({recorded.tokens()} tokens)")
 
 
@@ -325,6 +336,8 @@ def trace_replay(trace_file: Path, capacities: tuple[int, ...], policies: tuple[
 @click.option("--quiet", is_flag=True, help="No progress bars.")
 @click.option("--no-cuda-graphs", is_flag=True, help="Issue every decode kernel from Python (for comparison).")
 @click.option("--no-compile", is_flag=True, help="Capture the decode graphs without torch.compile's fused kernels.")
+@click.option("--graph-layers", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Decoder layers per CUDA graph of a decode step (the GPU runs one while the host launches the next).")
 @click.option("--no-prefetch", is_flag=True, help="Do not prefetch the next layer's predicted experts.")
 @click.option("--promote", is_flag=True, help="Move an expert a decode step staged from RAM into a device slot "
               "once the device policy ranks it above its victim (off by default: on the H200 it halved 24/64 decode).")
@@ -333,8 +346,8 @@ def bench(pack: Path, vram_budget: str | None, ram_budget: str | None, policy: s
           no_direct_io: bool, no_verify_records: bool, prompt_len: int, gen: int, json_path: Path | None, device: str,
           dtype: str, emulate_layers: int | None, baseline: str | None, baseline_layers: int, baseline_prompt_len: int,
           baseline_gen: int, seed: int, repeats: int, copy_probe: str | None, disk_probe: str,
-          offload_dir: Path | None, quiet: bool, no_cuda_graphs: bool, no_compile: bool, no_prefetch: bool,
-          promote: bool) -> None:
+          offload_dir: Path | None, quiet: bool, no_cuda_graphs: bool, no_compile: bool, graph_layers: int,
+          no_prefetch: bool, promote: bool) -> None:
     """Time prefill and decode of PACK through the tiered store, against the machine's bandwidth roofline
     and (with --baseline) transformers + accelerate offload at the same budget. The store is always
     used: a budget left out gives its tier room for every record."""
@@ -348,7 +361,7 @@ def bench(pack: Path, vram_budget: str | None, ram_budget: str | None, policy: s
         seed=seed, repeats=repeats, direct_io=not no_direct_io, verify_records=not no_verify_records,
         copy_probe=copy_probe, disk_probe=disk_probe, offload_dir=offload_dir, json_path=json_path,
         progress=not quiet, cuda_graphs=not no_cuda_graphs, compile_layers=not no_compile, prefetch=not no_prefetch,
-        promote=promote,
+        promote=promote, layers_per_graph=graph_layers,
     )
     click.echo(table(report))
     if json_path is not None:

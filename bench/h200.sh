@@ -8,7 +8,8 @@
 # profile hotset prefill-profile eager fp8-unbounded staging); tests run beside the build, the rest
 # after it. staging times the stage_records kernel against the copy engine (bench/kernels.py);
 # no-prefetch and promote bench 24/64 as budgets does, but without next-layer prefetch, or with
-# promotions.
+# promotions; one-graph and unbounded-one-graph as budgets and unbounded do, with the whole step in
+# one CUDA graph (--graph-layers $LAYERS) instead of one graph a layer.
 # fp8 converts a --dense-fp8 pack from the same snapshot and benches 8/32 on it (BF16 dense
 # weights alone exceed an 8 GB card at 48 layers). budgets, long (a 32k prompt) and baseline (with
 # transformers + accelerate beside) run 24/64 with every record pre-warmed (--hot-set '*'). TESTS
@@ -21,7 +22,7 @@ set -o pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site wheels/*.whl || exit 1
 mkdir -p /tmp/pkg && ln -sfn "$PWD" /tmp/pkg/flashpack
 export PYTHONPATH=/tmp/pkg:/tmp/site PYTHONUNBUFFERED=1
-LAYERS=${LAYERS:-4} GEN=${GEN:-32} PROMPT=${PROMPT:-512} W=/tmp/fp R=/tmp/results STAGES=${STAGES:-"tests layers unbounded fp8 budgets long baseline profile hotset prefill-profile eager fp8-unbounded staging no-prefetch promote"}
+LAYERS=${LAYERS:-4} GEN=${GEN:-32} PROMPT=${PROMPT:-512} W=/tmp/fp R=/tmp/results STAGES=${STAGES:-"tests layers unbounded fp8 budgets long baseline profile hotset prefill-profile eager fp8-unbounded staging no-prefetch promote one-graph unbounded-one-graph"}
 has() { [[ " $STAGES " == *" $1 "* ]]; }
 mkdir -p $R
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee $OUT/gpu.txt
@@ -54,6 +55,8 @@ for stage in $STAGES; do
       --json $R/kernels-staging.json 2>&1 | tail -30 ;;
     layers) timeout 150 python3 bench/layer_costs.py $W/full.pack --out $R 2>&1 | tail -1 ;;
     unbounded) bench unbounded "" "" --prompt-len $PROMPT --gen $GEN ;;
+    unbounded-one-graph) bench unbounded-one-graph "" "" --prompt-len $PROMPT --gen $GEN --graph-layers $LAYERS ;;
+    one-graph) bench 24g-64g-one-graph 24GiB 64GiB --prompt-len $PROMPT --gen $GEN --hot-set '*' --graph-layers $LAYERS ;;
     fp8) fp8_pack; PACK=full-fp8 bench 8g-32g-fp8 8GiB 32GiB --prompt-len $PROMPT --gen $GEN ;;
     budgets) bench 24g-64g 24GiB 64GiB --prompt-len $PROMPT --gen $GEN --hot-set '*' ;;
     long) bench 24g-64g-32k 24GiB 64GiB --prompt-len 32768 --gen 4 --hot-set '*' ;;
@@ -61,7 +64,7 @@ for stage in $STAGES; do
       --baseline transformers --baseline-layers 2 ;;
     profile)  # PROFILES picks: resident tiered overhead (default all)
       if [[ " ${PROFILES:-resident tiered overhead} " == *" resident "* ]]; then
-        timeout 90 python3 bench/profile_decode.py $W/full.pack --name resident --out $R 2>&1 | tail -1; fi
+        timeout 90 python3 bench/profile_decode.py $W/full.pack --name resident --trace --out $R 2>&1 | tail -1; fi
       if [[ " ${PROFILES:-resident tiered overhead} " == *" tiered "* ]]; then
         timeout 120 python3 bench/profile_decode.py $W/full.pack --name tiered-24g-64g --vram-budget 24GiB \
           --ram-budget 64GiB --emulate-layers 48 --hot-set '*' --trace --out $R 2>&1 | tail -1; fi

@@ -11,6 +11,7 @@ from flashpack.errors import FlashpackError
 from flashpack.layout.pack import Pack
 from flashpack.runtime.experts import ExpertFetcher, ResidentSlots
 from flashpack.runtime.generate import Generator
+from flashpack.runtime.model.decode_graphs import LAYERS_PER_GRAPH
 from flashpack.runtime.model.model import Qwen4ExpModel
 from flashpack.runtime.pack_source import PackExperts, PackWeights
 from flashpack.runtime.tokenizer import PackTokenizer
@@ -72,11 +73,13 @@ def load_engine(
     store: StoreOptions | None = None,
     cuda_graphs: bool = True,
     compile_layers: bool = True,
+    layers_per_graph: int = LAYERS_PER_GRAPH,
 ) -> LoadedEngine:
     """`cuda_graphs`: on a GPU, replay the fixed-shape work of decode steps from CUDA graphs
-    (runtime/model/decode_graphs.py); off, every kernel is issued from Python (for comparison).
-    `compile_layers`: fuse the graphs' small kernels with torch.compile first (the first decode
-    steps of a process compile; later processes reuse Inductor's disk cache)."""
+    (runtime/model/decode_graphs.py), `layers_per_graph` layers a graph; off, every kernel is
+    issued from Python (for comparison). `compile_layers`: fuse the graphs' small kernels with
+    torch.compile first (the first decode steps of a process compile; later processes reuse
+    Inductor's disk cache)."""
     pack = Pack.open(pack_path)
     torch_device = parse_device(device)
     torch_dtype = parse_dtype(dtype, torch_device)
@@ -104,6 +107,6 @@ def load_engine(
         model.prefetch_next_layer(store.prefetch)
     if cuda_graphs and tiered is not None and torch_device.type == "cuda":
         count_replay = tiered.count_replay if isinstance(tiered, ResidentSlots) else None
-        model.capture_decode_graphs(count_replay, compile_layers=compile_layers)
+        model.capture_decode_graphs(count_replay, compile_layers=compile_layers, layers_per_graph=layers_per_graph)
     tokenizer = PackTokenizer.load(pack.root)
     return LoadedEngine(pack, model, tokenizer, Generator(model, tokenizer), tiered)

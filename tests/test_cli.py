@@ -51,5 +51,13 @@ def test_profile_then_prewarm_and_trace_replay(tiny_pack, tmp_path):
                    "--max-tokens", "4").exit_code == 0
     replay = _invoke("trace", "replay", str(trace), "--capacity", "4", "--capacity", "8")
     assert replay.exit_code == 0 and "belady" in replay.output
+    # through the store (as on a GPU, where the kernels read records in place) the routing is the same
+    through_store = tmp_path / "trace-store.json"
+    assert _invoke("trace", "record", str(pack), "--workload", str(workload), "--out", str(through_store),
+                   "--max-tokens", "4", "--vram-budget", "3MiB", "--ram-budget", "1MiB").exit_code == 0
+    steps = json.loads(trace.read_text())["steps"]
+    assert json.loads(through_store.read_text())["steps"] == steps
+    layers = Manifest.load(pack).config.num_hidden_layers
+    assert len(steps) >= 4 and all([layer for layer, _ in step["fetches"]] == list(range(layers)) for step in steps)
     missing = _invoke("run", str(pack), "x", "--vram-budget", "3MiB", "--ram-budget", "1MiB", "--hot-set", "nope")
     assert missing.exit_code == 2 and "nope" in missing.output

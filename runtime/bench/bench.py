@@ -23,16 +23,19 @@ from flashpack.runtime.bench.baseline import (
 from flashpack.runtime.bench.check import compare_logits, prefix_logits
 from flashpack.runtime.bench.emulate import (
     BUDGET_FORMULA,
+    LAYER_TIME_FORMULA,
     SCALE_FORMULA,
     check_layers,
+    scale_by_layer_time,
     scale_to_layers,
-    scaled_budgets,
     scale_traffic,
+    scaled_budgets,
 )
 from flashpack.runtime.bench.machine import machine_info
 from flashpack.runtime.bench.report import BENCH_VERSION, notes, write_report
 from flashpack.runtime.bench.roofline import phase_traffic, roofline
 from flashpack.runtime.bench.run import run_engine
+from flashpack.runtime.model.decode_graphs import LAYERS_PER_GRAPH
 from flashpack.runtime.bench.sizes import baseline_fixed_bytes, model_sizes
 from flashpack.runtime.bench.workload import prompt_ids
 from flashpack.runtime.loader import (
@@ -73,6 +76,7 @@ def run_bench(
     compile_layers: bool = True,
     prefetch: bool = True,
     promote: bool = False,
+    layers_per_graph: int = LAYERS_PER_GRAPH,
 ) -> dict:
     """Benchmark `pack`; returns the report (and writes it to `json_path` when given).
 
@@ -109,10 +113,11 @@ def run_bench(
         policy=policy, hot_set=hot_set, direct_io=direct_io, prefetch=prefetch, promote=promote,
     )
     engine = load_engine(pack, device, dtype, verify_records=verify_records, store=store, cuda_graphs=cuda_graphs,
-                         compile_layers=compile_layers)
+                         compile_layers=compile_layers, layers_per_graph=layers_per_graph)
     graphs = engine.model.decode_graphs
     engine_setup = {"expert_source": type(engine.store).__name__, "cuda_graphs": graphs is not None,
                     "compiled_layers": graphs is not None and compile_layers,
+                    "layers_per_graph": graphs.layers_per_graph if graphs is not None else None,
                     "prefetch": any(layer.moe.next_moe is not None for layer in engine.model.layers),
                     "promote": promote}
     try:
@@ -206,13 +211,22 @@ def _run_baseline(pack: Pack, layers: int, dtype: torch.dtype, device: torch.dev
 
 
 def _scaled(result: dict, fixed: dict[str, float], layers: int, target: int) -> dict:
-    """Per-token figures of a run with `layers` layers at `target` layers (emulate.SCALE_FORMULA)."""
+    """Per-token figures of a run with `layers` layers at `target` layers: prefill by
+    emulate.SCALE_FORMULA; decode by LAYER_TIME_FORMULA where the layers' time was measured (CUDA
+    graphs), else by SCALE_FORMULA too (`decode_scaling` says which; `decode_ms_per_token_even` is
+    SCALE_FORMULA's figure either way)."""
     prefill, decode = result["prefill"], result["decode"]
     ttft = scale_to_layers(prefill["ttft_s"], fixed["prefill"], layers, target)
-    per_token = scale_to_layers(decode["seconds"] / decode["tokens"], fixed["decode"], layers, target)
+    per_token_even = scale_to_layers(decode["seconds"] / decode["tokens"], fixed["decode"], layers, target)
+    per_token = per_token_even
+    if decode.get("layer_seconds") is not None:
+        per_token = scale_by_layer_time(decode["seconds"] / decode["tokens"], decode["layer_seconds"] / decode["tokens"],
+                                        layers, target)
     return {
         "layers": target, "ttft_s": ttft, "prefill_tokens_per_s": prefill["tokens"] / ttft,
         "decode_ms_per_token": 1000 * per_token, "decode_tokens_per_s": 1 / per_token,
+        "decode_scaling": LAYER_TIME_FORMULA if per_token is not per_token_even else SCALE_FORMULA,
+        "decode_ms_per_token_even": 1000 * per_token_even,
     }
 
 

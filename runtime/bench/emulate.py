@@ -14,7 +14,16 @@ same split, the other way round, scales what one token costs back up to L_full l
     x(L_full) = x_fixed + (x(L) - x_fixed) * L_full / L
 
 for seconds (x_fixed: embedding, final mixer and lm_head timed alone) and for bytes (x_fixed: the
-dense bytes read outside the layers; experts and store traffic are all per layer). Pure functions.
+dense bytes read outside the layers; experts and store traffic are all per layer). That counts
+everything a step does outside those three as per layer, the step's host work included (the PLE
+rows, the first graph launch, the read-back), so where decode runs from CUDA graphs the bench
+measures the layers' own share instead, the device's time from the first layer's work to the
+last's (t_layers), and scales only that:
+
+    t(L_full) = t(L) + t_layers(L) * (L_full - L) / L
+
+Both are reported; the first is kept for comparison with runs that could not time the layers.
+Pure functions.
 """
 
 from __future__ import annotations
@@ -25,6 +34,7 @@ from flashpack.runtime.store.budget import format_bytes
 
 BUDGET_FORMULA = "scaled_budget = fixed + (budget - fixed) * L / L_full"
 SCALE_FORMULA = "x(L_full) = x_fixed + (x(L) - x_fixed) * L_full / L"
+LAYER_TIME_FORMULA = "t(L_full) = t(L) + t_layers(L) * (L_full - L) / L"
 
 
 def check_layers(pack_layers: int, full_layers: int | None) -> int:
@@ -63,6 +73,11 @@ def scaled_budgets(
 def scale_to_layers(value: float, fixed: float, layers: int, target_layers: int) -> float:
     """A cost measured with `layers` layers (of which `fixed` does not depend on them) at `target_layers`."""
     return fixed + (value - fixed) * target_layers / layers
+
+
+def scale_by_layer_time(total: float, in_layers: float, layers: int, target_layers: int) -> float:
+    """A step time measured with `layers` layers, `in_layers` of it in the layers, at `target_layers`."""
+    return total + in_layers * (target_layers - layers) / layers
 
 
 def scale_traffic(traffic: Traffic, fixed_device: float, layers: int, target_layers: int) -> Traffic:

@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from flashpack.runtime.bench.emulate import LAYER_TIME_FORMULA
+
 BENCH_VERSION = 1
 
 
@@ -35,6 +37,10 @@ def notes(layers: int, target: int, baseline_layers: int | None, scale_formula: 
             (f"per-token numbers at {target} layers: {scale_formula}, with x_fixed the embedding + final mixer + "
              "lm_head timed alone (ours) or the time outside the decoder layers' forward hooks (baseline); bytes "
              "likewise, with the device's fixed part the dense bytes read outside the layers."),
+            (f"our decode from CUDA graphs at {target} layers: {LAYER_TIME_FORMULA}, t_layers being the device's time "
+             "from the first layer's work to the last's (CUDA events), so a step's own host work (PLE rows, the first "
+             "graph launch, the read-back) counts once, not once a layer; results.flashpack.scaled."
+             "decode_ms_per_token_even is the formula above, for comparison."),
         ]
     if baseline_layers is not None:
         out += [
@@ -88,7 +94,8 @@ def table(report: dict) -> str:
          f"{_rate(bw['host_to_device']['bytes_per_s'])}, disk {_rate(bw['disk']['bytes_per_s'])} "
          f"({'O_DIRECT' if bw['disk']['o_direct'] else 'buffered: ' + str(bw['disk']['fallback_reason'])})"),
         (f"engine: {settings.get('expert_source', '?')}, CUDA graphs {'on' if settings.get('cuda_graphs') else 'off'}"
-         f"{' (compiled layers)' if settings.get('compiled_layers') else ''}, "
+         f"{' (compiled layers)' if settings.get('compiled_layers') else ''}"
+         f"{', %s layer(s) a graph' % settings['layers_per_graph'] if settings.get('layers_per_graph') else ''}, "
          f"next-layer prefetch {'on' if settings.get('prefetch') else 'off'}, "
          f"promotions {'on' if settings.get('promote') else 'off'}"),
         "",
@@ -122,6 +129,11 @@ def table(report: dict) -> str:
             "{:.2f}")
         row(f"decode ms/token ({target} layers)", mine["decode_ms_per_token"], base_full.get("decode_ms_per_token"),
             "{:.1f}", higher_is_better=False)
+        if ours["decode"].get("layer_seconds") is not None:
+            in_layers = 1000 * ours["decode"]["layer_seconds"] / ours["decode"]["tokens"]
+            rows.append((f"decode ms/token in layers ({layers})", _num(in_layers, "{:.2f}"), "", ""))
+            rows.append((f"decode tok/s ({target}, even scaling)", _num(1000 / mine["decode_ms_per_token_even"], "{:.2f}"),
+                         "", ""))
     roof = report["roofline"]
     decode_roof = roof.get(f"decode_at_{target}_layers", roof["decode"])
     rows.append((f"decode roofline tok/s ({target} layers)", _num(decode_roof["roofline_tokens_per_s"], "{:.2f}"),
@@ -148,8 +160,9 @@ def table(report: dict) -> str:
     lines.append(head)
     lines += [f"{label:34} {a:>14} {b:>14} {c:>12}" for label, a, b, c in rows]
     if target != layers:
-        lines += ["", f"{target}-layer figures scale the measured per-layer time evenly over layer kinds; "
-                      "bench/layer_costs.py times each kind apart on a GPU"]
+        lines += ["", f"{target}-layer decode: {ours['scaled']['decode_scaling']} (t_layers: the device's time in the "
+                      "layers); even scaling: everything but the embedding and lm_head counted per layer. "
+                      "bench/layer_costs.py times each layer kind apart on a GPU"]
     if failed:
         lines += ["", f"baseline FAILED: {failed}"]
     if theirs:

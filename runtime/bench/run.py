@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 from tqdm import tqdm
 
-from flashpack.runtime.bench.clock import median_seconds, synchronize
+from flashpack.runtime.bench.clock import RegionClock, median_seconds, synchronize
 from flashpack.runtime.bench.phases import difference, phase_summary, snapshot
 
 WARMUP_DECODE = 2
@@ -42,6 +42,13 @@ class EngineResult:
     def decode_seconds(self) -> float:
         """Median time of the whole decode phase (gen_tokens steps)."""
         return statistics.median(r["decode_seconds"] for r in self.repeats)
+
+    @property
+    def decode_layer_seconds(self) -> float | None:
+        """Median time the decode phase spent in the decoder layers (the device's time from the
+        first layer's work to the last's, CUDA-graph decode only), or None."""
+        timed = [r["decode_layer_seconds"] for r in self.repeats if r.get("decode_layer_seconds") is not None]
+        return statistics.median(timed) if timed else None
 
     def phase_store(self, phase: str) -> dict:
         deltas = [r[f"{phase}_counters"] for r in self.repeats]
@@ -67,6 +74,7 @@ class EngineResult:
             },
             "decode": {
                 "tokens": self.gen_tokens, "seconds": decode, "tokens_per_s": self.gen_tokens / decode,
+                "layer_seconds": self.decode_layer_seconds,
                 "ms_per_token": 1000 * decode / self.gen_tokens,
                 "ms_per_token_median_step": 1000 * statistics.median(step_times),
                 "ms_per_token_max_step": 1000 * max(step_times),
@@ -113,18 +121,28 @@ def timed_run(model, store, state, prompt: list[int], gen: int, progress: bool =
     model.settle()
     middle = snapshot(store)
     table_before = _table_counts(model)
-    generated, steps = [token], []
-    for _ in tqdm(range(gen), desc="decode", unit="tok", disable=not progress, leave=False):
-        start = time.perf_counter()
-        token, _ = greedy(model, state, torch.tensor([token]))
-        synchronize(device)
-        steps.append(time.perf_counter() - start)
-        generated.append(token)
+    clock = RegionClock(device) if model.decode_graphs is not None else None
+    if clock is not None:
+        model.decode_graphs.layer_clock = clock
+    generated, steps, in_layers = [token], [], []
+    try:
+        for _ in tqdm(range(gen), desc="decode", unit="tok", disable=not progress, leave=False):
+            start = time.perf_counter()
+            token, _ = greedy(model, state, torch.tensor([token]))
+            synchronize(device)
+            steps.append(time.perf_counter() - start)
+            generated.append(token)
+            if clock is not None:
+                in_layers.append(clock.take())
+    finally:
+        if clock is not None:
+            model.decode_graphs.layer_clock = None
     model.settle()
     after = snapshot(store)
     table_after = _table_counts(model)
     return {
         "ttft_s": ttft, "decode_seconds": sum(steps), "step_seconds": steps, "generated": generated,
+        "decode_layer_seconds": sum(in_layers) if clock is not None else None,
         "prefill_counters": difference(before, middle), "decode_counters": difference(middle, after),
         "table_steps": None if table_after is None else {
             name: table_after[name] - table_before[name] for name in table_after},

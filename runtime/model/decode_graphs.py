@@ -78,6 +78,12 @@ MAX_SPECULATION_WAIT = 64  # steps
 AHEAD_PROGRAMS = 32
 
 
+# Layers in one graph of a step: launching a graph costs the host 1-2 us a node, and the GPU
+# starts a graph's work only once its launch has returned, so one graph a layer keeps the GPU busy
+# with layer L while the host launches layer L + 1.
+LAYERS_PER_GRAPH = 1
+
+
 @dataclass
 class StagingCounts:
     """Over the steps from the slot table that stood: the experts layers picked where the layer
@@ -122,10 +128,15 @@ class DecodeGraphs:
     def __init__(
         self, layers: nn.ModuleList, count_replay: Callable[[int], None] | None = None,
         make_call: Callable[..., CapturedCall] | None = None, compile_layers: bool = False,
+        layers_per_graph: int = LAYERS_PER_GRAPH,
     ):
         """`make_call(fn, kept)` wraps each piece (default: a CapturedCall; the table's pieces and
         the store's share no graph pool, since a redo replays them out of capture order); the CPU
-        tests pass a plain call to check how the layers are cut into pieces."""
+        tests pass a plain call to check how the layers are cut into pieces. `layers_per_graph`:
+        how many layers a step's graph covers (the store's redo pieces have one each)."""
+        if layers_per_graph < 1:
+            raise ValueError(f"layers_per_graph must be at least 1, got {layers_per_graph}")
+        self.layers_per_graph = layers_per_graph
         self.layers = list(layers)
         self.count_replay = count_replay  # count_replay(layer): a resident MoE block's requests
         self.make_call = make_call
@@ -143,11 +154,14 @@ class DecodeGraphs:
         self._state: SequenceState | None = None
         self._position: torch.Tensor | None = None  # int64 [1], the step's position, read by every piece
         self._report: torch.Tensor | None = None  # int32 [layers, 3 + 3k], written by the table pieces
-        self._table_pieces: list[tuple[DecoderLayer, CapturedCall]] = []
+        self._table_pieces: list[tuple[list[DecoderLayer], CapturedCall]] = []
         self._store_pieces: list[tuple[DecoderLayer, CapturedCall]] = []
         self._saved: list[tuple[torch.Tensor, torch.Tensor]] = []  # (live state, its copy) for redoing a step
         self._unrecorded: list[list[int]] | None = None  # the report of a step that stood, not yet counted
         self._settling = threading.Lock()
+        # start() / stop() around the layers' work (runtime.bench.clock.RegionClock): how the bench
+        # tells a step's per-layer time from its per-step time
+        self.layer_clock = None
 
     def run(
         self, streams: torch.Tensor, tokens: torch.Tensor, state: SequenceState,
@@ -183,14 +197,21 @@ class DecodeGraphs:
 
     def _through_table(self, streams, table, rows, after_layer=None) -> torch.Tensor:
         """Launch the table pieces, layer after layer, each handed the one before's outputs."""
-        carried = ()  # the previous layer's prediction of this one's experts (_table_layer)
-        for layer, call in self._table_pieces:
-            streams, *carried = call(table, self._position, streams, *self._rows_of(layer, rows), *carried)
-            if self.count_replay is not None:
-                self.count_replay(layer.layer)
+        self._clock("start")
+        carried = ()  # the previous layer's prediction of the next piece's first layer's experts
+        for layers, call in self._table_pieces:
+            streams, *carried = call(table, self._position, streams, *self._rows_of(layers, rows), *carried)
+            for layer in layers:
+                if self.count_replay is not None:
+                    self.count_replay(layer.layer)
             if after_layer is not None:
-                after_layer(layer)
+                after_layer(layers[-1])
+        self._clock("stop")
         return streams
+
+    def _clock(self, mark: str) -> None:
+        if self.layer_clock is not None:
+            getattr(self.layer_clock, mark)()
 
     def _try_table(self, streams, rows, head) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         """The step against the store's slot table: its streams and head, or None (state as before)
@@ -243,66 +264,77 @@ class DecodeGraphs:
 
     def _through_store(self, streams, rows, after_layer) -> torch.Tensor:
         self.settle()  # the store sees the steps in order
+        self._clock("start")
         carried = ()  # the previous layer's (routed + shared expert output, inject), combined next
         for layer, call in self._store_pieces:
             streams, x, inject, weights, experts, shared, predicted = call(
-                streams, self._position, *carried, *self._rows_of(layer, rows))
+                streams, self._position, *carried, *self._rows_of([layer], rows))
             routed = layer.moe.routed_from_store(x, weights, experts, predicted)
             carried = (routed + shared, inject)
             if after_layer is not None:
                 after_layer(layer)
-        return self.combine(self.layers[-1], streams, *carried)
+        streams = self.combine(self.layers[-1], streams, *carried)
+        self._clock("stop")
+        return streams
 
     @staticmethod
-    def _rows_of(layer: DecoderLayer, rows: dict[int, torch.Tensor]) -> list[torch.Tensor]:
-        return [rows[layer.layer]] if layer.ple is not None else []
+    def _rows_of(layers: list[DecoderLayer], rows: dict[int, torch.Tensor]) -> list[torch.Tensor]:
+        return [rows[layer.layer] for layer in layers if layer.ple is not None]
 
     def _layer_front(self, layer: DecoderLayer, streams, position, ple_rows):
         ple_state = self._state.ple[layer.layer] if layer.ple is not None else None
         mixer_state = self._state.deltanet[layer.layer] if layer.linear else self._state.attention[layer.layer]
         return self.front(layer, streams, position, ple_rows, ple_state, mixer_state)
 
-    def _table_layer(self, index: int, bank, host: HostRecords | None, reporting: bool) -> Callable:
-        """Layer `index` against a slot table [layers, experts]: (table, position, streams, [PLE
-        rows,] [the layer before's prediction of this one's experts: ids, and with staging rows
-        the offsets of those in the host cache and their bank rows]) -> (streams, [this layer's
-        prediction of the next one's, as handed on]). The first layer saves the state a redo
-        restores; with `reporting`, each writes its row of the step's report: whether an expert
-        was on disk, how many records were staged ahead for it, how many of its experts the layer
-        before predicted; then its expert ids, their codes, and which came staged ahead."""
-        layer = self.layers[index]
-
+    def _table_piece(self, first: int, count: int, bank, host: HostRecords | None, reporting: bool) -> Callable:
+        """Layers first .. first + count - 1 against a slot table [layers, experts]: (table,
+        position, streams, [their PLE rows,] [the layer before's prediction of the first one's
+        experts: ids, and with staging rows the offsets of those in the host cache and their bank
+        rows]) -> (streams, [the last layer's prediction of the next one's, as handed on]). The
+        step's first layer saves the state a redo restores; with `reporting`, each layer writes
+        its row of the step's report: whether an expert was on disk, how many records were staged
+        ahead for it, how many of its experts the layer before predicted; then its expert ids,
+        their codes, and which came staged ahead."""
         def piece(table, position, streams, *rest):
-            if index == 0:
+            if first == 0:
                 for live, saved in self._saved:
                     saved.copy_(live)
             rest = list(rest)
-            ple_rows = rest.pop(0) if layer.ple is not None else None
-            guess, ahead = (rest[0] if rest else None), None  # the layer before's prediction
-            if len(rest) == 3:  # stage the predicted host experts beside this layer's work up to its experts
-                offsets, ahead_rows = rest[1:]
-                self._beside(lambda: stage_records(host.source, offsets, host.rows(AHEAD_ROWS),
-                                                   programs=AHEAD_PROGRAMS))
-                ahead = (guess, ahead_rows)
-            streams = self._layer_front(layer, streams, position, ple_rows)
-            x, inject, weights, experts, shared, predicted = self.route(layer, streams)
-            slots, codes, missing, early = self.table_slots(experts, table[layer.layer], host, ahead)
-            if reporting:
-                self._report[index].copy_(self._report_row(experts, codes, missing, early, guess, ahead))
-            if ahead is not None:
-                self._join_side()  # the records staged ahead for this layer have landed
-            routed = moe_experts(x, bank, slots, weights.masked_fill(missing, 0))
-            streams = self.combine(layer, streams, routed + shared, inject)
-            if predicted is None:
-                return (streams,)
-            if host is None:
-                return streams, predicted
-            return streams, predicted, *self.ahead_offsets(predicted, table[layer.moe.next_moe.layer], host)
+            ple_rows = {layer.layer: rest.pop(0) for layer in self.layers[first:first + count] if layer.ple is not None}
+            carried = tuple(rest)
+            for index in range(first, first + count):
+                streams, carried = self._table_layer(index, table, position, streams, ple_rows, carried, bank, host,
+                                                     reporting)
+            return (streams, *carried)
 
         return piece
+
+    def _table_layer(self, index: int, table, position, streams, ple_rows, carried, bank, host, reporting):
+        """One layer of a table piece: (streams, what it hands the next layer)."""
+        layer = self.layers[index]
+        guess, ahead = (carried[0] if carried else None), None  # the layer before's prediction
+        if len(carried) == 3:  # stage the predicted host experts beside this layer's work up to its experts
+            offsets, ahead_rows = carried[1:]
+            self._beside(lambda: stage_records(host.source, offsets, host.rows(AHEAD_ROWS), programs=AHEAD_PROGRAMS))
+            ahead = (guess, ahead_rows)
+        streams = self._layer_front(layer, streams, position, ple_rows.get(layer.layer))
+        x, inject, weights, experts, shared, predicted = self.route(layer, streams)
+        slots, codes, missing, early = self.table_slots(experts, table[layer.layer], host, ahead)
+        if reporting:
+            self._report[index].copy_(self._report_row(experts, codes, missing, early, guess, ahead))
+        if ahead is not None:
+            self._join_side()  # the records staged ahead for this layer have landed
+        routed = moe_experts(x, bank, slots, weights.masked_fill(missing, 0))
+        streams = self.combine(layer, streams, routed + shared, inject)
+        if predicted is None:
+            return streams, ()
+        if host is None:
+            return streams, (predicted,)
+        return streams, (predicted, *self.ahead_offsets(predicted, table[layer.moe.next_moe.layer], host))
+
     @staticmethod
     def _report_row(experts, codes, missing, early, guess, ahead) -> torch.Tensor:
-        """A layer's row of the step's report (_table_layer)."""
+        """A layer's row of the step's report (_table_piece)."""
         zero = torch.zeros((), dtype=codes.dtype, device=codes.device)
         staged_ahead = (ahead[1] >= 0).sum().to(codes.dtype) if ahead is not None else zero
         right = (experts.unsqueeze(-1) == guess.unsqueeze(-2)).sum().to(codes.dtype) if guess is not None else zero
@@ -366,10 +398,11 @@ class DecodeGraphs:
             self._report = torch.zeros(len(self.layers), 3 + 3 * k, dtype=torch.int32, device=device)
         else:
             return
-        for index, layer in enumerate(self.layers):
-            # (table, position, streams, [PLE rows,] [carried]): all but the first layer's streams
+        for first in range(0, len(self.layers), self.layers_per_graph):
+            layers = self.layers[first:first + self.layers_per_graph]
+            # (table, position, streams, [PLE rows,] [carried]): all but the first piece's streams
             # and the PLE rows are the same tensors every step
-            ple = 1 if layer.ple is not None else 0
-            kept = {0, 1} | ({2} if index else set()) | set(range(3 + ple, 3 + ple + 3))
-            call = make_table_call(self._table_layer(index, bank, host, not self.resident), kept=kept)
-            self._table_pieces.append((layer, call))
+            ple = sum(layer.ple is not None for layer in layers)
+            kept = {0, 1} | ({2} if first else set()) | set(range(3 + ple, 3 + ple + 3))
+            call = make_table_call(self._table_piece(first, len(layers), bank, host, not self.resident), kept=kept)
+            self._table_pieces.append((layers, call))

@@ -9,6 +9,7 @@ continue. It also returns the pre-final-mixer streams, which the MTP head consum
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -16,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from flashpack.runtime.experts import ExpertFetcher
-from flashpack.runtime.model.decode_graphs import DecodeGraphs
+from flashpack.runtime.model.decode_graphs import LAYERS_PER_GRAPH, DecodeGraphs
 from flashpack.runtime.model.decoder_layer import DecoderLayer
 from flashpack.runtime.model.hyper_connection import GatedResidual
 from flashpack.runtime.model.rope import Rotary
@@ -51,7 +52,8 @@ class Qwen4ExpModel(nn.Module):
         else:
             self.register_buffer("lm_head", load_dense(source, "lm_head.weight", dtype, device), persistent=False)
 
-    def capture_decode_graphs(self, count_replay=None, compile_layers: bool = True) -> None:
+    def capture_decode_graphs(self, count_replay=None, compile_layers: bool = True,
+                              layers_per_graph: int = LAYERS_PER_GRAPH) -> None:
         """Replay each decode step's fixed-shape layer work from CUDA graphs (decode_graphs.py), on
         a GPU with an ExpertSlots source; `count_replay(layer)` counts a resident MoE block's
         requests; `compile_layers` fuses the graphs' small kernels with torch.compile first."""
@@ -59,7 +61,16 @@ class Qwen4ExpModel(nn.Module):
             raise ValueError("CUDA graphs need the engine on a CUDA device")
         if self.layers[0].moe.slots is None:
             raise ValueError("CUDA graphs need an ExpertSlots source (the store), not dequantised experts")
-        self.decode_graphs = DecodeGraphs(self.layers, count_replay, compile_layers=compile_layers)
+        self.decode_graphs = DecodeGraphs(self.layers, count_replay, compile_layers=compile_layers,
+                                          layers_per_graph=layers_per_graph)
+
+    def observe_routing(self, observer: Callable[[int, torch.Tensor], None] | None) -> None:
+        """Call `observer(layer, expert ids [T, k])` with every MoE block's routing, as the layers
+        run eagerly (decode graphs replay without it: a profiling run goes without them)."""
+        if observer is not None and self.decode_graphs is not None:
+            raise ValueError("routing is observed in eager decode: load the engine without CUDA graphs")
+        for layer in self.layers:
+            layer.moe.routing_observer = observer
 
     def prefetch_next_layer(self, enabled: bool = True) -> None:
         """Let each MoE block name the next layer's likely experts to a tiered store in decode."""

@@ -15,6 +15,7 @@ With an `ExpertFetcher` the dequantised weights run as plain linears, expert by 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from contextlib import closing
 
 import torch
@@ -42,6 +43,7 @@ class SparseMoE(nn.Module):
         self.slots = fetcher if isinstance(fetcher, ExpertSlots) else None
         self.resident = fetcher if isinstance(fetcher, ResidentSlots) else None
         self.next_moe: SparseMoE | None = None  # whose experts to prefetch (set by the model)
+        self.routing_observer: Callable[[int, torch.Tensor], None] | None = None  # (layer, ids [T, k])
         self.num_experts, self.top_k, self.renormalise = cfg.num_experts, cfg.num_experts_per_tok, cfg.norm_topk_prob
         self.act = activation(cfg.hidden_act)
         # The router [E, H], the shared expert's gate and up [I, H] and its gate [1, H]: one stacked
@@ -73,6 +75,8 @@ class SparseMoE(nn.Module):
         """x [T, H] -> [T, H]."""
         # The shared expert is enqueued before the host blocks on expert copies: it runs meanwhile.
         weights, experts, shared = self.gate(x)
+        if self.routing_observer is not None:
+            self.routing_observer(self.layer, experts)
         if self.slots is None:
             return self._routed_dequantised(x, weights, experts) + shared
         if self.resident is not None:

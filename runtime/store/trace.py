@@ -1,8 +1,8 @@
 """Routing traces: the sequence of expert requests a run made, per forward step and layer.
 
-A trace is what the store saw: for each forward step (a prompt in prefill, one token in decode),
-the `fetch(layer, experts)` calls in order. `TraceRecorder` wraps any ExpertFetcher and writes
-one down; the simulator replays it through eviction policies and Belady's optimum. Plain Python.
+A trace is what the store sees: for each forward step (a prompt in prefill, one token in decode),
+each layer's request for the experts its router picked, in order. `TraceRecorder` writes one down
+as the engine runs; the simulator replays it through eviction policies and Belady's optimum.
 
 File (JSON): {"format": "flashpack-trace", "version": 1, "num_experts", "top_k", "layers",
 "record_stride", "meta": {...}, "steps": [{"tokens": T, "fetches": [[layer, [experts...]], ...]}]}
@@ -86,20 +86,22 @@ class Trace:
 
 
 class TraceRecorder:
-    """An ExpertFetcher that records every request, then forwards it to `inner`.
+    """Records what every MoE block's router picked, as the requests a store sees: per layer the
+    step's experts, ascending and unique (Qwen4ExpModel.observe_routing calls it with the ids
+    [T, k]; reading them back syncs once a layer, fine for a profiling run).
 
-    Call `begin_step(tokens)` before each forward (the profile runner does); fetches made before
-    any step land in a step of 0 tokens.
+    Call `begin_step(tokens)` before each forward (the profile runner does); routing before any
+    step lands in a step of 0 tokens.
     """
 
-    def __init__(self, inner, trace: Trace):
-        self.inner, self.trace = inner, trace
+    def __init__(self, trace: Trace):
+        self.trace = trace
 
     def begin_step(self, tokens: int) -> None:
         self.trace.steps.append(Step(tokens))
 
-    def fetch(self, layer: int, experts: list[int]):
+    def __call__(self, layer: int, experts) -> None:
+        """experts: a tensor of ids [T, k] (this module stays free of torch: the simulator uses it)."""
         if not self.trace.steps:
             self.begin_step(0)
-        self.trace.steps[-1].fetches.append((layer, tuple(int(e) for e in experts)))
-        return self.inner.fetch(layer, experts)
+        self.trace.steps[-1].fetches.append((layer, tuple(experts.unique().tolist())))

@@ -65,13 +65,15 @@ class _SteppingModel:
 
 def run_workload(
     pack_path: Path | str, workload_path: Path | str, *, max_tokens: int = 32, device: str = "cpu",
-    dtype: str = "auto", fetcher=None, verify_records: bool = True,
+    dtype: str = "auto", store=None, verify_records: bool = True,
 ) -> Trace:
-    """Greedy-decode every request of the workload; return the routing trace (meta: workload)."""
+    """Greedy-decode every request of the workload; return the routing trace (meta: workload).
+    The engine loads as `flashpack run` would: through the store (`store`, a loader.StoreOptions;
+    always on a GPU, where the NVFP4 kernels read the records in place) or, on a CPU without one,
+    decoding experts from the pack. Decode runs eagerly, so every layer's routing is observed."""
     from flashpack.layout.pack import Pack
     from flashpack.runtime.generate import Generator
     from flashpack.runtime.loader import load_engine
-    from flashpack.runtime.pack_source import PackExperts
     from flashpack.runtime.sampling import SamplingParams
 
     items, digest = load_workload(workload_path)
@@ -79,16 +81,22 @@ def run_workload(
     cfg, manifest = pack.manifest.config, pack.manifest
     layers = sorted({r.layer for r in manifest.expert_records()})
     trace = Trace(cfg.num_experts, cfg.num_experts_per_tok, layers, manifest.document["experts"]["record_stride"])
-    recorder = TraceRecorder(fetcher or PackExperts(pack, verify_records=verify_records), trace)
-    engine = load_engine(pack_path, device=device, dtype=dtype, fetcher=recorder)
-    generator = Generator(_SteppingModel(engine.model, recorder), engine.tokenizer)
-    prompt_tokens = generated = 0
-    for item in items:
-        text = item.text if item.messages is None else engine.tokenizer.render_chat(item.messages)
-        ids = engine.tokenizer.encode(text)
-        result = generator.generate(ids, SamplingParams(max_tokens=item.max_tokens or max_tokens))
-        prompt_tokens += len(ids)
-        generated += result.completion_tokens
+    recorder = TraceRecorder(trace)
+    engine = load_engine(pack_path, device=device, dtype=dtype, verify_records=verify_records, store=store,
+                         cuda_graphs=False)
+    try:
+        engine.model.observe_routing(recorder)
+        generator = Generator(_SteppingModel(engine.model, recorder), engine.tokenizer)
+        prompt_tokens = generated = 0
+        for item in items:
+            text = item.text if item.messages is None else engine.tokenizer.render_chat(item.messages)
+            ids = engine.tokenizer.encode(text)
+            result = generator.generate(ids, SamplingParams(max_tokens=item.max_tokens or max_tokens))
+            prompt_tokens += len(ids)
+            generated += result.completion_tokens
+    finally:
+        if engine.store is not None:
+            engine.store.close()
     trace.meta = {"workload": {"file": Path(workload_path).name, "xxh64": digest, "prompts": len(items),
                                "prompt_tokens": prompt_tokens, "generated_tokens": generated,
                                "max_tokens": max_tokens}}

@@ -116,6 +116,7 @@ def test_emulated_budgets_and_a_two_layer_baseline(tiny_nvfp4_pack, tmp_path):
     per_token = ours["decode"]["seconds"] / ours["decode"]["tokens"]
     assert scaled["layers"] == 48
     assert math.isclose(scaled["decode_ms_per_token"] / 1000, fixed_decode + (per_token - fixed_decode) * 6)
+    assert ours["decode"]["layer_seconds"] is None  # eager decode on a CPU: scaled evenly
     assert "decode_at_48_layers" in report["roofline"]
     assert any("x(L_full)" in note for note in report["notes"])
     base = report["results"]["transformers"]

@@ -1,18 +1,24 @@
-"""The bench's arithmetic by hand: roofline per tier, budget and cost scaling to a full layer count,
-store counters per phase, the manifest's byte sizes, and the prompt."""
+"""The bench's arithmetic by hand: roofline per tier, budget and cost scaling to a full layer count
+(evenly, or by the layers' own time), the region clock, store counters per phase, the manifest's
+byte sizes, and the prompt."""
 
 from __future__ import annotations
 
 import math
+import time
 
 import pytest
 import torch
 
 from flashpack.errors import FlashpackError
 from flashpack.layout.manifest import Manifest
+from flashpack.runtime.bench.clock import RegionClock
 from flashpack.runtime.bench.emulate import (
+    LAYER_TIME_FORMULA,
+    SCALE_FORMULA,
     check_layers,
     scale_budget,
+    scale_by_layer_time,
     scale_to_layers,
     scale_traffic,
 )
@@ -74,6 +80,37 @@ def test_costs_scale_per_layer_around_the_fixed_part():
     assert scale_to_layers(1.0, 0.1, 4, 4) == 1.0
     scaled = scale_traffic(Traffic(1000.0, 200.0, 40.0), 100.0, 4, 48)
     assert scaled == Traffic(device=100.0 + 900.0 * 12, host_to_device=2400.0, disk_to_host=480.0)
+
+
+def test_decode_from_graphs_scales_only_the_layers_time():
+    from flashpack.runtime.bench.bench import _scaled
+
+    # a 1.0 s step of which 0.6 s in the 4 layers -> 1.0 + 0.6 * 44 / 4 at 48 layers
+    assert math.isclose(scale_by_layer_time(1.0, 0.6, 4, 48), 7.6)
+    assert scale_by_layer_time(1.0, 0.6, 4, 4) == 1.0
+    result = {"prefill": {"ttft_s": 2.0, "tokens": 10},
+              "decode": {"seconds": 2.0, "tokens": 2, "layer_seconds": 1.2}}
+    scaled = _scaled(result, {"prefill": 0.2, "decode": 0.1}, 4, 48)
+    assert math.isclose(scaled["decode_ms_per_token"], 7600) and scaled["decode_scaling"] == LAYER_TIME_FORMULA
+    assert math.isclose(scaled["decode_ms_per_token_even"], 1000 * (0.1 + 0.9 * 12))
+    result["decode"]["layer_seconds"] = None  # eager decode: the layers were not timed apart
+    scaled = _scaled(result, {"prefill": 0.2, "decode": 0.1}, 4, 48)
+    assert scaled["decode_ms_per_token"] == scaled["decode_ms_per_token_even"] and scaled["decode_scaling"] == SCALE_FORMULA
+
+
+def test_region_clock_sums_its_regions():
+    clock = RegionClock(torch.device("cpu"))
+    clock.start()
+    time.sleep(0.02)
+    clock.stop()
+    time.sleep(0.05)  # outside any region
+    clock.start()
+    clock.stop()
+    assert 0.02 <= clock.take() < 0.05
+    assert clock.take() == 0
+    clock.start()
+    with pytest.raises(RuntimeError, match="inside a region"):
+        clock.take()
 
 
 def test_phase_summary_hit_rates_and_per_token_bytes():

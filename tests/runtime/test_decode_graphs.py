@@ -106,7 +106,7 @@ class PlainCall:
         return self.fn(*inputs)
 
 
-def _tiered_pair(tiny_pack, device_slots: int, host_slots: int = 300, staging: bool = True):
+def _tiered_pair(tiny_pack, device_slots: int, host_slots: int = 300, staging: bool = True, layers_per_graph: int = 1):
     """Two models over two stores of `device_slots` and `host_slots` slots: the plain layers, and
     the graph pieces."""
     from flashpack.layout.pack import Pack
@@ -126,23 +126,24 @@ def _tiered_pair(tiny_pack, device_slots: int, host_slots: int = 300, staging: b
         model.prefetch_next_layer()
         stores.append(store)
         models.append(model)
-    models[1].decode_graphs = DecodeGraphs(models[1].layers, make_call=PlainCall)
+    models[1].decode_graphs = DecodeGraphs(models[1].layers, make_call=PlainCall, layers_per_graph=layers_per_graph)
     return stores, models
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU test above covers the captured pieces")
-@pytest.mark.parametrize("device_slots, host_slots, staging", [
-    (60, 40, True), (60, 300, True), (300, 300, True), (60, 300, False),
-], ids=["disk-misses-redone", "host-records-staged", "all-on-device", "no-staging-rows"])
-def test_tiered_pieces_compose_to_the_layers_on_cpu(tiny_pack, device_slots, host_slots, staging):
+@pytest.mark.parametrize("device_slots, host_slots, staging, layers_per_graph", [
+    (60, 40, True, 1), (60, 300, True, 1), (60, 300, True, 2), (300, 300, True, 1), (60, 300, False, 1),
+], ids=["disk-misses-redone", "host-records-staged", "two-layers-a-graph", "all-on-device", "no-staging-rows"])
+def test_tiered_pieces_compose_to_the_layers_on_cpu(tiny_pack, device_slots, host_slots, staging, layers_per_graph):
     """With a tiered store a step first runs against the store's slot table, staging the experts
     it finds in the host cache into device rows itself; a step that found an expert only on disk
     is redone from the saved state with the routed experts eager between the pieces (ids to the
     host, the store, the kernels, the prefetch). Either way: the layers' logits and the same expert
     requests. The tiny model routes uniformly over 256 records: 40 host slots leave most steps a
     disk miss, 300 hold every record, so each way is taken; without staging rows a host record is
-    a miss like a disk one."""
-    stores, models = _tiered_pair(tiny_pack, device_slots, host_slots, staging)
+    a miss like a disk one. A step is a chain of graphs of one layer each, or of two (the
+    prediction handed across a graph's end either way)."""
+    stores, models = _tiered_pair(tiny_pack, device_slots, host_slots, staging, layers_per_graph)
     prompt = torch.randint(0, 1000, (30,), generator=torch.Generator().manual_seed(5))
     expected, got = _decode(models[0], prompt, 24), _decode(models[1], prompt, 24)
     for step, (a, b) in enumerate(zip(got, expected)):

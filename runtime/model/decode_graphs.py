@@ -314,6 +314,8 @@ class DecodeGraphs:
         layer = self.layers[index]
         guess, ahead = (carried[0] if carried else None), None  # the layer before's prediction
         if len(carried) == 3:  # stage the predicted host experts beside this layer's work up to its experts
+            # `offsets` stays referenced until after the join below, so the allocator cannot hand its
+            # memory to other work while the side stream reads it
             offsets, ahead_rows = carried[1:]
             self._beside(lambda: stage_records(host.source, offsets, host.rows(AHEAD_ROWS), programs=AHEAD_PROGRAMS))
             ahead = (guess, ahead_rows)

@@ -79,7 +79,7 @@ def run_workload(
     items, digest = load_workload(workload_path)
     pack = Pack.open(pack_path)
     cfg, manifest = pack.manifest.config, pack.manifest
-    layers = sorted({r.layer for r in manifest.expert_records()})
+    layers = list(range(cfg.num_hidden_layers))  # the engine runs the decoder layers, not the MTP head
     trace = Trace(cfg.num_experts, cfg.num_experts_per_tok, layers, manifest.document["experts"]["record_stride"])
     recorder = TraceRecorder(trace)
     engine = load_engine(pack_path, device=device, dtype=dtype, verify_records=verify_records, store=store,

@@ -84,6 +84,19 @@ def test_graph_decode_matches_eager(tiny_pack, tiered, compiled):
 
 
 @needs_gpu
+@pytest.mark.parametrize("tiered", [None, 60], ids=["resident", "tiered-60"])
+def test_graphs_of_two_layers_match_eager(tiny_pack, tiered):
+    """A step cut into graphs of two layers each hands the prediction across each graph's end."""
+    prompt = torch.randint(0, 1000, (30,), generator=torch.Generator().manual_seed(3))
+    options = _store_options(tiny_pack, tiered)
+    eager = load_engine(tiny_pack, "cuda", dtype="float32", store=options, cuda_graphs=False)
+    graphed = load_engine(tiny_pack, "cuda", dtype="float32", store=options, compile_layers=False, layers_per_graph=2)
+    assert graphed.model.decode_graphs.layers_per_graph == 2
+    expected, got = _decode(eager, prompt, 12), _decode(graphed, prompt, 12)
+    assert _worst(got, expected) < (1e-4 if tiered else 1e-5)
+
+
+@needs_gpu
 def test_graph_control_a_changed_weight_shows(tiny_pack):
     """Replays must read live weights: scaling one layer's router after capture changes the logits."""
     prompt = torch.randint(0, 1000, (20,), generator=torch.Generator().manual_seed(1))

@@ -9,20 +9,21 @@
 # after it. staging times the stage_records kernel against the copy engine (bench/kernels.py);
 # no-prefetch and promote bench 24/64 as budgets does, but without next-layer prefetch, or with
 # promotions; one-graph and unbounded-one-graph as budgets and unbounded do, with the whole step in
-# one CUDA graph (--graph-layers $LAYERS) instead of one graph a layer.
+# one CUDA graph (--graph-layers $LAYERS) instead of one graph a layer. hotset and fp8-hot profile the
+# synth corpus on the GPU (`flashpack profile`) and pre-warm 24/64 and 8/32 from that hot set.
 # fp8 converts a --dense-fp8 pack from the same snapshot and benches 8/32 on it (BF16 dense
 # weights alone exceed an 8 GB card at 48 layers). budgets, long (a 32k prompt) and baseline (with
 # transformers + accelerate beside) run 24/64 with every record pre-warmed (--hot-set '*'). TESTS
 # overrides the GPU test list.
-# Timing on an H200 (2026-11-29): build 140-165 s (LAYERS=4; the FP8 pack is converted by the first
-# stage that needs it),
-# each bench 30-120 s; all stages exceed one call's 600 s, and a machine keeps nothing between
+# Timing on an H200 (2026-11-29): build 120-240 s (LAYERS=4; the FP8 pack is converted by the first
+# stage that needs it), each bench 40-120 s, a hot set's profile ~20 s, the resident and tiered
+# profiles ~90 s together; all stages exceed one call's 600 s, and a machine keeps nothing between
 # calls, so split STAGES over calls (each rebuilds).
 set -o pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site wheels/*.whl || exit 1
 mkdir -p /tmp/pkg && ln -sfn "$PWD" /tmp/pkg/flashpack
 export PYTHONPATH=/tmp/pkg:/tmp/site PYTHONUNBUFFERED=1
-LAYERS=${LAYERS:-4} GEN=${GEN:-32} PROMPT=${PROMPT:-512} W=/tmp/fp R=/tmp/results STAGES=${STAGES:-"tests layers unbounded fp8 budgets long baseline profile hotset prefill-profile eager fp8-unbounded staging no-prefetch promote one-graph unbounded-one-graph"}
+LAYERS=${LAYERS:-4} GEN=${GEN:-32} PROMPT=${PROMPT:-512} W=/tmp/fp R=/tmp/results STAGES=${STAGES:-"tests layers unbounded fp8 budgets long baseline profile hotset prefill-profile eager fp8-unbounded staging no-prefetch promote one-graph unbounded-one-graph fp8-hot"}
 has() { [[ " $STAGES " == *" $1 "* ]]; }
 mkdir -p $R
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee $OUT/gpu.txt
@@ -42,6 +43,12 @@ wait $build; cat $OUT/gpu.txt; [ -f $W/full.pack/manifest.json ] || exit 1
 fp8_pack() {  # the --dense-fp8 pack from the same snapshot, converted when a stage first needs it
   [ -f $W/full-fp8.pack/manifest.json ] || timeout 150 python3 -m flashpack.cli convert $W/src $W/full-fp8.pack \
     --dense-fp8 --force >/dev/null 2>&1
+}
+hot_set() {  # bake the hot set `corpus` into $W/$1.pack: the synth corpus's prompts, 32 tokens each
+  python3 -c "import json; [print(json.dumps({'prompt': t})) for t in json.load(open('convert/synth/corpus.json'))['texts']]" \
+    > $W/workload.jsonl
+  timeout 200 python3 -m flashpack.cli profile $W/$1.pack --workload $W/workload.jsonl --name corpus \
+    --device cuda --max-tokens 32 2>&1 | tail -1
 }
 bench() {  # name, vram, ram, extra args (PACK=full-fp8 for the --dense-fp8 pack)
   local name=$1 vram=$2 ram=$3; shift 3
@@ -74,11 +81,10 @@ for stage in $STAGES; do
     no-prefetch) bench 24g-64g-no-prefetch 24GiB 64GiB --prompt-len $PROMPT --gen $GEN --hot-set '*' --no-prefetch ;;
     promote) bench 24g-64g-promote 24GiB 64GiB --prompt-len $PROMPT --gen $GEN --hot-set '*' --promote ;;
     hotset)  # a hot set profiled on the synth corpus, then 24/64 pre-warmed from it (not '*': id order)
-      python3 -c "import json; [print(json.dumps({'prompt': t})) for t in json.load(open('convert/synth/corpus.json'))['texts']]" \
-        > $W/workload.jsonl
-      timeout 200 python3 -m flashpack.cli profile $W/full.pack --workload $W/workload.jsonl --name corpus \
-        --device cuda --max-tokens 32 2>&1 | tail -2
+      hot_set full
       bench 24g-64g-hot 24GiB 64GiB --prompt-len $PROMPT --gen $GEN --hot-set corpus ;;
+    fp8-hot) fp8_pack; hot_set full-fp8
+      PACK=full-fp8 bench 8g-32g-fp8-hot 8GiB 32GiB --prompt-len $PROMPT --gen $GEN --hot-set corpus ;;
     prefill-profile)  # every record resident: where a 32k prompt's compute goes
       timeout 150 python3 bench/profile_decode.py $W/full.pack --phase prefill --prompt-len 32768 \
         --name prefill-32k --out $R 2>&1 | tail -1 ;;

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import xxhash
+from tqdm import tqdm
 
 from flashpack.errors import FlashpackError
 from flashpack.runtime.store.trace import Trace, TraceRecorder
@@ -65,7 +66,7 @@ class _SteppingModel:
 
 def run_workload(
     pack_path: Path | str, workload_path: Path | str, *, max_tokens: int = 32, device: str = "cpu",
-    dtype: str = "auto", store=None, verify_records: bool = True,
+    dtype: str = "auto", store=None, verify_records: bool = True, progress: bool = True,
 ) -> Trace:
     """Greedy-decode every request of the workload; return the routing trace (meta: workload).
     The engine loads as `flashpack run` would: through the store (`store`, a loader.StoreOptions;
@@ -88,7 +89,7 @@ def run_workload(
         engine.model.observe_routing(recorder)
         generator = Generator(_SteppingModel(engine.model, recorder), engine.tokenizer)
         prompt_tokens = generated = 0
-        for item in items:
+        for item in tqdm(items, desc="workload", unit="request", leave=False, disable=not progress):
             text = item.text if item.messages is None else engine.tokenizer.render_chat(item.messages)
             ids = engine.tokenizer.encode(text)
             result = generator.generate(ids, SamplingParams(max_tokens=item.max_tokens or max_tokens))

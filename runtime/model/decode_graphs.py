@@ -58,6 +58,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -197,21 +198,27 @@ class DecodeGraphs:
 
     def _through_table(self, streams, table, rows, after_layer=None) -> torch.Tensor:
         """Launch the table pieces, layer after layer, each handed the one before's outputs."""
-        self._clock("start")
-        carried = ()  # the previous layer's prediction of the next piece's first layer's experts
-        for layers, call in self._table_pieces:
-            streams, *carried = call(table, self._position, streams, *self._rows_of(layers, rows), *carried)
-            for layer in layers:
-                if self.count_replay is not None:
-                    self.count_replay(layer.layer)
-            if after_layer is not None:
-                after_layer(layers[-1])
-        self._clock("stop")
+        with self._layers_timed():
+            carried = ()  # the previous layer's prediction of the next piece's first layer's experts
+            for layers, call in self._table_pieces:
+                streams, *carried = call(table, self._position, streams, *self._rows_of(layers, rows), *carried)
+                for layer in layers:
+                    if self.count_replay is not None:
+                        self.count_replay(layer.layer)
+                if after_layer is not None:
+                    after_layer(layers[-1])
         return streams
 
-    def _clock(self, mark: str) -> None:
-        if self.layer_clock is not None:
-            getattr(self.layer_clock, mark)()
+    @contextmanager
+    def _layers_timed(self):
+        if self.layer_clock is None:
+            yield
+            return
+        self.layer_clock.start()
+        try:
+            yield
+        finally:
+            self.layer_clock.stop()
 
     def _try_table(self, streams, rows, head) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         """The step against the store's slot table: its streams and head, or None (state as before)
@@ -264,18 +271,16 @@ class DecodeGraphs:
 
     def _through_store(self, streams, rows, after_layer) -> torch.Tensor:
         self.settle()  # the store sees the steps in order
-        self._clock("start")
-        carried = ()  # the previous layer's (routed + shared expert output, inject), combined next
-        for layer, call in self._store_pieces:
-            streams, x, inject, weights, experts, shared, predicted = call(
-                streams, self._position, *carried, *self._rows_of([layer], rows))
-            routed = layer.moe.routed_from_store(x, weights, experts, predicted)
-            carried = (routed + shared, inject)
-            if after_layer is not None:
-                after_layer(layer)
-        streams = self.combine(self.layers[-1], streams, *carried)
-        self._clock("stop")
-        return streams
+        with self._layers_timed():
+            carried = ()  # the previous layer's (routed + shared expert output, inject), combined next
+            for layer, call in self._store_pieces:
+                streams, x, inject, weights, experts, shared, predicted = call(
+                    streams, self._position, *carried, *self._rows_of([layer], rows))
+                routed = layer.moe.routed_from_store(x, weights, experts, predicted)
+                carried = (routed + shared, inject)
+                if after_layer is not None:
+                    after_layer(layer)
+            return self.combine(self.layers[-1], streams, *carried)
 
     @staticmethod
     def _rows_of(layers: list[DecoderLayer], rows: dict[int, torch.Tensor]) -> list[torch.Tensor]:

@@ -258,7 +258,7 @@ def profile(pack: Path, workload: Path, name: str, reorder: bool, max_tokens: in
     from flashpack.runtime.store import profile_pack
 
     result = profile_pack(pack, workload, name, reorder=reorder, max_tokens=max_tokens, device=device, dtype=dtype,
-                          trace_out=trace_out, store=_store_settings(vram_budget, ram_budget, "lfu", None, False))
+                          trace_out=trace_out, store=_store_settings(vram_budget, ram_budget, policy="lfu", hot_set=None, no_direct_io=False))
     hot = [len(layer["experts"]) for layer in result["layers"]]
     moved = f"; {sum(result['moved'].values())} records moved" if reorder else ""
     click.echo(f"hot set {name!r} written: {len(hot)} layers, {min(hot)}-{max(hot)} experts each{moved}")
@@ -284,7 +284,7 @@ def trace_record(pack: Path, workload: Path, out: Path, max_tokens: int, device:
     from flashpack.runtime.store import record_trace
 
     recorded = record_trace(pack, workload, out, max_tokens=max_tokens, device=device, dtype=dtype,
-                            store=_store_settings(vram_budget, ram_budget, "lfu", None, False))
+                            store=_store_settings(vram_budget, ram_budget, policy="lfu", hot_set=None, no_direct_io=False))
     click.echo(f"wrote {out} ({recorded.tokens()} tokens)")
 
 

@@ -218,14 +218,15 @@ def _scaled(result: dict, fixed: dict[str, float], layers: int, target: int) -> 
     prefill, decode = result["prefill"], result["decode"]
     ttft = scale_to_layers(prefill["ttft_s"], fixed["prefill"], layers, target)
     per_token_even = scale_to_layers(decode["seconds"] / decode["tokens"], fixed["decode"], layers, target)
+    layers_timed = decode.get("layer_seconds") is not None
     per_token = per_token_even
-    if decode.get("layer_seconds") is not None:
+    if layers_timed:
         per_token = scale_by_layer_time(decode["seconds"] / decode["tokens"], decode["layer_seconds"] / decode["tokens"],
                                         layers, target)
     return {
         "layers": target, "ttft_s": ttft, "prefill_tokens_per_s": prefill["tokens"] / ttft,
         "decode_ms_per_token": 1000 * per_token, "decode_tokens_per_s": 1 / per_token,
-        "decode_scaling": LAYER_TIME_FORMULA if per_token is not per_token_even else SCALE_FORMULA,
+        "decode_scaling": LAYER_TIME_FORMULA if layers_timed else SCALE_FORMULA,
         "decode_ms_per_token_even": 1000 * per_token_even,
     }
 

@@ -103,10 +103,10 @@ def test_region_clock_sums_its_regions():
     clock.start()
     time.sleep(0.02)
     clock.stop()
-    time.sleep(0.05)  # outside any region
+    time.sleep(0.3)  # outside any region: the sum stays well below it
     clock.start()
     clock.stop()
-    assert 0.02 <= clock.take() < 0.05
+    assert 0.02 <= clock.take() < 0.3
     assert clock.take() == 0
     clock.start()
     with pytest.raises(RuntimeError, match="inside a region"):

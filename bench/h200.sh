@@ -36,7 +36,7 @@ build=$!
 if has tests; then
   timeout 420 python3 -m pytest ${TESTS:-tests/kernels tests/runtime/test_engine_slots.py tests/runtime/test_decode_graphs.py tests/runtime/test_captured_call.py \
     tests/runtime/test_delta_rule.py tests/runtime/test_dense_fp8.py tests/store/test_store_stream.py \
-    tests/store/test_store_fetch.py tests/store/test_store_slot_table.py} -q --tb=short \
+    tests/store/test_store_fetch.py tests/store/test_store_slot_table.py tests/test_sampling.py} -q --tb=short \
     -p no:cacheprovider -p no:logging > $OUT/tests.log 2>&1; echo "tests rc=$? $(( $(date +%s) - start )) s" >> $OUT/tests.log
   tail -40 $OUT/tests.log
 fi

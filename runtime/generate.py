@@ -84,18 +84,20 @@ class Generator:
         if len(prompt_ids) + 1 > limit:
             raise FlashpackError(f"prompt of {len(prompt_ids)} tokens exceeds the context limit of {limit}")
         stop_ids = set(params.stop_token_ids) | set(self.tokenizer.stop_token_ids)
-        sampler = Sampler(params, device="cpu")
         detok = IncrementalDetokenizer(self.tokenizer.tokenizer)
         stops = StopStringFilter(params.stop_strings)
         state = self._fresh_state(min(limit, len(prompt_ids) + min(params.max_tokens, RESERVE_MAX_TOKENS) + 1))
         start = time.perf_counter()
         logits = self.model.forward(torch.tensor(prompt_ids), state, last_only=True).logits[-1]
+        # sampled where the logits are: on a GPU only the token id comes back (a top-p cut sorts the
+        # whole vocabulary, 35 ms a token on a 2-core CPU for 248k entries)
+        sampler = Sampler(params, device=logits.device)
         generated, first_token_seconds = 0, 0.0
         finish = "length"
         while True:
             if constraint is not None:
                 logits = constraint.mask(logits.float())
-            token = sampler(logits.float().cpu())
+            token = sampler(logits.float())
             generated += 1
             if generated == 1:
                 first_token_seconds = time.perf_counter() - start

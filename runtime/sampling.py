@@ -37,7 +37,8 @@ class SamplingParams:
 
 
 class Sampler:
-    """Per-request sampler; owns its random generator so seeded runs repeat exactly."""
+    """Per-request sampler; owns its random generator so seeded runs repeat exactly (on the kind
+    of device it was made for: a seed draws one sequence on a CPU and another on a GPU)."""
 
     def __init__(self, params: SamplingParams, device: torch.device | str = "cpu"):
         self.params = params

@@ -24,6 +24,21 @@ def test_seeded_sampling_repeats_and_differs_across_seeds():
     assert draws(7) != draws(8)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="sampling on the GPU")
+def test_sampling_on_the_gpu_repeats_and_keeps_to_the_cut():
+    """The Generator samples where the logits are: seeded runs repeat there too, and a top-k cut
+    holds (the 5 largest of 248k logits)."""
+    logits = torch.randn(248_320, generator=torch.Generator().manual_seed(1)).cuda()
+    allowed = set(torch.topk(logits, 5).indices.tolist())
+
+    def draws(seed: int) -> list[int]:
+        sampler = Sampler(SamplingParams(temperature=1.0, top_k=5, top_p=0.9, seed=seed), device="cuda")
+        return [sampler(logits) for _ in range(20)]
+
+    assert draws(3) == draws(3) and set(draws(3)) <= allowed
+    assert Sampler(SamplingParams(), device="cuda")(logits) == int(logits.argmax())
+
+
 def test_top_k_and_top_p_keep_exactly_the_right_tokens():
     logits = torch.log(torch.tensor([0.5, 0.25, 0.15, 0.10]))
     probs = filtered_probabilities(logits, SamplingParams(temperature=1.0, top_k=2))

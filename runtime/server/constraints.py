@@ -45,7 +45,7 @@ class GrammarConstraint:
         keep[: allowed.shape[0]] = torch.from_numpy(allowed)
         if not keep.any():  # an error state: allow only ending the turn rather than sampling from nothing
             keep[self.stop_ids] = True
-        return logits.masked_fill(~keep, float("-inf"))
+        return logits.masked_fill(~keep.to(logits.device), float("-inf"))
 
     def accept(self, token_id: int) -> None:
         self.matcher.consume_token(token_id)

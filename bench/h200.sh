@@ -7,6 +7,7 @@
 # STAGES picks steps and their order (default all: tests layers unbounded fp8 budgets long baseline
 # profile hotset prefill-profile eager fp8-unbounded staging); tests run beside the build, the rest
 # after it. staging times the stage_records kernel against the copy engine (bench/kernels.py);
+# sampling times a token's choice on the GPU against copying the logits to the host first;
 # no-prefetch and promote bench 24/64 as budgets does, but without next-layer prefetch, or with
 # promotions; one-graph and unbounded-one-graph as budgets and unbounded do, with the whole step in
 # one CUDA graph (--graph-layers $LAYERS) instead of one graph a layer. hotset and fp8-hot profile the
@@ -24,7 +25,7 @@ set -o pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site wheels/*.whl || exit 1
 mkdir -p /tmp/pkg && ln -sfn "$PWD" /tmp/pkg/flashpack
 export PYTHONPATH=/tmp/pkg:/tmp/site PYTHONUNBUFFERED=1
-LAYERS=${LAYERS:-4} GEN=${GEN:-32} PROMPT=${PROMPT:-512} W=/tmp/fp R=/tmp/results STAGES=${STAGES:-"tests layers unbounded fp8 budgets long baseline profile hotset prefill-profile eager fp8-unbounded staging no-prefetch promote one-graph unbounded-one-graph fp8-hot"}
+LAYERS=${LAYERS:-4} GEN=${GEN:-32} PROMPT=${PROMPT:-512} W=/tmp/fp R=/tmp/results STAGES=${STAGES:-"tests layers unbounded fp8 budgets long baseline profile hotset prefill-profile eager fp8-unbounded staging no-prefetch promote one-graph unbounded-one-graph fp8-hot sampling"}
 has() { [[ " $STAGES " == *" $1 "* ]]; }
 mkdir -p $R
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee $OUT/gpu.txt
@@ -59,6 +60,7 @@ bench() {  # name, vram, ram, extra args (PACK=full-fp8 for the --dense-fp8 pack
 for stage in $STAGES; do
   echo "== $stage at $(( $(date +%s) - start )) s"
   case $stage in
+    sampling) timeout 60 python3 bench/sampling.py --device cuda --json $R/sampling.json 2>&1 | tail -5 ;;
     staging) timeout 120 python3 bench/kernels.py --only staging --sweep --sweep-seconds 20 \
       --json $R/kernels-staging.json 2>&1 | tail -30 ;;
     layers) timeout 150 python3 bench/layer_costs.py $W/full.pack --out $R 2>&1 | tail -1 ;;

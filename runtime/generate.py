@@ -90,7 +90,7 @@ class Generator:
         start = time.perf_counter()
         logits = self.model.forward(torch.tensor(prompt_ids), state, last_only=True).logits[-1]
         # sampled where the logits are: on a GPU only the token id comes back (a top-p cut sorts the
-        # whole vocabulary, 35 ms a token on a 2-core CPU for 248k entries)
+        # whole vocabulary: 41 ms a token on a 2-core CPU for 248k entries, bench/sampling.py)
         sampler = Sampler(params, device=logits.device)
         generated, first_token_seconds = 0, 0.0
         finish = "length"

@@ -58,7 +58,7 @@ class EngineResult:
 
     def _table_steps(self) -> dict | None:
         """Decode steps tried from the store's slot table, those that stood (no expert missing), and
-        how their experts were predicted and staged (decode_graphs.StagingCounts)."""
+        how their experts were predicted and staged (step_report.StagingCounts)."""
         counts = [r["table_steps"] for r in self.repeats if r.get("table_steps") is not None]
         if not counts:
             return None

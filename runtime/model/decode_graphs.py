@@ -59,7 +59,6 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 from contextlib import contextmanager
-from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -69,10 +68,10 @@ from flashpack.runtime.kernels import moe_experts, stage_records
 from flashpack.runtime.model import graph_pieces as pieces
 from flashpack.runtime.model.captured_call import CapturedCall
 from flashpack.runtime.model.decoder_layer import DecoderLayer
+from flashpack.runtime.model.step_report import Speculation, StagingCounts, count_step, report_row
 from flashpack.runtime.state import SequenceState
 
 
-MAX_SPECULATION_WAIT = 64  # steps
 # Programs of the staging kernel on the side stream, which leaves the other SMs to the layer: on the
 # H200 16 programs already staged at 50 GB/s, as a full grid and the copy engine did (0.92 of the
 # 55 GB/s pinned copy; bench/results/kernels-staging-h200.json).
@@ -83,46 +82,6 @@ AHEAD_PROGRAMS = 32
 # starts a graph's work only once its launch has returned, so one graph a layer keeps the GPU busy
 # with layer L while the host launches layer L + 1.
 LAYERS_PER_GRAPH = 1
-
-
-@dataclass
-class StagingCounts:
-    """Over the steps from the slot table that stood: the experts layers picked where the layer
-    before had predicted them (`predicted`, `right`: picked as predicted), and how each expert
-    found in the host cache reached its staging row: `ahead` (staged while the layer before ran,
-    `ahead_used` of them picked) or `late` (after its own router picked it)."""
-
-    predicted: int = 0
-    right: int = 0
-    ahead: int = 0
-    ahead_used: int = 0
-    late: int = 0
-
-
-@dataclass
-class Speculation:
-    """When a tiered step tries the device slot table first: always after a try that found every
-    expert there; after n failed tries in a row, not for the next 2**n steps (at most 64)."""
-
-    tries: int = 0
-    confirmed: int = 0
-    failures_in_a_row: int = 0
-    skip: int = 0
-
-    def due(self) -> bool:
-        if self.skip:
-            self.skip -= 1
-            return False
-        return True
-
-    def record(self, confirmed: bool) -> None:
-        self.tries += 1
-        if confirmed:
-            self.confirmed += 1
-            self.failures_in_a_row = 0
-        else:
-            self.failures_in_a_row += 1
-            self.skip = min(2 ** self.failures_in_a_row, MAX_SPECULATION_WAIT)
 
 
 class DecodeGraphs:
@@ -254,20 +213,7 @@ class DecodeGraphs:
                 self._unrecorded = None
 
     def _record(self, report: list[list[int]]) -> None:
-        found, counts, guessed = [], self.staging, False
-        for layer, (_, ahead, right, *picks) in zip(self.layers, report):
-            k = len(picks) // 3
-            experts, codes, used_ahead = picks[:k], picks[k:2 * k], sum(picks[2 * k:])
-            staged = [e for e, code in zip(experts, codes) if code < 0]
-            found.append((layer.layer, [e for e, code in zip(experts, codes) if code >= 0], staged, ahead - used_ahead))
-            if guessed:  # the layer before predicted this one's experts
-                counts.predicted += k
-                counts.right += right
-            guessed = layer.moe.next_moe is not None
-            counts.ahead += ahead
-            counts.ahead_used += used_ahead
-            counts.late += len(staged) - used_ahead
-        self.tabled.record_step(found)
+        self.tabled.record_step(count_step(self.layers, report, self.staging))
 
     def _through_store(self, streams, rows, after_layer) -> torch.Tensor:
         self.settle()  # the store sees the steps in order
@@ -328,7 +274,7 @@ class DecodeGraphs:
         x, inject, weights, experts, shared, predicted = self.route(layer, streams)
         slots, codes, missing, early = self.table_slots(experts, table[layer.layer], host, ahead)
         if reporting:
-            self._report[index].copy_(self._report_row(experts, codes, missing, early, guess, ahead))
+            self._report[index].copy_(report_row(experts, codes, missing, early, guess, ahead))
         if ahead is not None:
             self._join_side()  # the records staged ahead for this layer have landed
         routed = moe_experts(x, bank, slots, weights.masked_fill(missing, 0))
@@ -338,15 +284,6 @@ class DecodeGraphs:
         if host is None:
             return streams, (predicted,)
         return streams, (predicted, *self.ahead_offsets(predicted, table[layer.moe.next_moe.layer], host))
-
-    @staticmethod
-    def _report_row(experts, codes, missing, early, guess, ahead) -> torch.Tensor:
-        """A layer's row of the step's report (_table_piece)."""
-        zero = torch.zeros((), dtype=codes.dtype, device=codes.device)
-        staged_ahead = (ahead[1] >= 0).sum().to(codes.dtype) if ahead is not None else zero
-        right = (experts.unsqueeze(-1) == guess.unsqueeze(-2)).sum().to(codes.dtype) if guess is not None else zero
-        return torch.cat([torch.stack([missing.any().to(codes.dtype), staged_ahead, right]),
-                          experts.flatten().to(codes.dtype), codes.flatten(), early.flatten().to(codes.dtype)])
 
     def _beside(self, work: Callable[[], object]) -> None:
         """Enqueue `work` on the side stream, after what the current stream has enqueued (inline

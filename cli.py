@@ -29,30 +29,35 @@ def _one_line_errors(command):
     return wrapper
 
 
-def _store_options(command):
-    """--vram-budget, --ram-budget, --policy, --hot-set, --no-direct-io, --no-verify-records."""
-    options = [
-        click.option("--vram-budget", help="Device memory for experts and everything else, e.g. 24GiB. On a GPU "
-                     "the default is 90% of its free memory; on a CPU without budgets experts are decoded "
-                     "straight from the pack."),
-        click.option("--ram-budget", help="Pinned host memory for the expert cache, e.g. 64GiB (default on a GPU: "
-                     "75% of the available RAM)."),
-        click.option("--policy", type=click.Choice(["lfu", "lru", "lfu-decay"]), default="lfu", show_default=True),
-        click.option("--hot-set", help="Pre-warm VRAM, then RAM, from this manifest profile (flashpack profile); "
-                     "'*' pre-warms every record the two tiers hold."),
-        click.option("--no-direct-io", is_flag=True, help="Read records through the page cache, not O_DIRECT."),
-        click.option("--no-verify-records", is_flag=True, help="Skip the xxh64 check of records on first read."),
-    ]
+_BUDGET_OPTIONS = [
+    click.option("--vram-budget", help="Device memory for experts and everything else, e.g. 24GiB. On a GPU "
+                 "the default is 90% of its free memory; on a CPU without budgets experts are decoded "
+                 "straight from the pack."),
+    click.option("--ram-budget", help="Pinned host memory for the expert cache, e.g. 64GiB (default on a GPU: "
+                 "75% of the available RAM)."),
+]
+
+
+def _with(options: list, command):
     for option in reversed(options):
         command = option(command)
     return command
 
 
 def _budget_options(command):
-    """--vram-budget and --ram-budget alone: the workload runs through the store (always on a GPU)."""
-    command = click.option("--ram-budget", help="Pinned host memory for the expert cache (as for `run`).")(command)
-    return click.option("--vram-budget", help="Device memory for the run, e.g. 24GiB (as for `run`; on a GPU the "
-                        "default is 90% of its free memory).")(command)
+    """--vram-budget and --ram-budget: a workload run (profile, trace record) goes through the store."""
+    return _with(_BUDGET_OPTIONS, command)
+
+
+def _store_options(command):
+    """The budgets, --policy, --hot-set, --no-direct-io, --no-verify-records."""
+    return _with(_BUDGET_OPTIONS + [
+        click.option("--policy", type=click.Choice(["lfu", "lru", "lfu-decay"]), default="lfu", show_default=True),
+        click.option("--hot-set", help="Pre-warm VRAM, then RAM, from this manifest profile (flashpack profile); "
+                     "'*' pre-warms every record the two tiers hold."),
+        click.option("--no-direct-io", is_flag=True, help="Read records through the page cache, not O_DIRECT."),
+        click.option("--no-verify-records", is_flag=True, help="Skip the xxh64 check of records on first read."),
+    ], command)
 
 
 def _store_settings(vram_budget: str | None, ram_budget: str | None, policy: str, hot_set: str | None,

@@ -45,10 +45,13 @@ class EngineResult:
 
     @property
     def decode_layer_seconds(self) -> float | None:
-        """Median time the decode phase spent in the decoder layers (the device's time from the
-        first layer's work to the last's, CUDA-graph decode only), or None."""
-        timed = [r["decode_layer_seconds"] for r in self.repeats if r.get("decode_layer_seconds") is not None]
-        return statistics.median(timed) if timed else None
+        """The part of `decode_seconds` spent in the decoder layers (the device's time from the
+        first layer's work to the last's, CUDA-graph decode only), or None: the median share of the
+        repeats, so that it belongs to the median time it is a part of."""
+        if any(r.get("decode_layer_seconds") is None for r in self.repeats):
+            return None
+        share = statistics.median(r["decode_layer_seconds"] / r["decode_seconds"] for r in self.repeats)
+        return share * self.decode_seconds
 
     def phase_store(self, phase: str) -> dict:
         deltas = [r[f"{phase}_counters"] for r in self.repeats]

@@ -98,6 +98,16 @@ def test_decode_from_graphs_scales_only_the_layers_time():
     assert scaled["decode_ms_per_token"] == scaled["decode_ms_per_token_even"] and scaled["decode_scaling"] == SCALE_FORMULA
 
 
+def test_the_layers_share_of_decode_belongs_to_the_median_run():
+    from flashpack.runtime.bench.run import EngineResult
+
+    result = EngineResult(10, 4, repeats=[{"decode_seconds": 1.0, "decode_layer_seconds": 0.5},
+                                          {"decode_seconds": 3.0, "decode_layer_seconds": 1.8}])
+    assert math.isclose(result.decode_layer_seconds, 0.55 * 2.0)  # median share x median time
+    result.repeats.append({"decode_seconds": 2.0, "decode_layer_seconds": None})
+    assert result.decode_layer_seconds is None
+
+
 def test_region_clock_sums_its_regions():
     clock = RegionClock(torch.device("cpu"))
     clock.start()

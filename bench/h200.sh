@@ -7,6 +7,7 @@
 # STAGES picks steps and their order (default all: tests layers unbounded fp8 budgets long baseline
 # profile hotset prefill-profile eager fp8-unbounded staging); tests run beside the build, the rest
 # after it. staging times the stage_records kernel against the copy engine (bench/kernels.py);
+# kernels times the decode expert kernels, with a block-size sweep, and the matvec/grouped crossover;
 # sampling times a token's choice on the GPU against copying the logits to the host first;
 # no-prefetch and promote bench 24/64 as budgets does, but without next-layer prefetch, or with
 # promotions; one-graph and unbounded-one-graph as budgets and unbounded do, with the whole step in
@@ -61,6 +62,8 @@ for stage in $STAGES; do
   echo "== $stage at $(( $(date +%s) - start )) s"
   case $stage in
     sampling) timeout 60 python3 bench/sampling.py --device cuda --json $R/sampling.json 2>&1 | tail -5 ;;
+    kernels) timeout 150 python3 bench/kernels.py --only decode,crossover --sweep --sweep-seconds 40 \
+      --json $R/kernels-decode.json 2>&1 | tail -40 ;;
     staging) timeout 120 python3 bench/kernels.py --only staging --sweep --sweep-seconds 20 \
       --json $R/kernels-staging.json 2>&1 | tail -30 ;;
     layers) timeout 150 python3 bench/layer_costs.py $W/full.pack --out $R 2>&1 | tail -1 ;;

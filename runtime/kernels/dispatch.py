@@ -1,4 +1,4 @@
-"""The calls the engine makes: `moe_experts`, `fp8_linear` and `stage_records`, Triton where it runs,
+"""The calls the engine makes: `moe_experts`, `fp8_linear`, `stage_records` and `router_top_k`, Triton where it runs,
 else reference.
 
 backend="auto" takes the Triton kernels on CUDA and the plain-PyTorch reference anywhere else;
@@ -16,7 +16,7 @@ import torch
 
 from flashpack.runtime.kernels.bank import ExpertBank
 from flashpack.runtime.kernels.reference import (
-    expert_swiglu_reference, fp8_linear_reference, stage_records_reference,
+    expert_swiglu_reference, fp8_linear_reference, router_top_k_reference, stage_records_reference,
 )
 
 BACKENDS = ("auto", "triton", "reference")
@@ -100,3 +100,16 @@ def stage_records(
     from flashpack.runtime.kernels.stage_records import stage_records_triton
 
     return stage_records_triton(source, offsets, target, programs=programs)
+
+
+@torch.compiler.disable
+def router_top_k(
+    logits: torch.Tensor, k: int, renormalise: bool, backend: str = "auto",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [T, E] -> (weights float32 [T, k], expert ids int64 [T, k]): the top k of the softmax
+    over the experts, descending, renormalised to sum 1 when `renormalise`."""
+    if not use_triton(logits.device, backend):
+        return router_top_k_reference(logits, k, renormalise)
+    from flashpack.runtime.kernels.router_top_k import router_top_k_triton
+
+    return router_top_k_triton(logits, k, renormalise)

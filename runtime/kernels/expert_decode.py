@@ -24,7 +24,26 @@ import triton
 import triton.language as tl
 
 from flashpack.runtime.kernels.bank import ExpertBank
-from flashpack.runtime.kernels.nvfp4_dequant import block_scale_f32, e2m1_low_high
+from flashpack.runtime.kernels.nvfp4_dequant import block_scale_f32
+
+# Undoes _e2m1_nibble's 2^-126, less the 2^14 that block_scale_f32 (shared with the float16
+# decoding of the grouped kernels) already carries.
+E2M1_F32_SCALE: tl.constexpr = tl.constexpr(2.0**112)
+
+
+@triton.jit
+def _e2m1_nibble(words, n: tl.constexpr):
+    """float32 of nibble n (bits 4n..4n+3) of each uint32 word, times 2^-126: the three magnitude
+    bits become float32 bits 22-24 (exponent bits 23-24, mantissa bit 22) and the sign bit 31, so
+    E2M1's exponent and mantissa line up with float32's and code 1 (0.5) lands on the subnormal
+    2^-127. Integer shifts and masks only: no conversion instruction, which on Hopper issues at an
+    eighth of the rate of a multiply."""
+    if 4 * n <= 22:
+        magnitude = (words << (22 - 4 * n)) & 0x01C00000
+    else:
+        magnitude = (words >> (4 * n - 22)) & 0x01C00000
+    sign = (words << (28 - 4 * n)) & 0x80000000
+    return (magnitude | sign).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -33,25 +52,28 @@ def _nvfp4_row_block_dot(nib_ptr, scale_ptr, rows, row_mask, vec_ptr, n_in: tl.c
     """float32 [BLOCK_ROWS]: rows of one NVFP4 matrix [*, n_in] (nibbles at nib_ptr, block scales at
     scale_ptr, both already offset to the expert) times the float vector at vec_ptr, no global scale.
 
-    Tiles are [rows, 16-element groups, 8 bytes]: every load is contiguous, and each group's block
-    scale multiplies the sum of its 16 products once."""
+    Nibbles are read as uint32 words, two a 16-element group ([rows, groups, 2] tiles), each
+    decoded nibble by nibble (`_e2m1_nibble`) and scaled into the normal range (exact) before it
+    meets the vector. A group's products are summed within a thread and scaled once; the sum across groups
+    (across threads) waits for the last chunk."""
     GROUPS: tl.constexpr = BLOCK_IN // 16
     group = tl.arange(0, GROUPS)
-    acc = tl.zeros([BLOCK_ROWS], dtype=tl.float32)
+    word = tl.arange(0, 2)
+    words_ptr = nib_ptr.to(tl.pointer_type(tl.uint32))
+    acc = tl.zeros([BLOCK_ROWS, GROUPS], dtype=tl.float32)
     for start in tl.static_range(0, n_in, BLOCK_IN):  # unrolled, so every chunk's loads are in flight at once
         g = start // 16 + group
         g_mask = g < n_in // 16
         mask2 = row_mask[:, None] & g_mask[None, :]
-        byte = g[:, None] * 8 + tl.arange(0, 8)[None, :]
-        packed = tl.load(nib_ptr + rows[:, None, None] * (n_in // 2) + byte[None, :, :],
-                         mask=mask2[:, :, None], other=0)
+        words = tl.load(words_ptr + rows[:, None, None] * (n_in // 8) + (g[None, :, None] * 2 + word[None, None, :]),
+                        mask=mask2[:, :, None], other=0)
         scale = tl.load(scale_ptr + rows[:, None] * (n_in // 16) + g[None, :], mask=mask2, other=0)
-        vec = tl.load(vec_ptr + g[:, None] * 16 + tl.arange(0, 16)[None, :], mask=g_mask[:, None], other=0)
-        even, odd = tl.split(tl.reshape(vec.to(tl.float32), (GROUPS, 8, 2)))
-        low, high = e2m1_low_high(packed)
-        group_sum = tl.sum(low * even[None, :, :] + high * odd[None, :, :], axis=2)
-        acc += tl.sum(group_sum * block_scale_f32(scale), axis=1)
-    return acc
+        products = tl.zeros([BLOCK_ROWS, GROUPS, 2], dtype=tl.float32)
+        for n in tl.static_range(8):
+            vec = tl.load(vec_ptr + g[:, None] * 16 + word[None, :] * 8 + n, mask=g_mask[:, None], other=0)
+            products += (_e2m1_nibble(words, n) * E2M1_F32_SCALE) * vec.to(tl.float32)[None, :, :]
+        acc += tl.sum(products, axis=2) * block_scale_f32(scale)
+    return tl.sum(acc, axis=1)
 
 
 @triton.jit

@@ -58,6 +58,15 @@ def fp8_linear_reference(
     return y.to(out_dtype or x.dtype)
 
 
+def router_top_k_reference(logits: torch.Tensor, k: int, renormalise: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [T, E] -> (weights float32 [T, k], expert ids int64 [T, k]): the k largest of
+    softmax(logits) in float32, descending, divided by their sum when `renormalise`."""
+    weights, ids = torch.topk(torch.softmax(logits, dim=-1, dtype=torch.float32), k, dim=-1)
+    if renormalise:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
+
+
 def stage_records_reference(source: torch.Tensor, offsets: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     """source int32 [N]; offsets int64 [K] in int32 words, -1 to skip; target int32 [K, words]:
     target[k] = source[offsets[k]:offsets[k] + words] where offsets[k] >= 0, other rows untouched."""

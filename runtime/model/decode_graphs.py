@@ -218,12 +218,11 @@ class DecodeGraphs:
     def _through_store(self, streams, rows, after_layer) -> torch.Tensor:
         self.settle()  # the store sees the steps in order
         with self._layers_timed():
-            carried = ()  # the previous layer's (routed + shared expert output, inject), combined next
+            carried = ()  # the previous layer's (routed and shared experts' outputs, inject), combined next
             for layer, call in self._store_pieces:
                 streams, x, inject, weights, experts, shared, predicted = call(
                     streams, self._position, *carried, *self._rows_of([layer], rows))
-                routed = layer.moe.routed_from_store(x, weights, experts, predicted)
-                carried = (routed + shared, inject)
+                carried = (layer.moe.routed_from_store(x, weights, experts, predicted), shared, inject)
                 if after_layer is not None:
                     after_layer(layer)
             return self.combine(self.layers[-1], streams, *carried)
@@ -272,13 +271,15 @@ class DecodeGraphs:
             ahead = (guess, ahead_rows)
         streams = self._layer_front(layer, streams, position, ple_rows.get(layer.layer))
         x, inject, weights, experts, shared, predicted = self.route(layer, streams)
-        slots, codes, missing, early = self.table_slots(experts, table[layer.layer], host, ahead)
+        if self.resident:  # every expert in a device slot: nothing to stage, nothing missing
+            slots = table[layer.layer][experts]
+        else:
+            slots, weights, codes, missing, early = self.table_slots(experts, weights, table[layer.layer], host, ahead)
         if reporting:
             self._report[index].copy_(report_row(experts, codes, missing, early, guess, ahead))
         if ahead is not None:
             self._join_side()  # the records staged ahead for this layer have landed
-        routed = moe_experts(x, bank, slots, weights.masked_fill(missing, 0))
-        streams = self.combine(layer, streams, routed + shared, inject)
+        streams = self.combine(layer, streams, moe_experts(x, bank, slots, weights), shared, inject)
         if predicted is None:
             return streams, ()
         if host is None:
@@ -304,8 +305,8 @@ class DecodeGraphs:
         next layer's predicted ids or None), the previous layer's experts combined first."""
         def step(streams, position, *rest):
             if previous is not None:
-                expert_output, inject, *rest = rest
-                streams = self.combine(previous, streams, expert_output, inject)
+                routed, shared, inject, *rest = rest
+                streams = self.combine(previous, streams, routed, shared, inject)
             streams = self._layer_front(layer, streams, position, rest[0] if rest else None)
             return (streams, *self.route(layer, streams))
 

@@ -32,15 +32,18 @@ def _host_offsets(codes: torch.Tensor, wanted: torch.Tensor, host: HostRecords) 
     return torch.where(wanted.flatten(), host.offsets[host_slots], -1)
 
 
-def table_slots(experts, code_row, host: HostRecords | None, ahead: tuple[torch.Tensor, torch.Tensor] | None):
+def table_slots(experts, weights, code_row, host: HostRecords | None,
+                ahead: tuple[torch.Tensor, torch.Tensor] | None):
     """Where a layer's experts [1, k] are, from its slot-table row `code_row` [num_experts] (the
     codes of runtime/experts.py). Experts in the host cache come from the rows they were staged
     into ahead, as the previous layer predicted them (`ahead`: predicted ids [1, k] and their bank
     rows, -1 where not staged), or are staged into the LATE_ROWS staging rows now. Returns (bank
-    rows, codes, on disk, staged ahead), each [1, k]; a disk expert's row is 0, to be weighted zero."""
+    rows, routing `weights` with the experts on disk weighted zero, codes, on disk, staged ahead),
+    each [1, k]; a disk expert's row is 0."""
     codes = code_row[experts]
     if host is None:  # no staging rows: host experts miss as disk ones do
-        return codes.clamp(min=0), codes, codes < 0, torch.zeros_like(codes, dtype=torch.bool)
+        missing = codes < 0
+        return codes.clamp(min=0), weights.masked_fill(missing, 0), codes, missing, torch.zeros_like(missing)
     in_host = codes <= host_code(0)
     early, early_row = torch.zeros_like(in_host), torch.zeros_like(codes)
     if ahead is not None:
@@ -52,7 +55,8 @@ def table_slots(experts, code_row, host: HostRecords | None, ahead: tuple[torch.
     stage_records(host.source, _host_offsets(codes, late, host), host.rows(LATE_ROWS))
     late_rows = host.first_slot(LATE_ROWS) + torch.arange(codes.shape[-1], device=codes.device, dtype=codes.dtype)
     slots = torch.where(early, early_row, torch.where(late, late_rows, codes))
-    return slots.clamp(min=0), codes, codes == ON_DISK, early
+    missing = codes == ON_DISK
+    return slots.clamp(min=0), weights.masked_fill(missing, 0), codes, missing, early
 
 
 def ahead_offsets(predicted, code_row, host: HostRecords):
@@ -73,5 +77,6 @@ def tiered_route(layer: DecoderLayer, streams):
     return x, inject, weights, experts, shared, layer.moe.predict_next(x)
 
 
-def expert_combine(layer: DecoderLayer, streams, expert_output, inject):
-    return layer.mlp_hc.combine(streams, expert_output, inject)
+def expert_combine(layer: DecoderLayer, streams, routed, shared, inject):
+    """The routed and the shared experts' outputs into the streams (one fused kernel compiled)."""
+    return layer.mlp_hc.combine(streams, routed + shared, inject)

@@ -24,7 +24,7 @@ from torch import nn
 
 from flashpack.layout.model_config import TextConfig
 from flashpack.runtime.experts import ExpertFetcher, ExpertSlots, ResidentSlots
-from flashpack.runtime.kernels import moe_experts
+from flashpack.runtime.kernels import moe_experts, router_top_k
 from flashpack.runtime.kernels.dispatch import DECODE_MAX_TOKENS
 from flashpack.runtime.model.linear import DenseLinear, StackedLinear
 from flashpack.runtime.model.norms import activation
@@ -65,10 +65,7 @@ class SparseMoE(nn.Module):
         return self._top_k(self.in_proj.part(x, 0))
 
     def _top_k(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
-        weights, experts = torch.topk(probs, self.top_k, dim=-1)
-        if self.renormalise:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
+        weights, experts = router_top_k(logits, self.top_k, self.renormalise)
         return weights.to(logits.dtype), experts
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

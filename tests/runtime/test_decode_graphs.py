@@ -194,8 +194,9 @@ def test_control_a_tiered_step_must_see_its_misses_and_restore_its_state(tiny_pa
 
     if broken == "misses-ignored":
         found = graph_pieces.table_slots
-        monkeypatch.setattr(graph_pieces, "table_slots", lambda *args: (
-            lambda slots, codes, missing, early: (slots, codes, torch.zeros_like(missing), early))(*found(*args)))
+        monkeypatch.setattr(graph_pieces, "table_slots", lambda experts, weights, *args: (
+            lambda slots, _, codes, missing, early: (slots, weights, codes, torch.zeros_like(missing), early))(
+                *found(experts, weights, *args)))
     if broken == "ahead-not-staged":
         ahead = graph_pieces.ahead_offsets
         monkeypatch.setattr(graph_pieces, "ahead_offsets", lambda *args: (

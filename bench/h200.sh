@@ -55,7 +55,8 @@ hot_set() {  # bake the hot set `corpus` into $W/$1.pack: the synth corpus's pro
 }
 bench() {  # name, vram, ram, extra args (PACK=full-fp8 for the --dense-fp8 pack)
   local name=$1 vram=$2 ram=$3; shift 3
-  timeout ${BENCH_TIMEOUT:-150} python3 -m flashpack.cli bench $W/${PACK:-full}.pack --device cuda ${vram:+--vram-budget $vram} \
+  local entry=(-m flashpack.cli); [ -n "$BENCH_PY" ] && entry=(-c "$BENCH_PY")  # BENCH_PY: code standing in for the CLI
+  timeout ${BENCH_TIMEOUT:-150} python3 "${entry[@]}" bench $W/${PACK:-full}.pack --device cuda ${vram:+--vram-budget $vram} \
     ${ram:+--ram-budget $ram} --emulate-layers 48 --json $R/bench-$name.json --quiet "$@" 2>&1 | tail -22
 }
 for stage in $STAGES; do
@@ -68,6 +69,9 @@ for stage in $STAGES; do
       --json $R/kernels-staging.json 2>&1 | tail -30 ;;
     layers) timeout 150 python3 bench/layer_costs.py $W/full.pack --out $R 2>&1 | tail -1 ;;
     unbounded) bench unbounded "" "" --prompt-len $PROMPT --gen $GEN ;;
+    unbounded-combo)  # an experiment: inductor's combo kernels (independent small kernels launched as one)
+      BENCH_PY="import sys, torch._inductor.config as c; c.combo_kernels = True; from flashpack.cli import main; sys.argv[0] = 'flashpack'; main()" \
+        bench unbounded-combo "" "" --prompt-len $PROMPT --gen $GEN ;;
     unbounded-one-graph) bench unbounded-one-graph "" "" --prompt-len $PROMPT --gen $GEN --graph-layers $LAYERS ;;
     one-graph) bench 24g-64g-one-graph 24GiB 64GiB --prompt-len $PROMPT --gen $GEN --hot-set '*' --graph-layers $LAYERS ;;
     fp8) fp8_pack; PACK=full-fp8 bench 8g-32g-fp8 8GiB 32GiB --prompt-len $PROMPT --gen $GEN ;;

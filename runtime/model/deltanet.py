@@ -60,5 +60,10 @@ class GatedDeltaNet(nn.Module):
         """Depthwise causal conv + activation over x [T, C], continuing from state.conv [C, K - 1]."""
         full = torch.cat([state.conv, x.transpose(0, 1)], dim=-1)  # [C, K - 1 + T]
         state.conv.copy_(full[:, full.shape[1] - state.conv.shape[1]:])
-        out = F.conv1d(full[None], self.conv_weight, groups=full.shape[0])[0]
+        if x.shape[0] == 1:
+            # One token is a K-tap dot a channel: as a product and a sum, torch.compile fuses it with
+            # the cat, the state update and the activation (a conv1d is a kernel of its own).
+            out = (full.float() * self.conv_weight[:, 0].float()).sum(-1, keepdim=True).to(x.dtype)
+        else:
+            out = F.conv1d(full[None], self.conv_weight, groups=full.shape[0])[0]
         return self.act(out).transpose(0, 1)

@@ -69,9 +69,9 @@ for stage in $STAGES; do
       --json $R/kernels-staging.json 2>&1 | tail -30 ;;
     layers) timeout 150 python3 bench/layer_costs.py $W/full.pack --out $R 2>&1 | tail -1 ;;
     unbounded) bench unbounded "" "" --prompt-len $PROMPT --gen $GEN ;;
-    unbounded-combo)  # an experiment: inductor's combo kernels (independent small kernels launched as one)
-      BENCH_PY="import sys, torch._inductor.config as c; c.combo_kernels = True; from flashpack.cli import main; sys.argv[0] = 'flashpack'; main()" \
-        bench unbounded-combo "" "" --prompt-len $PROMPT --gen $GEN ;;
+    unbounded-no-combo)  # the control for the engine's inductor combo kernels: compiled without them
+      BENCH_PY="import sys; from flashpack.runtime.model import decode_graphs; decode_graphs.COMPILE_OPTIONS = {}; from flashpack.cli import main; main()" \
+        bench unbounded-no-combo "" "" --prompt-len $PROMPT --gen $GEN ;;
     unbounded-one-graph) bench unbounded-one-graph "" "" --prompt-len $PROMPT --gen $GEN --graph-layers $LAYERS ;;
     one-graph) bench 24g-64g-one-graph 24GiB 64GiB --prompt-len $PROMPT --gen $GEN --hot-set '*' --graph-layers $LAYERS ;;
     fp8) fp8_pack; PACK=full-fp8 bench 8g-32g-fp8 8GiB 32GiB --prompt-len $PROMPT --gen $GEN ;;

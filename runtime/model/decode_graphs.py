@@ -78,6 +78,12 @@ from flashpack.runtime.state import SequenceState
 AHEAD_PROGRAMS = 32
 
 
+# TorchInductor's options for the compiled pieces: combo kernels launch independent small kernels of
+# a piece (the DeltaNet gates beside the conv, the hyper-connection's injection beside its mix) as
+# one, where a decode step's kernels are mostly launch and tail, not work.
+COMPILE_OPTIONS = {"combo_kernels": True}
+
+
 # Layers in one graph of a step: launching a graph costs the host 1-2 us a node, and the GPU
 # starts a graph's work only once its launch has returned, so one graph a layer keeps the GPU busy
 # with layer L while the host launches layer L + 1.
@@ -105,7 +111,7 @@ class DecodeGraphs:
         self.tabled = source if not self.resident and isinstance(source, TabledSlots) else None
         self.speculation = Speculation() if self.tabled is not None else None
         self.staging = StagingCounts()
-        compiled = torch.compile if compile_layers else (lambda fn: fn)
+        compiled = (lambda fn: torch.compile(fn, options=COMPILE_OPTIONS)) if compile_layers else (lambda fn: fn)
         self.front, self.combine = compiled(pieces.layer_front), compiled(pieces.expert_combine)
         self.route = compiled(pieces.tiered_route)
         self.table_slots, self.ahead_offsets = compiled(pieces.table_slots), compiled(pieces.ahead_offsets)

@@ -12,7 +12,8 @@ host overhead (Python, launches, waits on the store). `host_split_ms` times, unp
 decode step's host thread spends in the calls that matter for a tiered store (each call's wall
 time per step, nested calls inside their callers); `--trace` also writes the profiled steps as a
 gzipped Chrome trace (every thread, both streams), for chrome://tracing or Perfetto, and
-`gpu_idle`: where the GPU waited, by what the host was doing (runtime/bench/gaps.py).
+`gpu_idle`: where the GPU waited, by what the host was doing (runtime/bench/gaps.py), and
+`device_time_by_kernel_class`: the device's time by kind of kernel (runtime/bench/kernel_classes.py).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from flashpack.layout.pack import Pack
 from flashpack.runtime.bench.gaps import format_gaps, gpu_gaps, load_trace
+from flashpack.runtime.bench.kernel_classes import format_classes, kernel_classes
 from flashpack.runtime.bench.emulate import check_layers, scaled_budgets
 from flashpack.runtime.bench.sizes import model_sizes
 from flashpack.runtime.loader import StoreOptions, load_engine, parse_device, parse_dtype
@@ -138,17 +140,20 @@ def main() -> None:
               events.table(sort_by="self_device_time_total", row_limit=25)]
     Path(args.out).mkdir(parents=True, exist_ok=True)
     Path(args.out, f"profile-{args.name}.txt").write_text("\n\n".join(tables))
-    idle = None
+    idle = classes = None
     if args.trace:
         trace = Path(args.out, f"trace-{args.name}.json")
         prof.export_chrome_trace(str(trace))
-        idle = gpu_gaps(load_trace(trace), steps)
+        traced = load_trace(trace)
+        idle, classes = gpu_gaps(traced, steps), kernel_classes(traced, steps)
         print(format_gaps(idle))
+        print(format_classes(classes))
         with trace.open("rb") as raw, gzip.open(f"{trace}.gz", "wb") as packed:
             shutil.copyfileobj(raw, packed)
         trace.unlink()
     summary = {"name": args.name, "step_wall_ms": wall * 1e3, "device_busy_ms": device_busy * 1e3,
                "host_overhead_ms": (wall - device_busy) * 1e3, "host_split_ms": host_split, "gpu_idle": idle,
+               "device_time_by_kernel_class": classes,
                "phase": args.phase, "prompt_tokens": args.prompt_len,
                "kernel_launches_per_step": sum(e.count for e in events if e.device_type.name == "CUDA") / steps}
     print(json.dumps(summary))

@@ -1,11 +1,11 @@
-"""The calls the engine makes: `moe_experts`, `fp8_linear`, `stage_records` and `router_top_k`, Triton where it runs,
-else reference.
+"""The calls the engine makes: `moe_experts`, `fp8_linear`, `stage_records` and `router_top_k`,
+Triton where it runs, else reference.
 
 backend="auto" takes the Triton kernels on CUDA and the plain-PyTorch reference anywhere else;
 "triton" and "reference" force one side. The tests force "triton" on a CPU, where the kernels run
 in Triton's interpreter (TRITON_INTERPRET=1 set before this package's kernels were first imported):
-correct but far too slow for an engine, which is why "auto" never picks it. Under the interpreter the tile kernels run precision="fp32" (its
-bf16 tl.dot is wrong); on CUDA they run bf16 tensor cores.
+correct but far too slow for an engine, which is why "auto" never picks it. Under the interpreter
+the tile kernels run precision="fp32" (its bf16 tl.dot is wrong); on CUDA they run bf16 tensor cores.
 """
 
 from __future__ import annotations

@@ -12,6 +12,10 @@ H = 2560, I = 640, 512 experts per layer, top-10; FP8 matrix 8192 x 2560.
   staging   5 and 10 records from pinned host memory into device rows: the stage_records kernel
             (reads over PCIe from the SMs) against the copy engine (one copy_ per record), both
             in a graph, GB/s held against one large pinned host-to-device copy
+  router    softmax + top-10 of 512 + renormalise for 1 token: the router_top_k kernel against torch
+  hc-mix    a hyper-connection mix (hc = 4, rank 320, with injection) for 1 token: hc_mix's two
+            kernels against the module's code compiled by torch.compile, 8 mixers rotated (106 MB,
+            more than the L2), both in a CUDA graph
 
 Bytes moved count what a kernel must read and write: each selected expert's record data
 (2,764,800 bytes) once, the distinct experts once for the grouped path, plus activations and
@@ -262,6 +266,67 @@ def bench_decode(report: Report, bank, geometry, device, sweep: bool) -> None:
                 print(f"sweep {cfg}: {error!r}"[:200])
 
 
+def bench_router(report: Report, device) -> None:
+    from flashpack.runtime.kernels.reference import router_top_k_reference
+    from flashpack.runtime.kernels.router_top_k import router_top_k_triton
+
+    logits = [torch.randn(1, EXPERTS, device=device, dtype=torch.bfloat16) for _ in range(8)]
+    moved = EXPERTS * 2 + TOP_K * 12
+    run = lambda i: router_top_k_triton(logits[i % 8], TOP_K, True)  # noqa: E731
+    report.timing("router T=1", "triton router_top_k", graph_ms(run, 64), moved)
+    report.timing("router T=1", "torch softmax + topk + renormalise",
+                  graph_ms(lambda i: router_top_k_reference(logits[i % 8], TOP_K, True), 64), moved)
+    for index in range(3):  # bf16 logits tie: the same weights, and the same ids up to their order among ties
+        weights, ids = router_top_k_triton(logits[index], TOP_K, True)
+        want_weights, want_ids = router_top_k_reference(logits[index], TOP_K, True)
+        same = set(ids[0].tolist()) == set(want_ids[0].tolist())
+        report.check(f"router T=1 #{index}", 0.0 if same else float("inf"), 0.0, "torch's experts")
+        report.check(f"router T=1 #{index}", relative_error(weights, want_weights), 1e-6, "torch's weights")
+
+
+class _MixerWeights:
+    """Random weights of one hyper-connection mix at the real dims (a WeightSource's `dense`)."""
+
+    def __init__(self, hc: int, rank: int, device, seed: int):
+        from types import SimpleNamespace
+
+        gen = torch.Generator(device).manual_seed(seed)
+        self.config = SimpleNamespace(hc_count=hc, hidden_size=H, rms_norm_eps=1e-6)
+        self.tensors = {
+            "hc_norm.weight": 0.1 * torch.randn(hc * H, device=device, generator=gen),
+            "input_mix_weight_down.weight": torch.randn(rank, hc * H, device=device, generator=gen) / (hc * H) ** 0.5,
+            "block_inject_weight.weight": torch.randn(hc, hc * H, device=device, generator=gen) / (hc * H) ** 0.5,
+            "input_mix_weight_up.weight": torch.randn(hc * H, rank, device=device, generator=gen) / rank**0.5,
+        }
+
+    def dense(self, name: str) -> torch.Tensor:
+        return self.tensors[name]
+
+
+def bench_hc_mix(report: Report, device) -> None:
+    from flashpack.runtime.model.hyper_connection import GatedResidual
+
+    hc, rank, copies = 4, 320, 8
+    mixers = []
+    for seed in range(copies):
+        weights = _MixerWeights(hc, rank, device, seed)
+        mixers.append(GatedResidual(weights.config, weights, "", torch.bfloat16, device))
+    xs = [torch.randn(1, hc * H, device=device, dtype=torch.bfloat16) for _ in range(copies)]
+    moved = (rank + hc) * hc * H * 2 + hc * H * rank * 2 + 2 * hc * H * 2 + H * 2
+    compiled = torch.compile(lambda mixer, x: mixer.mix(x))  # one graph for every mixer: weights are inputs
+    report.timing("hc mix T=1", "torch.compile'd module (cuBLAS + Inductor)",
+                  graph_ms(lambda i: compiled(mixers[i % copies], xs[i % copies]), 32), moved)
+    expected = [mixer.mix(x) for mixer, x in zip(mixers[:3], xs)]
+    for mixer in mixers:
+        mixer.fused = True
+    report.timing("hc mix T=1", "triton hc_mix (2 kernels)",
+                  graph_ms(lambda i: mixers[i % copies].mix(xs[i % copies]), 32), moved)
+    for index, (want_input, want_inject) in enumerate(expected):
+        got_input, got_inject = mixers[index].mix(xs[index])
+        report.check(f"hc mix T=1 #{index}", relative_error(got_input, want_input), 2.0**-6, "module, bf16")
+        report.check(f"hc mix T=1 #{index} inject", relative_error(got_inject, want_inject), 2.0**-6, "module, bf16")
+
+
 def bench_crossover(report: Report, bank, geometry, device) -> None:
     from flashpack.runtime.kernels.expert_decode import nvfp4_expert_swiglu
     from flashpack.runtime.kernels.expert_grouped import nvfp4_expert_swiglu_grouped
@@ -431,7 +496,7 @@ def main() -> None:
     parser.add_argument("--json", type=Path, required=True)
     parser.add_argument("--sweep", action="store_true", help="also time a grid of block sizes")
     parser.add_argument("--sweep-seconds", type=float, default=45.0, help="time limit of each section's sweep")
-    parser.add_argument("--only", default="decode,fp8,prefill,crossover,staging")
+    parser.add_argument("--only", default="decode,fp8,prefill,crossover,staging,router,hc-mix")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench/kernels.py needs a CUDA GPU")
@@ -458,6 +523,10 @@ def main() -> None:
                 bench_fp8(report, device, args.sweep)
             elif name == "staging":
                 bench_staging(report, geometry, device, args.sweep)
+            elif name == "router":
+                bench_router(report, device)
+            elif name == "hc-mix":
+                bench_hc_mix(report, device)
         except Exception:
             failures.append({"case": name, "error": traceback.format_exc()})
             print(failures[-1]["error"], file=sys.stderr)

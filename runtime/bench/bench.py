@@ -77,6 +77,7 @@ def run_bench(
     prefetch: bool = True,
     promote: bool = False,
     layers_per_graph: int = LAYERS_PER_GRAPH,
+    fused_mix: bool = False,
 ) -> dict:
     """Benchmark `pack`; returns the report (and writes it to `json_path` when given).
 
@@ -113,13 +114,13 @@ def run_bench(
         policy=policy, hot_set=hot_set, direct_io=direct_io, prefetch=prefetch, promote=promote,
     )
     engine = load_engine(pack, device, dtype, verify_records=verify_records, store=store, cuda_graphs=cuda_graphs,
-                         compile_layers=compile_layers, layers_per_graph=layers_per_graph)
+                         compile_layers=compile_layers, layers_per_graph=layers_per_graph, fused_mix=fused_mix)
     graphs = engine.model.decode_graphs
     engine_setup = {"expert_source": type(engine.store).__name__, "cuda_graphs": graphs is not None,
                     "compiled_layers": graphs is not None and compile_layers,
                     "layers_per_graph": graphs.layers_per_graph if graphs is not None else None,
                     "prefetch": any(layer.moe.next_moe is not None for layer in engine.model.layers),
-                    "promote": promote}
+                    "promote": promote, "fused_mix": fused_mix}
     try:
         tokenizer = engine.tokenizer.tokenizer
         eos = cfg.eos_token_id if cfg.eos_token_id is not None and cfg.eos_token_id >= 0 else None

@@ -97,7 +97,8 @@ def table(report: dict) -> str:
          f"{' (compiled layers)' if settings.get('compiled_layers') else ''}"
          f"{', %s layer(s) a graph' % settings['layers_per_graph'] if settings.get('layers_per_graph') else ''}, "
          f"next-layer prefetch {'on' if settings.get('prefetch') else 'off'}, "
-         f"promotions {'on' if settings.get('promote') else 'off'}"),
+         f"promotions {'on' if settings.get('promote') else 'off'}"
+         f"{', fused hyper-connection mixes' if settings.get('fused_mix') else ''}"),
         "",
     ]
     failed = theirs.get("error") if theirs else None

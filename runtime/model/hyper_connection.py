@@ -9,6 +9,10 @@ Streams are laid out [T, hc * H] (stream outer, hidden inner). Around every atte
 `inject` of None adds it with unit weight to every stream (how the MTP head feeds its projected
 token embedding in, as vLLM's delayed combine does with prev_injection=None). The final mixer is
 a `GatedResidual` without injection weights: its `mix` collapses the streams for the lm_head.
+
+With `fused` set (`Qwen4ExpModel.fuse_hyper_connections`, CUDA only), a one-token mix runs as two
+Triton kernels (runtime/kernels/hc_mix.py) instead of the seven a compiled step makes of the code
+below, which stays the reference they are tested against.
 """
 
 from __future__ import annotations
@@ -37,9 +41,13 @@ class GatedResidual(nn.Module):
         names = ["input_mix_weight_down.weight"] + (["block_inject_weight.weight"] if inject else [])
         self.in_proj = StackedLinear(source, [prefix + name for name in names], dtype, device)
         self.register_buffer("mix_up", load("input_mix_weight_up.weight"), persistent=False)  # [hc*H, R]
+        self.inject = inject
+        self.fused = False
 
     def mix(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """streams [T, hc*H] -> block input [T, H], injection weights [T, hc] (None for a final mixer)."""
+        if self.fused and streams.shape[0] == 1 and not any(self.in_proj.is_fp8):
+            return self._mix_fused(streams)
         normed = self.norm(streams)
         down, *inject = self.in_proj(normed)
         gate = F.silu(down / self.hc)
@@ -48,6 +56,14 @@ class GatedResidual(nn.Module):
         if not inject:  # a final mixer
             return block_input, None
         return block_input, 2 * torch.sigmoid(inject[0] / self.hc)
+
+    @torch.compiler.disable  # two Triton kernels, launched as they are from a compiled step
+    def _mix_fused(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        from flashpack.runtime.kernels.hc_mix import hc_mix_triton
+
+        block_input, inject = hc_mix_triton(streams, self.norm.weight, self.norm.eps, self.in_proj.weight,
+                                            self.mix_up, self.hc, self.inject)
+        return block_input, None if inject is None else inject.to(streams.dtype)
 
     def combine(
         self, streams: torch.Tensor, block_output: torch.Tensor, inject: torch.Tensor | None

@@ -72,6 +72,14 @@ class Qwen4ExpModel(nn.Module):
         for layer in self.layers:
             layer.moe.routing_observer = observer
 
+    def fuse_hyper_connections(self, enabled: bool = True) -> None:
+        """Run one-token hyper-connection mixes (two a layer, and the final mixer's) as two Triton
+        kernels each (runtime/kernels/hc_mix.py) instead of the module's plain code."""
+        if enabled and self.device.type != "cuda":
+            raise ValueError("fused hyper-connection mixes run on CUDA only")
+        for mixer in [self.final_mixer, *(hc for layer in self.layers for hc in (layer.attn_hc, layer.mlp_hc))]:
+            mixer.fused = enabled
+
     def prefetch_next_layer(self, enabled: bool = True) -> None:
         """Let each MoE block name the next layer's likely experts to a tiered store in decode."""
         for layer, following in zip(self.layers, self.layers[1:]):

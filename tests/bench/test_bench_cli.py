@@ -154,3 +154,9 @@ def test_a_failing_baseline_keeps_our_numbers_and_exits_1(tiny_pack, tmp_path, m
     report = json.loads(out.read_text())
     assert report["results"]["transformers"] == {"error": "RuntimeError: no room for the baseline"}
     assert report["results"]["flashpack"]["decode"]["tokens_per_s"] > 0 and report["comparison"] is None
+
+
+def test_fused_mixes_off_a_gpu_are_one_line_and_exit_2(tiny_pack):
+    result = CliRunner().invoke(main, ["bench", str(tiny_pack), "--fused-mix", "--device", "cpu", *PROBES])
+    assert result.exit_code == 2 and len(result.output.strip().splitlines()) == 1
+    assert "--fused-mix runs Triton kernels on CUDA" in result.output

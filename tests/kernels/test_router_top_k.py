@@ -48,6 +48,19 @@ def test_strided_rows(triton_device):
     assert torch.allclose(weights, want_weights, rtol=WEIGHT_TOL, atol=0)
 
 
+def test_ties_go_to_the_lowest_index(triton_device):
+    """bfloat16 router logits tie often; equal probabilities are picked lowest index first (the
+    set torch's radix select keeps at the k-th value), so a stable descending sort is the answer."""
+    from flashpack.runtime.kernels.router_top_k import router_top_k_triton
+
+    logits = torch.tensor([[1.0, 3.0, 2.0, 3.0, 2.0, 2.0, 0.5, 3.0]], device=triton_device)
+    weights, ids = router_top_k_triton(logits, 5, False)
+    probs = torch.softmax(logits.float(), dim=-1)
+    order = torch.sort(probs, dim=-1, descending=True, stable=True).indices[:, :5]
+    assert ids.cpu().tolist() == order.cpu().tolist() == [[1, 3, 7, 2, 4]]
+    assert torch.allclose(weights, probs.gather(-1, order), rtol=WEIGHT_TOL, atol=0)
+
+
 def test_wrong_choice_control(triton_device):
     """A check that can fail: the kernel's answer for other logits (the least likely expert pushed
     to the top) must not pass as the reference's."""

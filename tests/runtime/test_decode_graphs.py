@@ -100,6 +100,20 @@ def test_graphs_of_two_layers_match_eager(tiny_pack, tiered):
 
 
 @needs_gpu
+@pytest.mark.parametrize("tiered", [None, 60], ids=["resident", "tiered-60"])
+def test_fused_hyper_connection_mixes_match_eager(tiny_pack, tiered):
+    """Decode steps whose hyper-connection mixes run as runtime/kernels/hc_mix.py's kernels, in
+    compiled graphs, compute what the plain eager engine does (float32: summation order only)."""
+    prompt = torch.randint(0, 1000, (30,), generator=torch.Generator().manual_seed(4))
+    options = _store_options(tiny_pack, tiered)
+    eager = load_engine(tiny_pack, "cuda", dtype="float32", store=options, cuda_graphs=False)
+    fused = load_engine(tiny_pack, "cuda", dtype="float32", store=options, fused_mix=True)
+    assert all(layer.attn_hc.fused and layer.mlp_hc.fused for layer in fused.model.layers)
+    expected, got = _decode(eager, prompt, 12), _decode(fused, prompt, 12)
+    assert _worst(got, expected) < 1e-4
+
+
+@needs_gpu
 def test_graph_control_a_changed_weight_shows(tiny_pack):
     """Replays must read live weights: scaling one layer's router after capture changes the logits."""
     prompt = torch.randint(0, 1000, (20,), generator=torch.Generator().manual_seed(1))

@@ -272,12 +272,13 @@ def bench_router(report: Report, device) -> None:
 
     logits = [torch.randn(1, EXPERTS, device=device, dtype=torch.bfloat16) for _ in range(8)]
     moved = EXPERTS * 2 + TOP_K * 12
-    run = lambda i: router_top_k_triton(logits[i % 8], TOP_K, True)  # noqa: E731
-    report.timing("router T=1", "triton router_top_k", graph_ms(run, 64), moved)
+    for warps in (4, 1):
+        run = lambda i, w=warps: router_top_k_triton(logits[i % 8], TOP_K, True, num_warps=w)  # noqa: E731
+        report.timing("router T=1", f"triton router_top_k num_warps={warps}", graph_ms(run, 64), moved)
     report.timing("router T=1", "torch softmax + topk + renormalise",
                   graph_ms(lambda i: router_top_k_reference(logits[i % 8], TOP_K, True), 64), moved)
     for index in range(3):  # bf16 logits tie: the same weights, and the same ids up to their order among ties
-        weights, ids = router_top_k_triton(logits[index], TOP_K, True)
+        weights, ids = router_top_k_triton(logits[index], TOP_K, True, num_warps=1)
         want_weights, want_ids = router_top_k_reference(logits[index], TOP_K, True)
         same = set(ids[0].tolist()) == set(want_ids[0].tolist())
         report.check(f"router T=1 #{index}", 0.0 if same else float("inf"), 0.0, "torch's experts")

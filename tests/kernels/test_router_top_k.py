@@ -21,16 +21,17 @@ def _logits(rows: int, experts: int, dtype: torch.dtype, device, seed: int = 0) 
     return (3 * torch.randn(rows, experts, generator=torch.Generator().manual_seed(seed))).to(device, dtype)
 
 
+@pytest.mark.parametrize("num_warps", [4, 1])
 @pytest.mark.parametrize("rows,experts,k,renormalise,dtype", [
     (1, 512, 10, True, torch.float32),   # the real router, one decode token
     (3, 40, 5, False, torch.bfloat16),   # not a power of two: masked lanes
     (2, 17, 17, True, torch.float32),    # k = E: every expert, in order
 ])
-def test_matches_reference(triton_device, rows, experts, k, renormalise, dtype):
+def test_matches_reference(triton_device, rows, experts, k, renormalise, dtype, num_warps):
     from flashpack.runtime.kernels.router_top_k import router_top_k_triton
 
     logits = _logits(rows, experts, dtype, triton_device)
-    weights, ids = router_top_k_triton(logits, k, renormalise)
+    weights, ids = router_top_k_triton(logits, k, renormalise, num_warps=num_warps)
     want_weights, want_ids = router_top_k_reference(logits, k, renormalise)
     assert ids.dtype == torch.int64 and weights.dtype == torch.float32
     assert torch.equal(ids.cpu(), want_ids.cpu())

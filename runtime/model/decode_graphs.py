@@ -79,8 +79,8 @@ AHEAD_PROGRAMS = 32
 
 
 # TorchInductor's options for the compiled pieces: combo kernels launch independent small kernels of
-# a piece (the DeltaNet gates beside the conv, the hyper-connection's injection beside its mix) as
-# one, where a decode step's kernels are mostly launch and tail, not work.
+# a piece as one, where a decode step's kernels are mostly launch and tail, not work (on the H200 a
+# 4-layer step's layers took 0.767 ms of device time with them, 0.821 without: run 12).
 COMPILE_OPTIONS = {"combo_kernels": True}
 
 

@@ -113,6 +113,14 @@ def test_fused_hyper_connection_mixes_match_eager(tiny_pack, tiered):
     assert _worst(got, expected) < 1e-4
 
 
+def test_fused_mixes_need_cuda(tiny_pack):
+    """The fused mixes are Triton kernels compiled for a GPU: a CPU engine refuses them."""
+    engine = load_engine(tiny_pack, "cpu")
+    with pytest.raises(ValueError, match="CUDA only"):
+        engine.model.fuse_hyper_connections()
+    assert not any(layer.attn_hc.fused for layer in engine.model.layers)
+
+
 @needs_gpu
 def test_graph_control_a_changed_weight_shows(tiny_pack):
     """Replays must read live weights: scaling one layer's router after capture changes the logits."""

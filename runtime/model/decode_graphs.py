@@ -242,13 +242,13 @@ class DecodeGraphs:
         mixer_state = self._state.deltanet[layer.layer] if layer.linear else self._state.attention[layer.layer]
         return self.front(layer, streams, position, ple_rows, ple_state, mixer_state)
 
-    def _table_piece(self, first: int, count: int, bank, host: HostRecords | None, reporting: bool) -> Callable:
+    def _table_piece(self, first: int, count: int, bank, host: HostRecords | None) -> Callable:
         """Layers first .. first + count - 1 against a slot table [layers, experts]: (table,
         position, streams, [their PLE rows,] [the layer before's prediction of the first one's
         experts: ids, and with staging rows the offsets of those in the host cache and their bank
         rows]) -> (streams, [the last layer's prediction of the next one's, as handed on]). The
-        step's first layer saves the state a redo restores; with `reporting`, each layer writes
-        its row of the step's report: whether an expert was on disk, how many records were staged
+        step's first layer saves the state a redo restores; against a store's table, each layer
+        writes its row of the step's report: whether an expert was on disk, how many records were staged
         ahead for it, how many of its experts the layer before predicted; then its expert ids,
         their codes, and which came staged ahead."""
         def piece(table, position, streams, *rest):
@@ -259,13 +259,12 @@ class DecodeGraphs:
             ple_rows = {layer.layer: rest.pop(0) for layer in self.layers[first:first + count] if layer.ple is not None}
             carried = tuple(rest)
             for index in range(first, first + count):
-                streams, carried = self._table_layer(index, table, position, streams, ple_rows, carried, bank, host,
-                                                     reporting)
+                streams, carried = self._table_layer(index, table, position, streams, ple_rows, carried, bank, host)
             return (streams, *carried)
 
         return piece
 
-    def _table_layer(self, index: int, table, position, streams, ple_rows, carried, bank, host, reporting):
+    def _table_layer(self, index: int, table, position, streams, ple_rows, carried, bank, host):
         """One layer of a table piece: (streams, what it hands the next layer)."""
         layer = self.layers[index]
         guess, ahead = (carried[0] if carried else None), None  # the layer before's prediction
@@ -277,11 +276,10 @@ class DecodeGraphs:
             ahead = (guess, ahead_rows)
         streams = self._layer_front(layer, streams, position, ple_rows.get(layer.layer))
         x, inject, weights, experts, shared, predicted = self.route(layer, streams)
-        if self.resident:  # every expert in a device slot: nothing to stage, nothing missing
+        if self.resident:  # every expert in a device slot: nothing to stage, nothing missing, no report
             slots = table[layer.layer][experts]
         else:
             slots, weights, codes, missing, early = self.table_slots(experts, weights, table[layer.layer], host, ahead)
-        if reporting:
             self._report[index].copy_(report_row(experts, codes, missing, early, guess, ahead))
         if ahead is not None:
             self._join_side()  # the records staged ahead for this layer have landed
@@ -355,5 +353,5 @@ class DecodeGraphs:
             # and the PLE rows are the same tensors every step
             ple = sum(layer.ple is not None for layer in layers)
             kept = {0, 1} | ({2} if first else set()) | set(range(3 + ple, 3 + ple + 3))
-            call = make_table_call(self._table_piece(first, len(layers), bank, host, not self.resident), kept=kept)
+            call = make_table_call(self._table_piece(first, len(layers), bank, host), kept=kept)
             self._table_pieces.append((layers, call))

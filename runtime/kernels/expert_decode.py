@@ -56,8 +56,8 @@ def _nvfp4_row_block_dot(nib_ptr, scale_ptr, rows, row_mask, vec_ptr, n_in: tl.c
     Nibbles are read as uint32 words, two a 16-element group ([rows, groups, 2] tiles), each
     decoded nibble by nibble (`_e2m1_nibble`) and scaled into the normal range (exact) before it
     meets the vector. A group's products are summed within a thread and scaled once; the sum
-    across groups (across threads) waits for the last chunk. Nibble rows must start on 4-byte
-    boundaries (records keep every part 8-byte aligned: H and I are multiples of 16)."""
+    across groups (across threads) waits for the last chunk. Nibble rows start on 4-byte
+    boundaries (ExpertBank checks it)."""
     GROUPS: tl.constexpr = BLOCK_IN // 16
     group = tl.arange(0, GROUPS)
     word = tl.arange(0, 2)
@@ -157,9 +157,6 @@ def nvfp4_expert_swiglu(
         raise ValueError(f"x {tuple(x.shape)}, slots {tuple(slots.shape)}, weights {tuple(weights.shape)} "
                          f"do not fit a bank with H={bank.hidden}")
     inter = bank.intermediate
-    for part in (bank.gate_nibbles, bank.up_nibbles, bank.down_nibbles):  # read as uint32 words
-        if part.data_ptr() % 4 or part.stride(0) % 4:
-            raise ValueError("the bank's nibble parts must start on 4-byte boundaries, expert after expert")
     x2, slots2, weights2 = x2.contiguous(), slots2.contiguous(), weights2.contiguous()
     if h is None:
         h = torch.empty(t * k, inter, dtype=torch.float32, device=x.device)

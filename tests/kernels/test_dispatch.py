@@ -3,6 +3,8 @@ reference either way (the reference side needs no triton)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from kernel_cases import make_pool, relative_error, routing
@@ -65,3 +67,13 @@ def test_bank_views_the_pool_in_place():
     one = ExpertBank.from_record(pool[1, :geometry.length], geometry)
     assert torch.equal(one.down_scales[0].view(torch.uint8), bank.down_scales[1].view(torch.uint8))
     assert torch.equal(one.global_scales[0], bank.global_scales[1])
+
+
+def test_a_bank_whose_nibbles_are_not_word_aligned_is_refused():
+    """The decode kernels read nibbles as uint32 words: gate nibbles viewed from an odd byte must
+    not pass (from_pool's own checks keep its views aligned; a bank can be built from any views)."""
+    bank = ExpertBank.from_pool(make_pool(80, 48, 2, seed=0), RecordGeometry(80, 48))
+    shape = bank.gate_nibbles.shape
+    odd = torch.zeros(bank.gate_nibbles.numel() + 1, dtype=torch.uint8)[1:].view(shape)
+    with pytest.raises(ValueError, match="4-byte boundary"):
+        dataclasses.replace(bank, gate_nibbles=odd)

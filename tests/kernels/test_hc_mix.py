@@ -2,7 +2,8 @@
 
 Tolerance: in float32 both compute the same sums in another order: max abs error <= 1e-5 * max
 |reference| for the block input, 1e-6 absolute for the injection weights (sigmoids in (0, 2)). In
-bfloat16 the module rounds after every step and the kernels once: 2^-6 relative. Shapes are odd
+bfloat16 the module rounds after every step and the kernels once: 2^-6 relative. Observed under
+the interpreter: 1.5e-7 and 2.4e-7 in float32, 6.6e-3 in bfloat16. Shapes are odd
 (H = 80 is no multiple of the 32-wide blocks used here, the rank 12 no power of two) so every
 masked tail runs."""
 

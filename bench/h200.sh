@@ -64,7 +64,8 @@ for stage in $STAGES; do
   echo "== $stage at $(( $(date +%s) - start )) s"
   case $stage in
     sampling) timeout 60 python3 bench/sampling.py --device cuda --json $R/sampling.json 2>&1 | tail -5 ;;
-    kernels) timeout 180 python3 bench/kernels.py --only router,hc-mix,decode,crossover --sweep --sweep-seconds 40 \
+    kernels) sweep=${SWEEP-40}  # KERNELS picks bench/kernels.py's sections, SWEEP their sweeps' seconds (empty: none)
+      timeout 180 python3 bench/kernels.py --only ${KERNELS:-router,hc-mix,decode,crossover} ${sweep:+--sweep --sweep-seconds $sweep} \
       --json $R/kernels-decode.json 2>&1 | tail -50 ;;
     unbounded-fused-mix) bench unbounded-fused-mix "" "" --prompt-len $PROMPT --gen $GEN --fused-mix ;;
     fused-mix) bench 24g-64g-fused-mix 24GiB 64GiB --prompt-len $PROMPT --gen $GEN --hot-set '*' --fused-mix ;;

@@ -23,8 +23,10 @@ from flashpack.runtime.bench.baseline import (
 from flashpack.runtime.bench.check import compare_logits, prefix_logits
 from flashpack.runtime.bench.emulate import (
     BUDGET_FORMULA,
+    LAYER_KIND_FORMULA,
     LAYER_TIME_FORMULA,
     SCALE_FORMULA,
+    LayerKinds,
     check_layers,
     scale_by_layer_time,
     scale_to_layers,
@@ -150,8 +152,10 @@ def run_bench(
 
     bandwidth = tier_bandwidths(ceilings)
     ours_dict = ours.to_dict()
-    ours_dict["scaled"] = _scaled(ours_dict, ours.fixed_seconds, layers, target) if target != layers else None
-    report_roofline = _rooflines(sizes, ours_dict, bandwidth, layers, target)
+    kinds = LayerKinds.of([cfg.is_linear(i) for i in range(layers)],
+                          [cfg.ple_index(i) is not None for i in range(layers)], target)
+    ours_dict["scaled"] = _scaled(ours_dict, ours.fixed_seconds, layers, target, kinds) if target != layers else None
+    report_roofline = _rooflines(sizes, ours_dict, bandwidth, layers, target, kinds)
 
     baseline_dict = comparison = None
     budgets = {"typed": typed, "fixed": fixed, "engine": engine_budgets, "layers_typed_for": target,
@@ -211,28 +215,32 @@ def _run_baseline(pack: Pack, layers: int, dtype: torch.dtype, device: torch.dev
         runner.close()
 
 
-def _scaled(result: dict, fixed: dict[str, float], layers: int, target: int) -> dict:
+def _scaled(result: dict, fixed: dict[str, float], layers: int, target: int, kinds: LayerKinds | None = None) -> dict:
     """Per-token figures of a run with `layers` layers at `target` layers: prefill by
-    emulate.SCALE_FORMULA; decode by LAYER_TIME_FORMULA where the layers' time was measured (CUDA
-    graphs), else by SCALE_FORMULA too (`decode_scaling` says which; `decode_ms_per_token_even` is
-    SCALE_FORMULA's figure either way)."""
+    emulate.SCALE_FORMULA; decode by LAYER_KIND_FORMULA where each layer's time was measured (a
+    CUDA graph a layer), else by LAYER_TIME_FORMULA where the layers' time was (CUDA graphs), else by
+    SCALE_FORMULA too (`decode_scaling` says which; the other figures are kept beside it:
+    `decode_ms_per_token_even` by SCALE_FORMULA, `decode_ms_per_token_layer_time` by LAYER_TIME_FORMULA)."""
     prefill, decode = result["prefill"], result["decode"]
     ttft = scale_to_layers(prefill["ttft_s"], fixed["prefill"], layers, target)
-    per_token_even = scale_to_layers(decode["seconds"] / decode["tokens"], fixed["decode"], layers, target)
-    layers_timed = decode.get("layer_seconds") is not None
-    per_token = per_token_even
-    if layers_timed:
-        per_token = scale_by_layer_time(decode["seconds"] / decode["tokens"], decode["layer_seconds"] / decode["tokens"],
-                                        layers, target)
+    tokens = decode["tokens"]
+    per_token = per_token_even = scale_to_layers(decode["seconds"] / tokens, fixed["decode"], layers, target)
+    scaling, out = SCALE_FORMULA, {"decode_ms_per_token_even": 1000 * per_token_even}
+    if decode.get("layer_seconds") is not None:
+        per_token = scale_by_layer_time(decode["seconds"] / tokens, decode["layer_seconds"] / tokens, layers, target)
+        scaling, out["decode_ms_per_token_layer_time"] = LAYER_TIME_FORMULA, 1000 * per_token
+        each = {int(layer): seconds / tokens for layer, seconds in (decode.get("layer_seconds_each") or {}).items()}
+        tail = kinds.tail_sum(each) if kinds is not None else None
+        if tail is not None:
+            per_token, scaling = decode["seconds"] / tokens + tail, LAYER_KIND_FORMULA
     return {
         "layers": target, "ttft_s": ttft, "prefill_tokens_per_s": prefill["tokens"] / ttft,
         "decode_ms_per_token": 1000 * per_token, "decode_tokens_per_s": 1 / per_token,
-        "decode_scaling": LAYER_TIME_FORMULA if layers_timed else SCALE_FORMULA,
-        "decode_ms_per_token_even": 1000 * per_token_even,
+        "decode_scaling": scaling, **out,
     }
 
 
-def _rooflines(sizes, ours: dict, bandwidth: dict, layers: int, target: int) -> dict:
+def _rooflines(sizes, ours: dict, bandwidth: dict, layers: int, target: int, kinds: LayerKinds) -> dict:
     out = {}
     for phase in ("prefill", "decode"):
         result = ours[phase]
@@ -249,8 +257,12 @@ def _rooflines(sizes, ours: dict, bandwidth: dict, layers: int, target: int) -> 
             fixed_device = forwards * sizes.head_read + tokens * sizes.embed_row
             scaled = ours["scaled"]
             seconds = scaled["ttft_s"] if phase == "prefill" else scaled["decode_ms_per_token"] * tokens / 1000
+            layer_dense = None  # bytes counted as the time was: by kind where decode's time was
+            if phase == "decode" and scaled["decode_scaling"] == LAYER_KIND_FORMULA:
+                tail_dense = kinds.tail_sum(dict(enumerate(sizes.layer_dense_each)))
+                layer_dense = forwards * sizes.layer_dense, forwards * (sizes.layer_dense + tail_dense)
             out[f"{phase}_at_{target}_layers"] = roofline(
-                scale_traffic(traffic, fixed_device, layers, target), bandwidth, tokens, seconds)
+                scale_traffic(traffic, fixed_device, layers, target, layer_dense), bandwidth, tokens, seconds)
     return out
 
 

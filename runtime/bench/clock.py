@@ -32,37 +32,40 @@ def median_seconds(fn: Callable[[], object], device: torch.device, repeats: int 
     return statistics.median(timed(fn, device)[1] for _ in range(repeats))
 
 
-class RegionClock:
-    """Time spent inside marked regions of a run: `start()` ... `stop()`, any number of times, then
-    `take()` returns the seconds since the last take. On a GPU the regions are timed on the device
-    (CUDA events on the current stream): the time from the GPU reaching `start` to reaching `stop`,
-    whatever the host did meanwhile; `take` synchronizes. On a CPU, wall-clock time."""
+class LayerClock:
+    """Time spent in each decoder layer of the decode steps: `begin()` before a step's first layer's
+    work is issued, `lap(layer)` after each layer's (a lap taken twice for one layer in a step adds
+    up), then `take()` returns {layer: seconds} summed since the last take, and clears. On a GPU the
+    laps are CUDA events on the current stream, so a layer's time runs from the GPU finishing the
+    work before it to finishing its own, whatever the host did meanwhile; `take` synchronizes. On a
+    CPU, wall-clock time."""
 
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
-        self._marks: list = []  # CUDA events or perf_counter readings, start and stop in turn
+        self._marks: list = []  # per step: [(None, first mark), (layer, mark), ...]
 
-    def start(self) -> None:
-        self._mark()
+    def begin(self) -> None:
+        self._marks.append([(None, self._mark())])
 
-    def stop(self) -> None:
-        self._mark()
+    def lap(self, layer: int) -> None:
+        if not self._marks:
+            raise RuntimeError("LayerClock.lap before begin")
+        self._marks[-1].append((layer, self._mark()))
 
-    def _mark(self) -> None:
-        if self.cuda:
-            event = torch.cuda.Event(enable_timing=True)
-            event.record()
-            self._marks.append(event)
-        else:
-            self._marks.append(time.perf_counter())
+    def _mark(self):
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
 
-    def take(self) -> float:
-        if len(self._marks) % 2:
-            raise RuntimeError("RegionClock.take inside a region (start without stop)")
-        pairs = list(zip(self._marks[::2], self._marks[1::2]))
-        self._marks = []
-        if self.cuda:
-            if pairs:
-                pairs[-1][1].synchronize()
-            return sum(begin.elapsed_time(end) for begin, end in pairs) / 1000
-        return sum(end - begin for begin, end in pairs)
+    def take(self) -> dict[int, float]:
+        steps, self._marks = self._marks, []
+        if self.cuda and steps:
+            steps[-1][-1][1].synchronize()
+        seconds: dict[int, float] = {}
+        for marks in steps:
+            for (_, before), (layer, after) in zip(marks, marks[1:]):
+                elapsed = before.elapsed_time(after) / 1000 if self.cuda else after - before
+                seconds[layer] = seconds.get(layer, 0.0) + elapsed
+        return seconds

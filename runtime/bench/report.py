@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from flashpack.runtime.bench.emulate import LAYER_TIME_FORMULA
+from flashpack.runtime.bench.emulate import LAYER_KIND_FORMULA, LAYER_TIME_FORMULA
 
 BENCH_VERSION = 1
 
@@ -39,8 +39,11 @@ def notes(layers: int, target: int, baseline_layers: int | None, scale_formula: 
              "likewise, with the device's fixed part the dense bytes read outside the layers."),
             (f"our decode from CUDA graphs at {target} layers: {LAYER_TIME_FORMULA}, t_layers being the device's time "
              "from the first layer's work to the last's (CUDA events), so a step's own host work (PLE rows, the first "
-             "graph launch, the read-back) counts once, not once a layer; results.flashpack.scaled."
-             "decode_ms_per_token_even is the formula above, for comparison."),
+             "graph launch, the read-back) counts once, not once a layer; with a graph a layer, each layer is timed "
+             f"too and the layers past the pack's are counted by kind: {LAYER_KIND_FORMULA} (layer 0 and the PLE "
+             "layer, unlike the rest, count once; decode's dense bytes likewise). results.flashpack.scaled."
+             "decode_scaling says which was used; decode_ms_per_token_even and decode_ms_per_token_layer_time keep "
+             "the other two, for comparison."),
         ]
     if baseline_layers is not None:
         out += [
@@ -135,6 +138,12 @@ def table(report: dict) -> str:
             rows.append((f"decode ms/token in layers ({layers})", _num(in_layers, "{:.2f}"), "", ""))
             rows.append((f"decode tok/s ({target}, even scaling)", _num(1000 / mine["decode_ms_per_token_even"], "{:.2f}"),
                          "", ""))
+            if mine["decode_scaling"] == LAYER_KIND_FORMULA:
+                rows.append((f"decode tok/s ({target}, t_layers scaling)",
+                             _num(1000 / mine["decode_ms_per_token_layer_time"], "{:.2f}"), "", ""))
+                each = ours["decode"]["layer_seconds_each"]
+                rows.append((f"decode ms/token by layer ({layers})", " ".join(
+                    f"{1000 * each[str(i)] / ours['decode']['tokens']:.3f}" for i in range(layers)), "", ""))
     roof = report["roofline"]
     decode_roof = roof.get(f"decode_at_{target}_layers", roof["decode"])
     rows.append((f"decode roofline tok/s ({target} layers)", _num(decode_roof["roofline_tokens_per_s"], "{:.2f}"),
@@ -162,8 +171,7 @@ def table(report: dict) -> str:
     lines += [f"{label:34} {a:>14} {b:>14} {c:>12}" for label, a, b, c in rows]
     if target != layers:
         lines += ["", f"{target}-layer decode: {ours['scaled']['decode_scaling']} (t_layers: the device's time in the "
-                      "layers); even scaling: everything but the embedding and lm_head counted per layer. "
-                      "bench/layer_costs.py times each layer kind apart on a GPU"]
+                      "layers); even scaling: everything but the embedding and lm_head counted per layer"]
     if failed:
         lines += ["", f"baseline FAILED: {failed}"]
     if theirs:

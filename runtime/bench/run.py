@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 from tqdm import tqdm
 
-from flashpack.runtime.bench.clock import RegionClock, median_seconds, synchronize
+from flashpack.runtime.bench.clock import LayerClock, median_seconds, synchronize
 from flashpack.runtime.bench.phases import difference, phase_summary, snapshot
 
 WARMUP_DECODE = 2
@@ -46,12 +46,20 @@ class EngineResult:
     @property
     def decode_layer_seconds(self) -> float | None:
         """The part of `decode_seconds` spent in the decoder layers (the device's time from the
-        first layer's work to the last's, CUDA-graph decode only), or None: the median share of the
-        repeats, so that it belongs to the median time it is a part of."""
+        first layer's work to the last's, CUDA-graph decode only), or None."""
+        each = self.decode_seconds_by_layer
+        return None if each is None else sum(each.values())
+
+    @property
+    def decode_seconds_by_layer(self) -> dict[int, float] | None:
+        """{layer: the part of `decode_seconds` spent in it} (a piece of several layers' graphs is
+        timed as a whole, under its last layer), or None where the layers were not timed: each the
+        median share of the repeats, so that it belongs to the median time it is a part of."""
         if any(r.get("decode_layer_seconds") is None for r in self.repeats):
             return None
-        share = statistics.median(r["decode_layer_seconds"] / r["decode_seconds"] for r in self.repeats)
-        return share * self.decode_seconds
+        layers = self.repeats[0]["decode_layer_seconds"]
+        return {layer: self.decode_seconds * statistics.median(
+            r["decode_layer_seconds"][layer] / r["decode_seconds"] for r in self.repeats) for layer in layers}
 
     def phase_store(self, phase: str) -> dict:
         deltas = [r[f"{phase}_counters"] for r in self.repeats]
@@ -78,6 +86,8 @@ class EngineResult:
             "decode": {
                 "tokens": self.gen_tokens, "seconds": decode, "tokens_per_s": self.gen_tokens / decode,
                 "layer_seconds": self.decode_layer_seconds,
+                "layer_seconds_each": None if self.decode_seconds_by_layer is None else {
+                    str(layer): seconds for layer, seconds in sorted(self.decode_seconds_by_layer.items())},
                 "ms_per_token": 1000 * decode / self.gen_tokens,
                 "ms_per_token_median_step": 1000 * statistics.median(step_times),
                 "ms_per_token_max_step": 1000 * max(step_times),
@@ -124,10 +134,10 @@ def timed_run(model, store, state, prompt: list[int], gen: int, progress: bool =
     model.settle()
     middle = snapshot(store)
     table_before = _table_counts(model)
-    clock = RegionClock(device) if model.decode_graphs is not None else None
+    clock = LayerClock(device) if model.decode_graphs is not None else None
     if clock is not None:
         model.decode_graphs.layer_clock = clock
-    generated, steps, in_layers = [token], [], []
+    generated, steps = [token], []
     try:
         for _ in tqdm(range(gen), desc="decode", unit="tok", disable=not progress, leave=False):
             start = time.perf_counter()
@@ -135,8 +145,6 @@ def timed_run(model, store, state, prompt: list[int], gen: int, progress: bool =
             synchronize(device)
             steps.append(time.perf_counter() - start)
             generated.append(token)
-            if clock is not None:
-                in_layers.append(clock.take())
     finally:
         if clock is not None:
             model.decode_graphs.layer_clock = None
@@ -145,7 +153,7 @@ def timed_run(model, store, state, prompt: list[int], gen: int, progress: bool =
     table_after = _table_counts(model)
     return {
         "ttft_s": ttft, "decode_seconds": sum(steps), "step_seconds": steps, "generated": generated,
-        "decode_layer_seconds": sum(in_layers) if clock is not None else None,
+        "decode_layer_seconds": clock.take() if clock is not None else None,  # {layer: seconds}
         "prefill_counters": difference(before, middle), "decode_counters": difference(middle, after),
         "table_steps": None if table_after is None else {
             name: table_after[name] - table_before[name] for name in table_after},

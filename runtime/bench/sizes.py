@@ -25,7 +25,7 @@ from flashpack.runtime.store.build import dense_device_bytes, resident_device_by
 class ModelSizes:
     layers: int  # decoder layers in the pack (MTP not counted)
     width: int  # bytes per element of the engine dtype
-    layer_dense: int  # dense tensors of every decoder layer (`layers.*`), engine dtype
+    layer_dense_each: tuple[int, ...]  # dense tensors of each decoder layer (`layers.{i}.*`), engine dtype
     device_fixed: int  # device bytes that do not scale with layers (non-layer dense, work buffer, staging)
     head_read: int  # what a forward reads outside the layers: lm_head (or tied embedding) + final mixer
     embed_row: int  # one embedding row (read per token)
@@ -34,12 +34,17 @@ class ModelSizes:
     top_k: int
 
     @property
+    def layer_dense(self) -> int:
+        """Dense tensors of every decoder layer."""
+        return sum(self.layer_dense_each)
+
+    @property
     def per_forward_read(self) -> int:
         """Dense bytes one forward reads whatever its token count: every layer's + the head."""
         return self.layer_dense + self.head_read
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        return asdict(self) | {"layer_dense": self.layer_dense}
 
 
 def model_sizes(manifest: Manifest, dtype: torch.dtype, device: torch.device | str = "cpu") -> ModelSizes:
@@ -47,8 +52,10 @@ def model_sizes(manifest: Manifest, dtype: torch.dtype, device: torch.device | s
     tensors = manifest.dense_tensors()
     on_device = dense_device_bytes(manifest, width)
     names = list(on_device)
-    layer_dense = sum(on_device[n] for n in names if n.startswith("layers."))
     cfg = manifest.config
+    layer_dense_each = tuple(sum(on_device[n] for n in names if n.startswith(f"layers.{i}."))
+                             for i in range(cfg.num_hidden_layers))
+    layer_dense = sum(layer_dense_each)
     head = "embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
     head_read = on_device[head] + sum(on_device[n] for n in names if n.startswith("hyper_connection_mixer."))
     experts = manifest.document["experts"]
@@ -57,7 +64,7 @@ def model_sizes(manifest: Manifest, dtype: torch.dtype, device: torch.device | s
     return ModelSizes(
         layers=cfg.num_hidden_layers,
         width=width,
-        layer_dense=layer_dense,
+        layer_dense_each=layer_dense_each,
         device_fixed=resident_device_bytes(manifest, dtype, 0, device) - layer_dense + staging,
         head_read=head_read,
         embed_row=tensors["embed_tokens.weight"].shape[-1] * width,

@@ -58,7 +58,6 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from contextlib import contextmanager
 
 import torch
 from torch import nn
@@ -125,8 +124,8 @@ class DecodeGraphs:
         self._saved: list[tuple[torch.Tensor, torch.Tensor]] = []  # (live state, its copy) for redoing a step
         self._unrecorded: list[list[int]] | None = None  # the report of a step that stood, not yet counted
         self._settling = threading.Lock()
-        # start() / stop() around the layers' work (runtime.bench.clock.RegionClock): how the bench
-        # tells a step's per-layer time from its per-step time
+        # begin() before a step's layers, lap(layer) after each (runtime.bench.clock.LayerClock): how
+        # the bench tells a step's per-layer time from its per-step time, and one layer's from another's
         self.layer_clock = None
 
     def run(
@@ -163,27 +162,25 @@ class DecodeGraphs:
 
     def _through_table(self, streams, table, rows, after_layer=None) -> torch.Tensor:
         """Launch the table pieces, layer after layer, each handed the one before's outputs."""
-        with self._layers_timed():
-            carried = ()  # the previous layer's prediction of the next piece's first layer's experts
-            for layers, call in self._table_pieces:
-                streams, *carried = call(table, self._position, streams, *self._rows_of(layers, rows), *carried)
-                for layer in layers:
-                    if self.count_replay is not None:
-                        self.count_replay(layer.layer)
-                if after_layer is not None:
-                    after_layer(layers[-1])
+        self._begin_laps()
+        carried = ()  # the previous layer's prediction of the next piece's first layer's experts
+        for layers, call in self._table_pieces:
+            streams, *carried = call(table, self._position, streams, *self._rows_of(layers, rows), *carried)
+            for layer in layers:
+                if self.count_replay is not None:
+                    self.count_replay(layer.layer)
+            self._lap(layers[-1])  # a piece of several layers is timed as a whole, under its last
+            if after_layer is not None:
+                after_layer(layers[-1])
         return streams
 
-    @contextmanager
-    def _layers_timed(self):
-        if self.layer_clock is None:
-            yield
-            return
-        self.layer_clock.start()
-        try:
-            yield
-        finally:
-            self.layer_clock.stop()
+    def _begin_laps(self) -> None:
+        if self.layer_clock is not None:
+            self.layer_clock.begin()
+
+    def _lap(self, layer: DecoderLayer) -> None:
+        if self.layer_clock is not None:
+            self.layer_clock.lap(layer.layer)
 
     def _try_table(self, streams, rows, head) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         """The step against the store's slot table: its streams and head, or None (state as before)
@@ -223,15 +220,18 @@ class DecodeGraphs:
 
     def _through_store(self, streams, rows, after_layer) -> torch.Tensor:
         self.settle()  # the store sees the steps in order
-        with self._layers_timed():
-            carried = ()  # the previous layer's (routed and shared experts' outputs, inject), combined next
-            for layer, call in self._store_pieces:
-                streams, x, inject, weights, experts, shared, predicted = call(
-                    streams, self._position, *carried, *self._rows_of([layer], rows))
-                carried = (layer.moe.routed_from_store(x, weights, experts, predicted), shared, inject)
-                if after_layer is not None:
-                    after_layer(layer)
-            return self.combine(self.layers[-1], streams, *carried)
+        self._begin_laps()
+        carried = ()  # the previous layer's (routed and shared experts' outputs, inject), combined next
+        for layer, call in self._store_pieces:
+            streams, x, inject, weights, experts, shared, predicted = call(
+                streams, self._position, *carried, *self._rows_of([layer], rows))
+            carried = (layer.moe.routed_from_store(x, weights, experts, predicted), shared, inject)
+            self._lap(layer)
+            if after_layer is not None:
+                after_layer(layer)
+        streams = self.combine(self.layers[-1], streams, *carried)
+        self._lap(self.layers[-1])  # its experts' combine, which no next piece does
+        return streams
 
     @staticmethod
     def _rows_of(layers: list[DecoderLayer], rows: dict[int, torch.Tensor]) -> list[torch.Tensor]:

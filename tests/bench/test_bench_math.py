@@ -1,5 +1,5 @@
 """The bench's arithmetic by hand: roofline per tier, budget and cost scaling to a full layer count
-(evenly, or by the layers' own time), the region clock, store counters per phase, the manifest's
+(evenly, by the layers' own time, or by each layer's kind), the layer clock, store counters per phase, the manifest's
 byte sizes, and the prompt."""
 
 from __future__ import annotations
@@ -12,10 +12,12 @@ import torch
 
 from flashpack.errors import FlashpackError
 from flashpack.layout.manifest import Manifest
-from flashpack.runtime.bench.clock import RegionClock
+from flashpack.runtime.bench.clock import LayerClock
 from flashpack.runtime.bench.emulate import (
+    LAYER_KIND_FORMULA,
     LAYER_TIME_FORMULA,
     SCALE_FORMULA,
+    LayerKinds,
     check_layers,
     scale_budget,
     scale_by_layer_time,
@@ -28,7 +30,7 @@ from flashpack.runtime.bench.sizes import ModelSizes, baseline_fixed_bytes, mode
 from flashpack.runtime.bench.workload import prompt_ids
 from flashpack.runtime.store.budget import STAGING_ROW_SETS
 
-SIZES = ModelSizes(layers=2, width=2, layer_dense=1000, device_fixed=300, head_read=200, embed_row=10,
+SIZES = ModelSizes(layers=2, width=2, layer_dense_each=(400, 600), device_fixed=300, head_read=200, embed_row=10,
                    record_bytes=50, record_stride=64, top_k=2)
 
 
@@ -80,6 +82,23 @@ def test_costs_scale_per_layer_around_the_fixed_part():
     assert scale_to_layers(1.0, 0.1, 4, 4) == 1.0
     scaled = scale_traffic(Traffic(1000.0, 200.0, 40.0), 100.0, 4, 48)
     assert scaled == Traffic(device=100.0 + 900.0 * 12, host_to_device=2400.0, disk_to_host=480.0)
+    # 500 of the 900 are the 4 layers' dense bytes, 5000 the 48 layers': the other 400 (experts) scale
+    by_kind = scale_traffic(Traffic(1000.0, 200.0, 40.0), 100.0, 4, 48, layer_dense=(500.0, 5000.0))
+    assert by_kind == Traffic(device=100.0 + 5000.0 + 400.0 * 12, host_to_device=2400.0, disk_to_host=480.0)
+
+
+def test_layer_kinds_continue_the_packs_attention_pattern():
+    kinds = LayerKinds.of([True, True, True, False], [False, True, False, False], 48)  # the full preset, cut to 4
+    assert kinds.pack == ("first", "ple", "deltanet", "attention")
+    assert len(kinds.tail) == 44 and kinds.tail.count("deltanet") == 33 and kinds.tail.count("attention") == 11
+    assert kinds.tail[:4] == ("deltanet", "deltanet", "deltanet", "attention")
+    # layer 0 and the PLE layer stand for nothing past the pack: 33 x 2 + 11 x 3
+    assert kinds.tail_sum({0: 100.0, 1: 50.0, 2: 2.0, 3: 3.0}) == 99.0
+    assert kinds.tail_sum({0: 1.0, 1: 5.0, 3: 3.0}) is None  # layer 2 not timed (a piece of several layers)
+    assert LayerKinds.of([True, True], [False, False], 48).tail is None  # no attention layer: no pattern
+    assert LayerKinds.of([True, False, False], [False, False, False], 48).tail is None  # not a pattern
+    only_first = LayerKinds.of([True, True, True, False], [False, True, True, False], 8)  # no plain DeltaNet
+    assert only_first.tail_sum({0: 1.0, 1: 1.0, 2: 1.0, 3: 1.0}) is None
 
 
 def test_decode_from_graphs_scales_only_the_layers_time():
@@ -93,6 +112,14 @@ def test_decode_from_graphs_scales_only_the_layers_time():
     scaled = _scaled(result, {"prefill": 0.2, "decode": 0.1}, 4, 48)
     assert math.isclose(scaled["decode_ms_per_token"], 7600) and scaled["decode_scaling"] == LAYER_TIME_FORMULA
     assert math.isclose(scaled["decode_ms_per_token_even"], 1000 * (0.1 + 0.9 * 12))
+    # each layer timed: layers 4..47 are 33 DeltaNet layers like layer 2 and 11 attention layers like
+    # layer 3; per token 1.0 + 33 * 0.1 + 11 * 0.2
+    kinds = LayerKinds.of([True, True, True, False], [False, True, False, False], 48)
+    result["decode"]["layer_seconds_each"] = {"0": 0.2, "1": 0.6, "2": 0.2, "3": 0.4}
+    by_kind = _scaled(result, {"prefill": 0.2, "decode": 0.1}, 4, 48, kinds)
+    assert by_kind["decode_scaling"] == LAYER_KIND_FORMULA and math.isclose(by_kind["decode_ms_per_token"], 6500)
+    assert math.isclose(by_kind["decode_ms_per_token_layer_time"], 7600)
+    assert _scaled(result, {"prefill": 0.2, "decode": 0.1}, 4, 48)["decode_scaling"] == LAYER_TIME_FORMULA
     result["decode"]["layer_seconds"] = None  # eager decode: the layers were not timed apart
     scaled = _scaled(result, {"prefill": 0.2, "decode": 0.1}, 4, 48)
     assert scaled["decode_ms_per_token"] == scaled["decode_ms_per_token_even"] and scaled["decode_scaling"] == SCALE_FORMULA
@@ -101,26 +128,31 @@ def test_decode_from_graphs_scales_only_the_layers_time():
 def test_the_layers_share_of_decode_belongs_to_the_median_run():
     from flashpack.runtime.bench.run import EngineResult
 
-    result = EngineResult(10, 4, repeats=[{"decode_seconds": 1.0, "decode_layer_seconds": 0.5},
-                                          {"decode_seconds": 3.0, "decode_layer_seconds": 1.8}])
-    assert math.isclose(result.decode_layer_seconds, 0.55 * 2.0)  # median share x median time
+    result = EngineResult(10, 4, repeats=[{"decode_seconds": 1.0, "decode_layer_seconds": {0: 0.1, 1: 0.4}},
+                                          {"decode_seconds": 3.0, "decode_layer_seconds": {0: 0.9, 1: 0.9}}])
+    # median share x median time, layer by layer: (0.1 + 0.3) / 2 and (0.4 + 0.3) / 2 of 2 s
+    assert math.isclose(result.decode_seconds_by_layer[0], 0.4) and math.isclose(result.decode_seconds_by_layer[1], 0.7)
+    assert math.isclose(result.decode_layer_seconds, 1.1)
     result.repeats.append({"decode_seconds": 2.0, "decode_layer_seconds": None})
     assert result.decode_layer_seconds is None
 
 
-def test_region_clock_sums_its_regions():
-    clock = RegionClock(torch.device("cpu"))
-    clock.start()
-    time.sleep(0.02)
-    clock.stop()
-    time.sleep(0.3)  # outside any region: the sum stays well below it
-    clock.start()
-    clock.stop()
-    assert 0.02 <= clock.take() < 0.3
-    assert clock.take() == 0
-    clock.start()
-    with pytest.raises(RuntimeError, match="inside a region"):
-        clock.take()
+def test_layer_clock_times_each_layer_and_adds_up_its_laps():
+    clock = LayerClock(torch.device("cpu"))
+    for _ in range(2):  # two steps
+        clock.begin()
+        time.sleep(0.02)
+        clock.lap(0)
+        clock.lap(1)
+        time.sleep(0.01)
+        clock.lap(1)  # a layer lapped twice in a step (the store path's last combine) adds up
+    time.sleep(0.3)  # after the last lap: in no layer
+    seconds = clock.take()
+    assert set(seconds) == {0, 1}
+    assert 0.04 <= seconds[0] < 0.3 and 0.02 <= seconds[1] < 0.3
+    assert clock.take() == {}
+    with pytest.raises(RuntimeError, match="before begin"):
+        clock.lap(0)
 
 
 def test_phase_summary_hit_rates_and_per_token_bytes():

@@ -18,7 +18,7 @@ import time
 import pytest
 import torch
 
-from flashpack.runtime.bench.clock import RegionClock
+from flashpack.runtime.bench.clock import LayerClock
 from flashpack.runtime.loader import StoreOptions, load_engine
 
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
@@ -251,12 +251,14 @@ def test_pieces_compose_to_the_layers_on_cpu(tiny_pack):
     plain = Qwen4ExpModel(PackWeights(pack), resident, dtype=torch.float32)
     pieces = Qwen4ExpModel(PackWeights(pack), resident, dtype=torch.float32)
     pieces.decode_graphs = DecodeGraphs(pieces.layers, resident.count_replay, make_call=PlainCall)
-    clock = pieces.decode_graphs.layer_clock = RegionClock(torch.device("cpu"))  # the bench's per-layer time
+    clock = pieces.decode_graphs.layer_clock = LayerClock(torch.device("cpu"))  # the bench's per-layer time
     prompt = torch.randint(0, 1000, (30,), generator=torch.Generator().manual_seed(2))
     expected = _decode(plain, prompt, 24)
     start = time.perf_counter()
     got = _decode(pieces, prompt, 24)  # past the indexer budget
-    assert 0 < clock.take() < time.perf_counter() - start
+    each = clock.take()
+    assert set(each) == {layer.layer for layer in pieces.layers}  # a graph a layer: each layer timed
+    assert all(seconds > 0 for seconds in each.values()) and sum(each.values()) < time.perf_counter() - start
     for step, (a, b) in enumerate(zip(got, expected)):
         assert float((a - b).norm() / b.norm()) < TOLERANCE, f"step {step}"
 

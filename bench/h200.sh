@@ -7,7 +7,8 @@
 # STAGES picks steps and their order (default all, the list below); tests run beside the build, the
 # rest after it. staging times the stage_records kernel against the copy engine (bench/kernels.py);
 # kernels times the router and hyper-connection mix kernels against what they replace, the decode
-# expert kernels with a block-size sweep, and the matvec/grouped crossover; unbounded-fused-mix and
+# expert kernels with a block-size sweep, and the matvec/grouped crossover, dense the BF16 decode
+# projections' matvec against cuBLAS; unbounded-cublas is unbounded with every projection on cuBLAS; unbounded-fused-mix and
 # fused-mix bench as unbounded and budgets do with --fused-mix (hyper-connection mixes as hc_mix's kernels);
 # sampling times a token's choice on the GPU against copying the logits to the host first;
 # no-prefetch and promote bench 24/64 as budgets does, but without next-layer prefetch, or with
@@ -27,7 +28,7 @@ set -o pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site wheels/*.whl || exit 1
 mkdir -p /tmp/pkg && ln -sfn "$PWD" /tmp/pkg/flashpack
 export PYTHONPATH=/tmp/pkg:/tmp/site PYTHONUNBUFFERED=1
-LAYERS=${LAYERS:-4} GEN=${GEN:-32} PROMPT=${PROMPT:-512} W=/tmp/fp R=/tmp/results STAGES=${STAGES:-"tests layers unbounded fp8 budgets long baseline profile hotset prefill-profile eager fp8-unbounded staging no-prefetch promote one-graph unbounded-one-graph fp8-hot sampling kernels unbounded-no-combo unbounded-fused-mix fused-mix"}
+LAYERS=${LAYERS:-4} GEN=${GEN:-32} PROMPT=${PROMPT:-512} W=/tmp/fp R=/tmp/results STAGES=${STAGES:-"tests layers unbounded fp8 budgets long baseline profile hotset prefill-profile eager fp8-unbounded staging no-prefetch promote one-graph unbounded-one-graph fp8-hot sampling kernels unbounded-no-combo unbounded-fused-mix fused-mix unbounded-cublas"}
 has() { [[ " $STAGES " == *" $1 "* ]]; }
 mkdir -p $R
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee $OUT/gpu.txt
@@ -65,7 +66,7 @@ for stage in $STAGES; do
   case $stage in
     sampling) timeout 60 python3 bench/sampling.py --device cuda --json $R/sampling.json 2>&1 | tail -5 ;;
     kernels) sweep=${SWEEP-40}  # KERNELS picks bench/kernels.py's sections, SWEEP their sweeps' seconds (empty: none)
-      timeout 180 python3 bench/kernels.py --only ${KERNELS:-router,hc-mix,decode,crossover} ${sweep:+--sweep --sweep-seconds $sweep} \
+      timeout 180 python3 bench/kernels.py --only ${KERNELS:-router,hc-mix,dense,decode,crossover} ${sweep:+--sweep --sweep-seconds $sweep} \
       --json $R/kernels-decode.json 2>&1 | tail -50 ;;
     unbounded-fused-mix) bench unbounded-fused-mix "" "" --prompt-len $PROMPT --gen $GEN --fused-mix ;;
     fused-mix) bench 24g-64g-fused-mix 24GiB 64GiB --prompt-len $PROMPT --gen $GEN --hot-set '*' --fused-mix ;;
@@ -73,6 +74,9 @@ for stage in $STAGES; do
       --json $R/kernels-staging.json 2>&1 | tail -30 ;;
     layers) timeout 150 python3 bench/layer_costs.py $W/full.pack --out $R 2>&1 | tail -1 ;;
     unbounded) bench unbounded "" "" --prompt-len $PROMPT --gen $GEN ;;
+    unbounded-cublas)  # the control for the decode matvec kernel: every BF16 projection on cuBLAS
+      BENCH_PY="import sys; from flashpack.runtime.kernels import dispatch; dispatch.DENSE_MATVEC_MAX_TOKENS = 0; from flashpack.cli import main; main()" \
+        bench unbounded-cublas "" "" --prompt-len $PROMPT --gen $GEN ;;
     unbounded-no-combo)  # the control for the engine's inductor combo kernels: compiled without them
       BENCH_PY="import sys; from flashpack.runtime.model import decode_graphs; decode_graphs.COMPILE_OPTIONS = {}; from flashpack.cli import main; main()" \
         bench unbounded-no-combo "" "" --prompt-len $PROMPT --gen $GEN ;;

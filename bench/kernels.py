@@ -13,6 +13,8 @@ H = 2560, I = 640, 512 experts per layer, top-10; FP8 matrix 8192 x 2560.
             (reads over PCIe from the SMs) against the copy engine (one copy_ per record), both
             in a graph, GB/s held against one large pinned host-to-device copy
   router    softmax + top-10 of 512 + renormalise for 1 token: the router_top_k kernel against torch
+  dense     the BF16 products of a decode layer (1 token, real shapes): matvec.py's kernel against
+            cuBLAS, each matrix rotated past the L2
   hc-mix    a hyper-connection mix (hc = 4, rank 320, with injection) for 1 token: hc_mix's two
             kernels against the module's code compiled by torch.compile, 8 mixers rotated (106 MB,
             more than the L2), both in a CUDA graph
@@ -328,6 +330,39 @@ def bench_hc_mix(report: Report, device) -> None:
         report.check(f"hc mix T=1 #{index} inject", relative_error(got_inject, want_inject), 2.0**-6, "module, bf16")
 
 
+DENSE_SHAPES = {  # [rows, cols] of the BF16 products a decode layer makes at the real dims
+    "deltanet in_proj": (12352, 2560), "deltanet out_proj": (H, 4096), "qsa o_proj": (H, 6144),
+    "router + shared gate/up": (1793, H), "shared down": (H, I), "hc mix down + inject": (324, 4 * H),
+    "hc mix up": (4 * H, 320),
+}
+
+
+def bench_dense(report: Report, device, sweep: bool) -> None:
+    from flashpack.runtime.kernels.matvec import matvec
+
+    for name, (rows, cols) in DENSE_SHAPES.items():
+        copies = max(2, -(-120 * 2**20 // (rows * cols * 2)))  # rotated past the 60 MB L2
+        weights = [torch.randn(rows, cols, device=device, dtype=torch.bfloat16) / cols**0.5 for _ in range(copies)]
+        xs = [torch.randn(1, cols, device=device, dtype=torch.bfloat16) for _ in range(copies)]
+        moved = rows * cols * 2 + (rows + cols) * 2
+        case = f"dense {name} {rows}x{cols} T=1"
+        report.timing(case, "cuBLAS F.linear",
+                      graph_ms(lambda i: torch.nn.functional.linear(xs[i % copies], weights[i % copies]), 32), moved)
+        run = lambda i, **kw: matvec(xs[i % copies], weights[i % copies], **kw)  # noqa: E731
+        report.timing(case, "triton matvec", graph_ms(run, 32), moved)
+        want = torch.nn.functional.linear(xs[0].double(), weights[0].double())
+        report.check(case, relative_error(matvec(xs[0], weights[0]), want), 2.0**-8, "float64, bf16 output")
+        if sweep:
+            report.start_sweep()
+            configs = [dict(block_r=r, num_warps=w) for r in (1, 2, 4, 8, 16) for w in (4, 8)]
+            configs += [dict(block_c=c) for c in (128, 256)]
+            for cfg in configs:
+                if not report.sweeping():
+                    break
+                report.timing("sweep " + case, " ".join(f"{k}={v}" for k, v in cfg.items()),
+                              graph_ms(lambda i: run(i, **cfg), 32), moved)
+
+
 def bench_crossover(report: Report, bank, geometry, device) -> None:
     from flashpack.runtime.kernels.expert_decode import nvfp4_expert_swiglu
     from flashpack.runtime.kernels.expert_grouped import nvfp4_expert_swiglu_grouped
@@ -497,7 +532,7 @@ def main() -> None:
     parser.add_argument("--json", type=Path, required=True)
     parser.add_argument("--sweep", action="store_true", help="also time a grid of block sizes")
     parser.add_argument("--sweep-seconds", type=float, default=45.0, help="time limit of each section's sweep")
-    parser.add_argument("--only", default="decode,fp8,prefill,crossover,staging,router,hc-mix")
+    parser.add_argument("--only", default="decode,fp8,prefill,crossover,staging,router,hc-mix,dense")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench/kernels.py needs a CUDA GPU")
@@ -528,6 +563,8 @@ def main() -> None:
                 bench_router(report, device)
             elif name == "hc-mix":
                 bench_hc_mix(report, device)
+            elif name == "dense":
+                bench_dense(report, device, args.sweep)
         except Exception:
             failures.append({"case": name, "error": traceback.format_exc()})
             print(failures[-1]["error"], file=sys.stderr)

@@ -1,5 +1,5 @@
-"""The calls the engine makes: `moe_experts`, `fp8_linear`, `stage_records` and `router_top_k`,
-Triton where it runs, else reference.
+"""The calls the engine makes: `moe_experts`, `dense_linear`, `fp8_linear`, `stage_records` and
+`router_top_k`, Triton where it runs, else reference.
 
 backend="auto" takes the Triton kernels on CUDA and the plain-PyTorch reference anywhere else;
 "triton" and "reference" force one side. The tests force "triton" on a CPU, where the kernels run
@@ -13,6 +13,7 @@ from __future__ import annotations
 import importlib.util
 
 import torch
+import torch.nn.functional as F
 
 from flashpack.runtime.kernels.bank import ExpertBank
 from flashpack.runtime.kernels.reference import (
@@ -21,6 +22,9 @@ from flashpack.runtime.kernels.reference import (
 
 BACKENDS = ("auto", "triton", "reference")
 FP8_MATVEC_MAX_TOKENS = 4
+# BF16 projections of up to this many tokens take matvec.py's kernel, more cuBLAS (bench/h200.sh's
+# `unbounded-cublas` stage sets 0 for the control)
+DENSE_MATVEC_MAX_TOKENS = 1
 DECODE_MAX_TOKENS = 16  # up to here the matvec kernels beat the grouped ones on an H200 (bench/kernels.py)
 
 
@@ -70,6 +74,21 @@ def moe_experts(
     block_m = 16 if slots.numel() < 16 * bank.num_experts else 64
     return nvfp4_expert_swiglu_grouped(x, bank, slots, weights, out=out, precision=_precision(x.device),
                                        block_m=block_m)
+
+
+def dense_linear(x: torch.Tensor, weight: torch.Tensor, backend: str = "auto") -> torch.Tensor:
+    """x [..., C] @ weight [R, C]^T -> [..., R]: F.linear, or for a decode token on CUDA the matvec
+    kernel, which reads the matrix nearer the memory's bandwidth than cuBLAS does at one token."""
+    if x.numel() > DENSE_MATVEC_MAX_TOKENS * x.shape[-1] or not use_triton(x.device, backend):
+        return F.linear(x, weight)
+    return _dense_matvec(x, weight)
+
+
+@torch.compiler.disable  # launched as it is from compiled decode steps, like the kernels below
+def _dense_matvec(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    from flashpack.runtime.kernels.matvec import matvec
+
+    return matvec(x, weight)
 
 
 @torch.compiler.disable

@@ -2,8 +2,8 @@
 
 values float8_e4m3fn [R, C], row_scale float32 [R], x [T, C] -> y [T, R]. Two kernels:
 
-  - `_fp8_matvec_kernel`, T x R/BLOCK_R programs, float32 FMA: for decode (T small), where the
-    matrix is read once per token and bandwidth is everything;
+  - matvec.py's matrix-vector kernel (the one BF16 decode projections use), float32 FMA: for
+    decode (T small), where the matrix is read once per token and bandwidth is everything;
   - `_fp8_matmul_kernel`, T/BLOCK_M x R/BLOCK_N tiles on tensor cores: e4m3 -> bf16 is exact, so
     only x is rounded (to bf16); the row scale multiplies the float32 accumulator.
 
@@ -17,23 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-
-@triton.jit
-def _fp8_matvec_kernel(x_ptr, values_ptr, scale_ptr, y_ptr, R, C: tl.constexpr,
-                       BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
-    t = tl.program_id(0).to(tl.int64)
-    rows = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
-    row_mask = rows < R
-    cols = tl.arange(0, BLOCK_C)
-    acc = tl.zeros([BLOCK_R], dtype=tl.float32)
-    for start in range(0, C, BLOCK_C):
-        col_mask = start + cols < C
-        mask = row_mask[:, None] & col_mask[None, :]
-        v = tl.load(values_ptr + rows.to(tl.int64)[:, None] * C + (start + cols)[None, :], mask=mask, other=0)
-        xv = tl.load(x_ptr + t * C + start + cols, mask=col_mask, other=0).to(tl.float32)
-        acc += tl.sum(v.to(tl.float8e4nv, bitcast=True).to(tl.float32) * xv[None, :], axis=1)
-    y = acc * tl.load(scale_ptr + rows, mask=row_mask, other=0)
-    tl.store(y_ptr + t * R + rows, y.to(y_ptr.dtype.element_ty), mask=row_mask)
+from flashpack.runtime.kernels.matvec import matvec
 
 
 @triton.jit(do_not_specialize=["T"])  # one build whatever the token count
@@ -60,14 +44,14 @@ def _fp8_matmul_kernel(x_ptr, values_ptr, scale_ptr, y_ptr, T, R, C: tl.constexp
 def fp8_linear_triton(
     x: torch.Tensor, values: torch.Tensor, row_scale: torch.Tensor, out: torch.Tensor | None = None,
     precision: str = "bf16", matvec_max_tokens: int = 4,
-    block_r: int = 16, block_c: int = 512, block_m: int = 128, block_n: int = 128, block_k: int = 64,
-    num_warps: int | None = None,
+    block_r: int | None = None, block_c: int | None = None, block_m: int = 128, block_n: int = 128,
+    block_k: int = 64, num_warps: int = 4,
 ) -> torch.Tensor:
     """x [..., C] -> [..., R] (dtype of `out` if given, else x.dtype); values float8_e4m3fn [R, C]
     contiguous, row_scale float32 [R]. Up to `matvec_max_tokens` rows of x use the float32 matvec
-    (precision does not apply); more use the tile kernel in `precision` ("bf16" CUDA only, or "fp32").
-    Defaults: the fastest of a sweep on an H200 at 8192 x 2560 (8.1 us matvec, 229 us at 2048 tokens).
-    num_warps defaults to 8 for the matvec and 4 for the tile kernel."""
+    (precision does not apply; block_r and block_c default to matvec.matvec_blocks); more use the
+    tile kernel in `precision` ("bf16" CUDA only, or "fp32"). The tile kernel's defaults: the fastest
+    of a sweep on an H200 at 8192 x 2560 (229 us at 2048 tokens)."""
     rows, cols = values.shape
     if values.dtype != torch.float8_e4m3fn or x.shape[-1] != cols or row_scale.shape != (rows,):
         raise ValueError(f"x {tuple(x.shape)}, values {values.dtype} {tuple(values.shape)}, "
@@ -82,11 +66,10 @@ def fp8_linear_triton(
         raise ValueError(f"out must be contiguous {(*x.shape[:-1], rows)}")
     if tokens == 0:
         return out
-    v_bytes, scale = values.contiguous().view(torch.uint8), row_scale.float().contiguous()
     if tokens <= matvec_max_tokens:
-        _fp8_matvec_kernel[(tokens, triton.cdiv(rows, block_r))](
-            x2, v_bytes, scale, out, rows, cols, BLOCK_R=block_r, BLOCK_C=block_c, num_warps=num_warps or 8)
-        return out
+        return matvec(x, values.contiguous(), row_scale, out=out, block_r=block_r, block_c=block_c,
+                      num_warps=num_warps)
+    v_bytes, scale = values.contiguous().view(torch.uint8), row_scale.float().contiguous()
     if precision == "bf16" and x.device.type != "cuda":
         raise ValueError("bf16 tensor-core dots need CUDA (the triton 3.6 interpreter mis-multiplies bf16 "
                          "in tl.dot); use precision='fp32' there")
@@ -94,5 +77,5 @@ def fp8_linear_triton(
     x_act = x2.to(torch.bfloat16 if precision == "bf16" else torch.float32)
     _fp8_matmul_kernel[(triton.cdiv(tokens, block_m), triton.cdiv(rows, block_n))](
         x_act, v_bytes, scale, out, tokens, rows, cols, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, DOT=dot,
-        num_warps=num_warps or 4)
+        num_warps=num_warps)
     return out

@@ -42,11 +42,11 @@ def _router_top_k_kernel(
 
 
 def router_top_k_triton(
-    logits: torch.Tensor, k: int, renormalise: bool, num_warps: int = 4,
+    logits: torch.Tensor, k: int, renormalise: bool, num_warps: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [T, E] (rows may be strided) -> (weights float32 [T, k], expert ids int64 [T, k]).
-    4 warps took 3.9 us a call on the H200 (run 12); one warp needs no barrier between the k
-    rounds (65 in the PTX at 4 warps, none at 1), `bench/kernels.py --only router` times both."""
+    One warp needs no barrier between the k rounds (65 in the PTX at 4 warps, none at 1): 3.3 us a
+    call on the H200 against 4.1 at 4 warps (run 14, `bench/kernels.py --only router`)."""
     rows, experts = logits.shape
     if logits.stride(-1) != 1:
         logits = logits.contiguous()

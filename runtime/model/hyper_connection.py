@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from flashpack.layout.model_config import TextConfig
+from flashpack.runtime.kernels import dense_linear
 from flashpack.runtime.model.linear import StackedLinear
 from flashpack.runtime.model.norms import RMSNorm
 from flashpack.runtime.weights import WeightSource, load_dense
@@ -51,7 +52,7 @@ class GatedResidual(nn.Module):
         normed = self.norm(streams)
         down, *inject = self.in_proj(normed)
         gate = F.silu(down / self.hc)
-        gate = torch.sigmoid(F.linear(gate, self.mix_up)).unflatten(-1, (self.hc, self.hidden))
+        gate = torch.sigmoid(dense_linear(gate, self.mix_up)).unflatten(-1, (self.hc, self.hidden))
         block_input = (gate * normed.unflatten(-1, (self.hc, self.hidden))).mean(dim=-2)
         if not inject:  # a final mixer
             return block_input, None

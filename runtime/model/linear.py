@@ -1,6 +1,7 @@
 """Dense projections, kept on the device the way the pack stores them.
 
-A BF16-stored weight (cast to the engine dtype) runs `F.linear`. A weight stored as FP8 rows with a
+A BF16-stored weight (cast to the engine dtype) runs `dense_linear` (F.linear; for a decode token
+on CUDA the Triton matvec of runtime/kernels/matvec.py). A weight stored as FP8 rows with a
 float32 scale per row (`flashpack convert --dense-fp8`) stays FP8 in memory, half the bytes every
 decode step reads and half the VRAM the dense part takes, and runs `fp8_linear` (the Triton kernels
 on CUDA, the plain reference elsewhere): x @ (values * row_scale)^T accumulated in float32.
@@ -15,10 +16,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from flashpack.runtime.kernels import fp8_linear
+from flashpack.runtime.kernels import dense_linear, fp8_linear
 from flashpack.runtime.weights import WeightSource, load_dense
 
 
@@ -45,11 +45,11 @@ class StackedLinear(nn.Module):
         start, count = sum(rows[:position]), rows[position]
         if is_fp8:
             return fp8_linear(x, self.values[start:start + count], self.row_scale[start:start + count])
-        return F.linear(x, self.weight[start:start + count])
+        return dense_linear(x, self.weight[start:start + count])
 
     def forward(self, x: torch.Tensor) -> list[torch.Tensor]:
         """x [..., in] -> each projection's output, in the order of `names`."""
-        plain = iter(F.linear(x, self.weight).split(self.plain_rows, -1) if self.weight is not None else ())
+        plain = iter(dense_linear(x, self.weight).split(self.plain_rows, -1) if self.weight is not None else ())
         fp8 = iter(fp8_linear(x, self.values, self.row_scale).split(self.fp8_rows, -1) if self.values is not None
                    else ())
         return [next(fp8) if is_fp8 else next(plain) for is_fp8 in self.is_fp8]
@@ -61,5 +61,5 @@ class DenseLinear(StackedLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.weight is not None:
-            return F.linear(x, self.weight)
+            return dense_linear(x, self.weight)
         return fp8_linear(x, self.values, self.row_scale)

@@ -1,0 +1,83 @@
+"""Dense matrix-vector products for decode: y [T, R] = x [T, C] @ W [R, C]^T for one or a few tokens.
+
+W is BF16/FP16, or FP8 (e4m3) rows with a float32 scale per row (`--dense-fp8`). At one token a
+decode step is a chain of such products over 2-60 MB matrices, each read once; cuBLAS's kernels for
+them reached 1.3-3.3 TB/s of the H200's ~4.2 (session 7's trace: a 9 MB stack 7 us, a 21 MB one 9 us
+with its split-K reduction), and the FP8 kernel that summed across threads every chunk no faster than
+BF16 at half the bytes. Here each program owns BLOCK_R rows; its loop over the input is unrolled,
+so every load of its rows is in flight at once, and multiply-adds into a float32 [BLOCK_R, BLOCK_C]
+tile that is summed across threads once, at the end. Blocks are sized so each thread holds at most
+ELEMENTS_PER_THREAD weights in flight. Accumulation is float32 in a fixed order: deterministic.
+
+The reference is `F.linear` (float32 products of the same values; fp8_linear_reference for FP8).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+ELEMENTS_PER_THREAD = 128  # weights a thread has in flight: 64 registers of BF16 pairs
+MAX_BLOCK_C = 512
+
+
+@triton.jit
+def _matvec_kernel(x_ptr, w_ptr, scale_ptr, y_ptr, R, C: tl.constexpr, FP8: tl.constexpr,
+                   BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    rows = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
+    row_mask = rows < R
+    cols = tl.arange(0, BLOCK_C)
+    acc = tl.zeros([BLOCK_R, BLOCK_C], dtype=tl.float32)
+    for start in tl.static_range(0, C, BLOCK_C):  # unrolled: all of the rows' loads in flight together
+        col_mask = start + cols < C
+        w = tl.load(w_ptr + rows.to(tl.int64)[:, None] * C + (start + cols)[None, :],
+                    mask=row_mask[:, None] & col_mask[None, :], other=0)
+        if FP8:
+            w = w.to(tl.float8e4nv, bitcast=True)
+        xv = tl.load(x_ptr + t * C + start + cols, mask=col_mask, other=0).to(tl.float32)
+        acc += w.to(tl.float32) * xv[None, :]
+    y = tl.sum(acc, axis=1)
+    if FP8:
+        y = y * tl.load(scale_ptr + rows, mask=row_mask, other=0)
+    tl.store(y_ptr + t * R + rows, y.to(y_ptr.dtype.element_ty), mask=row_mask)
+
+
+def matvec_blocks(rows: int, cols: int, num_warps: int = 4) -> tuple[int, int]:
+    """(BLOCK_R, BLOCK_C): BLOCK_C the largest power of two up to MAX_BLOCK_C that divides `cols`
+    (no masked lanes), BLOCK_R as many rows as keep ELEMENTS_PER_THREAD weights a thread in flight."""
+    block_c = MAX_BLOCK_C
+    while block_c > 16 and cols % block_c:
+        block_c //= 2
+    budget = max(1, ELEMENTS_PER_THREAD * 32 * num_warps // cols)
+    block_r = 1 << (budget.bit_length() - 1)
+    return min(block_r, triton.next_power_of_2(rows)), block_c
+
+
+def matvec(
+    x: torch.Tensor, weight: torch.Tensor, row_scale: torch.Tensor | None = None, out: torch.Tensor | None = None,
+    block_r: int | None = None, block_c: int | None = None, num_warps: int = 4,
+) -> torch.Tensor:
+    """x [..., C] -> [..., R] (dtype of `out` if given, else x.dtype) for W `weight` [R, C] with
+    contiguous rows: BF16/FP16, or float8_e4m3fn with `row_scale` float32 [R]. Meant for a few
+    tokens (each re-reads W); block sizes default to `matvec_blocks`."""
+    rows, cols = weight.shape
+    fp8 = weight.dtype == torch.float8_e4m3fn
+    if x.shape[-1] != cols or fp8 != (row_scale is not None) or weight.stride() != (cols, 1):
+        raise ValueError(f"x {tuple(x.shape)}, weight {weight.dtype} {tuple(weight.shape)} stride {weight.stride()}, "
+                         f"row_scale {None if row_scale is None else tuple(row_scale.shape)} do not fit")
+    x2 = x.reshape(-1, cols).contiguous()
+    if out is None:
+        out = torch.empty(*x.shape[:-1], rows, dtype=x.dtype, device=x.device)
+    if tuple(out.shape) != (*x.shape[:-1], rows) or not out.is_contiguous():
+        raise ValueError(f"out must be contiguous {(*x.shape[:-1], rows)}")
+    if x2.shape[0] == 0:
+        return out
+    default_r, default_c = matvec_blocks(rows, cols, num_warps)
+    block_r, block_c = block_r or default_r, block_c or default_c
+    w = weight.view(torch.uint8) if fp8 else weight
+    scale = row_scale.float().contiguous() if fp8 else w  # unused unless FP8
+    _matvec_kernel[(x2.shape[0], triton.cdiv(rows, block_r))](
+        x2, w, scale, out, rows, cols, FP8=fp8, BLOCK_R=block_r, BLOCK_C=block_c, num_warps=num_warps)
+    return out

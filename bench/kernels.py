@@ -306,7 +306,7 @@ class _MixerWeights:
         return self.tensors[name]
 
 
-def bench_hc_mix(report: Report, device) -> None:
+def bench_hc_mix(report: Report, device, sweep: bool) -> None:
     from flashpack.runtime.model.hyper_connection import GatedResidual
 
     hc, rank, copies = 4, 320, 8
@@ -328,6 +328,21 @@ def bench_hc_mix(report: Report, device) -> None:
         got_input, got_inject = mixers[index].mix(xs[index])
         report.check(f"hc mix T=1 #{index}", relative_error(got_input, want_input), 2.0**-6, "module, bf16")
         report.check(f"hc mix T=1 #{index} inject", relative_error(got_inject, want_inject), 2.0**-6, "module, bf16")
+    if sweep:
+        from flashpack.runtime.kernels.hc_mix import hc_mix_triton
+
+        def fused(i, **blocks):
+            mixer = mixers[i % copies]
+            return hc_mix_triton(xs[i % copies], mixer.norm.weight, mixer.norm.eps, mixer.in_proj.weight,
+                                 mixer.mix_up, hc, True, **blocks)
+
+        report.start_sweep()
+        for cfg in [dict(block_rows=r, block_h=h, block_j=j, num_warps=w) for j in (4, 8, 16) for r in (1, 2, 4)
+                    for h in (512, 1024) for w in (4, 8)]:
+            if not report.sweeping():
+                break
+            report.timing("sweep hc mix T=1", " ".join(f"{k}={v}" for k, v in cfg.items()),
+                          graph_ms(lambda i: fused(i, **cfg), 32), moved)
 
 
 DENSE_SHAPES = {  # [rows, cols] of the BF16 products a decode layer makes at the real dims
@@ -562,7 +577,7 @@ def main() -> None:
             elif name == "router":
                 bench_router(report, device)
             elif name == "hc-mix":
-                bench_hc_mix(report, device)
+                bench_hc_mix(report, device, args.sweep)
             elif name == "dense":
                 bench_dense(report, device, args.sweep)
         except Exception:

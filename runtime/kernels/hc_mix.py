@@ -87,7 +87,7 @@ def _mix_up_kernel(
 
 def hc_mix_triton(
     streams: torch.Tensor, norm_weight: torch.Tensor, eps: float, in_weight: torch.Tensor, mix_up: torch.Tensor,
-    hc: int, inject: bool, block_rows: int = 4, block_h: int = 512, block_j: int = 16,
+    hc: int, inject: bool, block_rows: int = 4, block_h: int = 512, block_j: int = 16, num_warps: int = 4,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """streams [T, hc*H]; norm_weight [hc*H] (applied as 1 + w); in_weight [R (+ hc), hc*H], the
     low-rank down projection's rows, then with `inject` the injection weights' hc rows; mix_up
@@ -109,9 +109,9 @@ def hc_mix_triton(
     if tokens:
         _mix_down_kernel[(triton.cdiv(rows, block_rows), hc, tokens)](
             streams, norm_weight, in_weight, partial, scales, eps,
-            hidden, hc, rows, BLOCK_ROWS=block_rows, BLOCK_H=block_h)
+            hidden, hc, rows, BLOCK_ROWS=block_rows, BLOCK_H=block_h, num_warps=num_warps)
         _mix_up_kernel[(triton.cdiv(hidden, block_j), tokens)](
             streams, norm_weight, partial, scales, mix_up, out, injected,
             hidden, hc, rank, rows, inject, BLOCK_J=block_j,
-            R_POW2=triton.next_power_of_2(rank), HC_POW2=triton.next_power_of_2(hc))
+            R_POW2=triton.next_power_of_2(rank), HC_POW2=triton.next_power_of_2(hc), num_warps=num_warps)
     return out, injected if inject else None

@@ -72,6 +72,34 @@ def test_indexer_selection_equals_transformers_mask(bench, engine):
         assert torch.equal(keep.nonzero().flatten(), row)
 
 
+def test_step_keep_skips_the_scoring_only_where_every_block_fits_the_budget(engine):
+    """A buffer of at most budget / ratio blocks: the decode graphs' mask is the causal prefix,
+    taken without scoring the blocks, and scoring them (step_pick) must agree; a buffer one block
+    larger scores them, and past the budget keeps less than the prefix."""
+    cfg = engine.config
+    indexer = engine.layers[cfg.layer_types.index("indexed_attention")].mixer.indexer
+    gen = torch.Generator().manual_seed(5)
+    for capacity in (cfg.indexer_budget, cfg.indexer_budget + cfg.indexer_compress_ratio):
+        cache = AttentionCache(cfg.num_key_value_heads, cfg.head_dim, cfg.indexer_head_dim,
+                               cfg.indexer_compress_ratio, torch.float32, "cpu", capacity=capacity)
+        cache.append(torch.zeros(cfg.num_key_value_heads, capacity, cfg.head_dim),
+                     torch.zeros(cfg.num_key_value_heads, capacity, cfg.head_dim),
+                     torch.randn(capacity, cfg.indexer_head_dim, generator=gen))
+        indexer.pool_new_blocks(cache, engine.layers[cfg.layer_types.index("indexed_attention")].mixer.rotary)
+        assert cache.capacity == capacity
+        query = torch.randn(1, cfg.indexer_n_heads, cfg.indexer_head_dim, generator=gen)
+        for position in range(capacity):
+            at = torch.tensor([position])
+            keep = indexer.step_keep(query, at, cache)
+            assert torch.equal(keep, indexer.step_pick(query, at, cache))
+            over_budget = (position + 1) // cfg.indexer_compress_ratio > cfg.indexer_budget // cfg.indexer_compress_ratio
+            if over_budget:  # one block more than the budget has been completed: one is left out
+                assert int(keep.sum()) == position + 1 - cfg.indexer_compress_ratio
+            else:
+                assert torch.equal(keep, torch.arange(capacity) <= position)
+        assert capacity == cfg.indexer_budget or over_budget  # the larger buffer reached past the budget
+
+
 def test_pooled_block_keys_are_incremental_and_exact(engine):
     """Blocks pooled as they complete, token by token, equal blocks pooled from a whole prompt."""
     tokens = prompts()["long_44"]

@@ -92,9 +92,10 @@ def test_step_keep_skips_the_scoring_only_where_every_block_fits_the_budget(engi
             at = torch.tensor([position])
             keep = indexer.step_keep(query, at, cache)
             assert torch.equal(keep, indexer.step_pick(query, at, cache))
-            over_budget = (position + 1) // cfg.indexer_compress_ratio > cfg.indexer_budget // cfg.indexer_compress_ratio
+            ratio = cfg.indexer_compress_ratio
+            over_budget = (position + 1) // ratio > cfg.indexer_budget // ratio
             if over_budget:  # one block more than the budget has been completed: one is left out
-                assert int(keep.sum()) == position + 1 - cfg.indexer_compress_ratio
+                assert int(keep.sum()) == position + 1 - ratio
             else:
                 assert torch.equal(keep, torch.arange(capacity) <= position)
         assert capacity == cfg.indexer_budget or over_budget  # the larger buffer reached past the budget

@@ -32,20 +32,36 @@ def median_seconds(fn: Callable[[], object], device: torch.device, repeats: int 
     return statistics.median(timed(fn, device)[1] for _ in range(repeats))
 
 
+BEFORE_LAYERS = "before"
+
+
 class LayerClock:
     """Time spent in each decoder layer of the decode steps: `begin()` before a step's first layer's
     work is issued, `lap(layer)` after each layer's (a lap taken twice for one layer in a step adds
     up), then `take()` returns {layer: seconds} summed since the last take, and clears. On a GPU the
     laps are CUDA events on the current stream, so a layer's time runs from the GPU finishing the
     work before it to finishing its own, whatever the host did meanwhile; `take` synchronizes. On a
-    CPU, wall-clock time."""
+    CPU, wall-clock time.
+
+    `step()` at the start of a step (the device idle, its last step read back) adds
+    {BEFORE_LAYERS: seconds} from there to `begin()`: the host's work before it has the layers
+    issued (the token's embedding and PLE rows, binding, launching), which the device waits through."""
 
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
         self._marks: list = []  # per step: [(None, first mark), (layer, mark), ...]
+        self._stepped = False  # step() was called, begin() not yet
+
+    def step(self) -> None:
+        self._marks.append([(None, self._mark())])
+        self._stepped = True
 
     def begin(self) -> None:
-        self._marks.append([(None, self._mark())])
+        if self._stepped:
+            self._marks[-1].append((BEFORE_LAYERS, self._mark()))
+            self._stepped = False
+        else:
+            self._marks.append([(None, self._mark())])
 
     def lap(self, layer: int) -> None:
         if not self._marks:
@@ -59,11 +75,11 @@ class LayerClock:
         event.record()
         return event
 
-    def take(self) -> dict[int, float]:
-        steps, self._marks = self._marks, []
+    def take(self) -> dict[int | str, float]:
+        steps, self._marks, self._stepped = self._marks, [], False
         if self.cuda and steps:
             steps[-1][-1][1].synchronize()
-        seconds: dict[int, float] = {}
+        seconds: dict[int | str, float] = {}
         for marks in steps:
             for (_, before), (layer, after) in zip(marks, marks[1:]):
                 elapsed = before.elapsed_time(after) / 1000 if self.cuda else after - before

@@ -136,6 +136,10 @@ def table(report: dict) -> str:
         if ours["decode"].get("layer_seconds") is not None:
             in_layers = 1000 * ours["decode"]["layer_seconds"] / ours["decode"]["tokens"]
             rows.append((f"decode ms/token in layers ({layers})", _num(in_layers, "{:.2f}"), "", ""))
+            if ours["decode"].get("before_layers_seconds") is not None:
+                before = 1000 * ours["decode"]["before_layers_seconds"] / ours["decode"]["tokens"]
+                rows.append(("decode ms/token before the layers", _num(before, "{:.3f}"), "",
+                             "host: token -> 1st layer"))
             rows.append((f"decode tok/s ({target}, even scaling)", _num(1000 / mine["decode_ms_per_token_even"], "{:.2f}"),
                          "", ""))
             if mine["decode_scaling"] == LAYER_KIND_FORMULA:

@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 from tqdm import tqdm
 
-from flashpack.runtime.bench.clock import LayerClock, median_seconds, synchronize
+from flashpack.runtime.bench.clock import BEFORE_LAYERS, LayerClock, median_seconds, synchronize
 from flashpack.runtime.bench.phases import difference, phase_summary, snapshot
 
 WARMUP_DECODE = 2
@@ -55,11 +55,22 @@ class EngineResult:
         """{layer: the part of `decode_seconds` spent in it} (a piece of several layers' graphs is
         timed as a whole, under its last layer), or None where the layers were not timed: each the
         median share of the repeats, so that it belongs to the median time it is a part of."""
+        shares = self._median_shares()
+        return None if shares is None else {key: seconds for key, seconds in shares.items() if key != BEFORE_LAYERS}
+
+    @property
+    def decode_seconds_before_layers(self) -> float | None:
+        """The part of `decode_seconds` from a step's start to the device reaching its first layer
+        (LayerClock.step): the host's work that the device waits through."""
+        shares = self._median_shares()
+        return None if shares is None else shares.get(BEFORE_LAYERS)
+
+    def _median_shares(self) -> dict[int | str, float] | None:
         if any(r.get("decode_layer_seconds") is None for r in self.repeats):
             return None
-        layers = self.repeats[0]["decode_layer_seconds"]
-        return {layer: self.decode_seconds * statistics.median(
-            r["decode_layer_seconds"][layer] / r["decode_seconds"] for r in self.repeats) for layer in layers}
+        keys = self.repeats[0]["decode_layer_seconds"]
+        return {key: self.decode_seconds * statistics.median(
+            r["decode_layer_seconds"][key] / r["decode_seconds"] for r in self.repeats) for key in keys}
 
     def phase_store(self, phase: str) -> dict:
         deltas = [r[f"{phase}_counters"] for r in self.repeats]
@@ -88,6 +99,7 @@ class EngineResult:
                 "layer_seconds": self.decode_layer_seconds,
                 "layer_seconds_each": None if self.decode_seconds_by_layer is None else {
                     str(layer): seconds for layer, seconds in sorted(self.decode_seconds_by_layer.items())},
+                "before_layers_seconds": self.decode_seconds_before_layers,
                 "ms_per_token": 1000 * decode / self.gen_tokens,
                 "ms_per_token_median_step": 1000 * statistics.median(step_times),
                 "ms_per_token_max_step": 1000 * max(step_times),
@@ -141,6 +153,8 @@ def timed_run(model, store, state, prompt: list[int], gen: int, progress: bool =
     try:
         for _ in tqdm(range(gen), desc="decode", unit="tok", disable=not progress, leave=False):
             start = time.perf_counter()
+            if clock is not None:
+                clock.step()
             token, _ = greedy(model, state, torch.tensor([token]))
             synchronize(device)
             steps.append(time.perf_counter() - start)

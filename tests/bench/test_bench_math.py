@@ -12,7 +12,7 @@ import torch
 
 from flashpack.errors import FlashpackError
 from flashpack.layout.manifest import Manifest
-from flashpack.runtime.bench.clock import LayerClock
+from flashpack.runtime.bench.clock import BEFORE_LAYERS, LayerClock
 from flashpack.runtime.bench.emulate import (
     LAYER_KIND_FORMULA,
     LAYER_TIME_FORMULA,
@@ -128,11 +128,12 @@ def test_decode_from_graphs_scales_only_the_layers_time():
 def test_the_layers_share_of_decode_belongs_to_the_median_run():
     from flashpack.runtime.bench.run import EngineResult
 
-    result = EngineResult(10, 4, repeats=[{"decode_seconds": 1.0, "decode_layer_seconds": {0: 0.1, 1: 0.4}},
-                                          {"decode_seconds": 3.0, "decode_layer_seconds": {0: 0.9, 1: 0.9}}])
+    result = EngineResult(10, 4, repeats=[
+        {"decode_seconds": 1.0, "decode_layer_seconds": {0: 0.1, 1: 0.4, "before": 0.1}},
+        {"decode_seconds": 3.0, "decode_layer_seconds": {0: 0.9, 1: 0.9, "before": 0.9}}])
     # median share x median time, layer by layer: (0.1 + 0.3) / 2 and (0.4 + 0.3) / 2 of 2 s
     assert math.isclose(result.decode_seconds_by_layer[0], 0.4) and math.isclose(result.decode_seconds_by_layer[1], 0.7)
-    assert math.isclose(result.decode_layer_seconds, 1.1)
+    assert math.isclose(result.decode_layer_seconds, 1.1) and math.isclose(result.decode_seconds_before_layers, 0.4)
     result.repeats.append({"decode_seconds": 2.0, "decode_layer_seconds": None})
     assert result.decode_layer_seconds is None
 
@@ -153,6 +154,12 @@ def test_layer_clock_times_each_layer_and_adds_up_its_laps():
     assert clock.take() == {}
     with pytest.raises(RuntimeError, match="before begin"):
         clock.lap(0)
+    clock.step()  # the bench marks the step's start: the host's time before the layers is timed too
+    time.sleep(0.02)
+    clock.begin()
+    clock.lap(0)
+    seconds = clock.take()
+    assert set(seconds) == {BEFORE_LAYERS, 0} and 0.02 <= seconds[BEFORE_LAYERS] < 0.3
 
 
 def test_phase_summary_hit_rates_and_per_token_bytes():

@@ -1,5 +1,5 @@
-"""The calls the engine makes: `moe_experts`, `dense_linear`, `fp8_linear`, `stage_records` and
-`router_top_k`, Triton where it runs, else reference.
+"""The calls the engine makes: `moe_experts`, `dense_linear`, `fp8_linear`, `stage_records`,
+`router_top_k` and `decode_attention`, Triton where it runs, else reference.
 
 backend="auto" takes the Triton kernels on CUDA and the plain-PyTorch reference anywhere else;
 "triton" and "reference" force one side. The tests force "triton" on a CPU, where the kernels run
@@ -17,7 +17,8 @@ import torch.nn.functional as F
 
 from flashpack.runtime.kernels.bank import ExpertBank
 from flashpack.runtime.kernels.reference import (
-    expert_swiglu_reference, fp8_linear_reference, router_top_k_reference, stage_records_reference,
+    decode_attention_reference, expert_swiglu_reference, fp8_linear_reference, router_top_k_reference,
+    stage_records_reference,
 )
 
 BACKENDS = ("auto", "triton", "reference")
@@ -132,3 +133,17 @@ def router_top_k(
     from flashpack.runtime.kernels.router_top_k import router_top_k_triton
 
     return router_top_k_triton(logits, k, renormalise)
+
+
+@torch.compiler.disable
+def decode_attention(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, keep: torch.Tensor, scale: float,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """One token's attention over a KV cache buffer, masked: q [kv_heads, group, hd], keys/values
+    [kv_heads, capacity, hd], keep bool [capacity] -> [kv_heads, group, hd] in q's dtype."""
+    if not use_triton(q.device, backend):
+        return decode_attention_reference(q, keys, values, keep, scale, dtype=None)
+    from flashpack.runtime.kernels.decode_attention import decode_attention as decode_attention_triton
+
+    return decode_attention_triton(q, keys, values, keep, scale)

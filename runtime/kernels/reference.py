@@ -10,11 +10,15 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from flashpack.layout.nvfp4 import dequantize_fp8_rows, dequantize_nvfp4
 from flashpack.runtime.kernels.bank import ExpertBank
 
 PROJECTION_INDEX = {"gate": 0, "up": 1, "down": 2}
+# cuDNN's attention builds an execution plan per new shape (65 ms each on an H200), and decode has a
+# new key length every token: keep to the backends that take any length as it comes.
+ATTENTION_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 def dequantize_expert(bank: ExpertBank, slot: int, projection: str) -> torch.Tensor:
@@ -75,3 +79,20 @@ def stage_records_reference(source: torch.Tensor, offsets: torch.Tensor, target:
         if offset >= 0:
             target[row] = source[offset:offset + words]
     return target
+
+
+def decode_attention_reference(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, keep: torch.Tensor, scale: float,
+    dtype: torch.dtype | None = torch.float32,
+) -> torch.Tensor:
+    """One decode token's masked attention (decode_attention.py's kernel): F.scaled_dot_product_attention
+    of q [kv_heads, group, hd] (the group's heads as a batch of queries) against keys/values
+    [kv_heads, capacity, hd] masked by keep [capacity], computed in `dtype` (None: the inputs' own)
+    -> [kv_heads, group, hd]."""
+    if dtype is not None:
+        q, keys, values = q.to(dtype), keys.to(dtype), values.to(dtype)
+    with sdpa_kernel(ATTENTION_BACKENDS):
+        out = F.scaled_dot_product_attention(
+            q[:, None], keys[:, None], values[:, None], attn_mask=keep[None, None, None, :], scale=scale,
+        )  # [kv_heads, 1, group, hd]
+    return out[:, 0]

@@ -14,7 +14,8 @@ Decode has two forms. `attend_cache` (eager) appends at the cache's host-side le
 to exactly the picked keys. `attend_step` (replayed from a CUDA graph, so every shape is fixed
 and the position is a device tensor) writes in place at the position, re-pools the block holding
 it (complete once its last token is in; until then the stale pool is masked), and attends over
-the whole buffer with a mask of the same picked keys. They agree to rounding, and exactly in
+the whole buffer with a mask of the same picked keys (on CUDA a split-K kernel that reads only the
+kept keys, runtime/kernels/decode_attention.py). They agree to rounding, and exactly in
 which keys they use, except that where the indexer's k-th and (k+1)-th block scores tie, top-k
 over the padded buffer may keep the other tied block.
 """
@@ -26,9 +27,11 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention import sdpa_kernel
 
 from flashpack.layout.model_config import TextConfig
+from flashpack.runtime.kernels import decode_attention
+from flashpack.runtime.kernels.reference import ATTENTION_BACKENDS
 from flashpack.runtime.model.linear import DenseLinear, StackedLinear
 from flashpack.runtime.model.norms import RMSNorm
 from flashpack.runtime.model.rope import Rotary, apply_rotary
@@ -36,9 +39,6 @@ from flashpack.runtime.state import AttentionCache
 from flashpack.runtime.weights import WeightSource, load_dense
 
 QUERY_CHUNK = 1024  # prompt queries attended per step
-# cuDNN's attention builds an execution plan per new shape (65 ms each on an H200), and decode has a
-# new key length every token: keep to the backends that take any length as it comes.
-ATTENTION_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 class BlockIndexer(nn.Module):
@@ -216,20 +216,15 @@ class QSAAttention(nn.Module):
     ) -> torch.Tensor:
         """One token at `position` (int64 [1] on the device), fixed shapes for a CUDA graph: write it
         into the cache in place (the caller reserves room and advances the length) -> [1, heads * hd].
-        The query heads of each KV head attend as a batch of queries to that head alone, so the
-        masked attention needs no GQA support from the kernel."""
+        The query heads of each KV head attend as a group to that head alone."""
         keys, values, index_keys, _ = cache.buffers()
         keys.index_copy_(1, position, k.transpose(0, 1))
         values.index_copy_(1, position, v.transpose(0, 1))
         index_keys.index_copy_(0, position, index_k)
         self.indexer.pool_block_at(cache, position, self.rotary)
         keep = self.indexer.step_keep(index_q, position, cache)
-        grouped = q[0].unflatten(0, (self.kv_heads, -1))[:, None]  # [kv_heads, 1, group, hd]
-        with sdpa_kernel(ATTENTION_BACKENDS):
-            out = F.scaled_dot_product_attention(
-                grouped, keys[:, None], values[:, None], attn_mask=keep[None, None, None, :],
-                scale=self.head_dim ** -0.5,
-            )  # [kv_heads, 1, group, hd]
+        grouped = q[0].unflatten(0, (self.kv_heads, -1))  # [kv_heads, group, hd]
+        out = decode_attention(grouped, keys, values, keep, self.head_dim ** -0.5)  # split over the keys
         return out.reshape(1, self.heads * self.head_dim)
 
     def output(self, attended: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:

@@ -15,6 +15,8 @@ H = 2560, I = 640, 512 experts per layer, top-10; FP8 matrix 8192 x 2560.
   router    softmax + top-10 of 512 + renormalise for 1 token: the router_top_k kernel against torch
   dense     the BF16 products of a decode layer (1 token, real shapes): matvec.py's kernel against
             cuBLAS, each matrix rotated past the L2
+  attention one token's masked QSA attention (capacity 600 and 32768): decode_attention's split-K
+            kernels against the SDPA call attend_step made before
   hc-mix    a hyper-connection mix (hc = 4, rank 320, with injection) for 1 token: hc_mix's two
             kernels against the module's code compiled by torch.compile, 8 mixers rotated (106 MB,
             more than the L2), both in a CUDA graph
@@ -225,7 +227,10 @@ def bench_decode(report: Report, bank, geometry, device, sweep: bool) -> None:
     weight_bytes = TOP_K * geometry.data_bytes
     moved = weight_bytes + H * 2 * 2 + TOP_K * I * 4 * 2
     run = lambda i, **kw: nvfp4_expert_swiglu(xs[i % 8], bank, *sets[i % 64], **kw)  # noqa: E731
-    report.timing("decode T=1", "triton nvfp4 matvec", graph_ms(run, 64), moved, eager_us=eager_ms(run, 20) * 1e3)
+    for version in (1, 2):  # expert_decode.py keeps version 1 for this A/B
+        timed = lambda i, v=version: run(i, version=v)  # noqa: E731
+        report.timing("decode T=1", f"triton nvfp4 matvec v{version}", graph_ms(timed, 64), moved,
+                      eager_us=eager_ms(timed, 20) * 1e3)
     report.timing("decode T=1", "reference (fp32 dequant)",
                   eager_ms(lambda i: expert_swiglu_reference(xs[i % 8], bank, *sets[i % 64]), 10), moved)
     # What the engine does today once experts are dequantised: bf16 F.linear per expert (4x the bytes).
@@ -249,16 +254,26 @@ def bench_decode(report: Report, bank, geometry, device, sweep: bool) -> None:
     for index in range(3):
         slots, weights = sets[index]
         x = xs[index]
-        got = nvfp4_expert_swiglu(x, bank, slots, weights, out=torch.full((1, H), float("nan"), device=device))
-        report.check(f"decode T=1 #{index}", relative_error(
-            got, expert_swiglu_reference(x, bank, slots, weights, out_dtype=torch.float32)), 1e-5, "reference fp32")
-        report.check(f"decode T=1 #{index}", relative_error(got, float64_reference(x, bank, slots, weights)),
-                     1e-5, "float64")
+        expected = expert_swiglu_reference(x, bank, slots, weights, out_dtype=torch.float32)
+        exact = float64_reference(x, bank, slots, weights)
+        for version in (1, 2):
+            got = nvfp4_expert_swiglu(x, bank, slots, weights, out=torch.full((1, H), float("nan"), device=device),
+                                      version=version)
+            case = f"decode T=1 v{version} #{index}"
+            report.check(case, relative_error(got, expected), 1e-5, "reference fp32")
+            report.check(case, relative_error(got, exact), 1e-5, "float64")
     if sweep:
+        # Version 2 by rows per thread, block_i * block_h / (512 * num_warps) for gate/up and
+        # block_o * block_down_in / (512 * num_warps) for down (4 and 4 at its defaults), then
+        # narrower chunks; version 1 around its defaults.
+        configs = [dict(version=2, block_i=w * gate_up, block_h=512, block_o=4 * w * down, block_down_in=128,
+                        num_warps=w) for w in (4, 8, 2) for gate_up in (4, 2, 8) for down in (4, 2, 8)]
+        configs += [dict(version=2, block_i=16, block_h=bh, block_o=64, block_down_in=bd, num_warps=4)
+                    for bh, bd in ((256, 128), (512, 64))]
+        configs += [dict(version=1, block_i=bi, block_h=bh, block_o=16, block_down_in=128, num_warps=w)
+                    for w in (4, 2) for bi in (4, 8) for bh in (1024, 2048, 512)]
         report.start_sweep()
-        for cfg in [dict(block_i=bi, block_h=bh, block_o=bo, block_down_in=bd, num_warps=w)
-                    for w in (4, 2) for bi in (4, 8) for bh in (1024, 2048, 512) for bo in (16, 8, 32)
-                    for bd in (128, 256)]:
+        for cfg in configs:
             if not report.sweeping():
                 break
             try:
@@ -376,6 +391,67 @@ def bench_dense(report: Report, device, sweep: bool) -> None:
                     break
                 report.timing("sweep " + case, " ".join(f"{k}={v}" for k, v in cfg.items()),
                               graph_ms(lambda i: run(i, **cfg), 32), moved)
+
+
+def bench_attention(report: Report, device, sweep: bool) -> None:
+    """QSA decode attention (attend_step's masked attention) at the real dims: 2 KV heads, group 12,
+    head_dim 256, bf16. Capacity 600 with a causal prefix of 550 keys; capacity 32768 with the
+    indexer's budget (512 random complete 4-key blocks) plus a 2-key tail. Caches rotated past the L2
+    (a layer's cache is cold in a decode step); bytes moved count the kept keys and values, q and the
+    output, the same for both impls (SDPA reads the whole capacity: its GB/s is of the useful bytes)."""
+    from flashpack.runtime.kernels.decode_attention import decode_attention
+    from flashpack.runtime.kernels.reference import decode_attention_reference
+
+    kv_heads, group, hd, ratio, budget = 2, 12, 256, 4, 2048
+    scale = hd ** -0.5
+    generator = torch.Generator(device).manual_seed(11)
+    for capacity in (600, 32768):
+        cache_bytes = 2 * kv_heads * capacity * hd * 2
+        copies = max(2, -(-120 * 2**20 // cache_bytes))  # rotated past the 60 MB L2
+        caches = [[torch.randn(kv_heads, capacity, hd, device=device, dtype=torch.bfloat16, generator=generator)
+                   for _ in range(2)] for _ in range(copies)]
+        qs = [torch.randn(kv_heads, group, hd, device=device, dtype=torch.bfloat16, generator=generator)
+              for _ in range(copies)]
+        tokens = torch.arange(capacity, device=device)
+        if capacity == 600:
+            masks = [tokens < 550]
+        else:
+            position = capacity - 3  # 8191 complete blocks, a 2-key tail
+            complete = (position + 1) // ratio
+            masks = []
+            for _ in range(4):
+                chosen = torch.zeros(capacity // ratio, dtype=torch.bool, device=device)
+                chosen[torch.randperm(complete, device=device, generator=generator)[:budget // ratio]] = True
+                masks.append((chosen.repeat_interleave(ratio) | (tokens >= complete * ratio)) & (tokens <= position))
+        kept = int(masks[0].sum())
+        case = f"attn {capacity} keep {kept}"
+        moved = 2 * kv_heads * kept * hd * 2 + 2 * kv_heads * group * hd * 2 + capacity
+        run = lambda i, **kw: decode_attention(  # noqa: E731
+            qs[i % copies], *caches[i % copies], masks[i % len(masks)], scale, **kw)
+        sdpa = lambda i: decode_attention_reference(  # noqa: E731
+            qs[i % copies], *caches[i % copies], masks[i % len(masks)], scale, dtype=None)
+        report.timing(case, "triton decode_attention (split-K)", graph_ms(run, 32), moved, kept_keys=kept,
+                      eager_us=eager_ms(run, 20) * 1e3)
+        report.timing(case, "sdpa bf16 (attend_step's call before)", graph_ms(sdpa, 32), moved, kept_keys=kept,
+                      eager_us=eager_ms(sdpa, 20) * 1e3)
+        for index in range(min(3, len(masks))):
+            got = run(index)
+            report.check(f"{case} #{index}", relative_error(got, sdpa(index)), 2.0**-6, "sdpa")
+            want = decode_attention_reference(qs[index % copies], *caches[index % copies], masks[index], scale)
+            report.check(f"{case} #{index}", relative_error(got, want), 2.0**-7, "sdpa fp32")
+            report.check(f"{case} #{index} no skip", relative_error(run(index, skip_empty=False), want),
+                         2.0**-7, "sdpa fp32")
+        if sweep:
+            report.start_sweep()
+            for cfg in [dict(block_n=n, max_splits=s, skip_empty=skip, num_warps=w)
+                        for w in (4, 8) for n in (16, 32, 64) for skip in (True, False) for s in (128, 256, 64)]:
+                if not report.sweeping():
+                    break
+                try:
+                    report.timing("sweep " + case, " ".join(f"{k}={v}" for k, v in cfg.items()),
+                                  graph_ms(lambda i: run(i, **cfg), 32), moved)
+                except Exception as error:  # a config the compiler rejects is data, not a failure
+                    print(f"sweep {cfg}: {error!r}"[:200])
 
 
 def bench_crossover(report: Report, bank, geometry, device) -> None:
@@ -547,7 +623,7 @@ def main() -> None:
     parser.add_argument("--json", type=Path, required=True)
     parser.add_argument("--sweep", action="store_true", help="also time a grid of block sizes")
     parser.add_argument("--sweep-seconds", type=float, default=45.0, help="time limit of each section's sweep")
-    parser.add_argument("--only", default="decode,fp8,prefill,crossover,staging,router,hc-mix,dense")
+    parser.add_argument("--only", default="decode,fp8,prefill,crossover,staging,router,hc-mix,dense,attention")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench/kernels.py needs a CUDA GPU")
@@ -580,6 +656,8 @@ def main() -> None:
                 bench_hc_mix(report, device, args.sweep)
             elif name == "dense":
                 bench_dense(report, device, args.sweep)
+            elif name == "attention":
+                bench_attention(report, device, args.sweep)
         except Exception:
             failures.append({"case": name, "error": traceback.format_exc()})
             print(failures[-1]["error"], file=sys.stderr)

@@ -346,15 +346,15 @@ def trace_replay(trace_file: Path, capacities: tuple[int, ...], policies: tuple[
 @click.option("--no-prefetch", is_flag=True, help="Do not prefetch the next layer's predicted experts.")
 @click.option("--promote", is_flag=True, help="Move an expert a decode step staged from RAM into a device slot "
               "once the device policy ranks it above its victim (off by default: on the H200 it halved 24/64 decode).")
-@click.option("--fused-mix", is_flag=True, help="Run one-token hyper-connection mixes as two Triton kernels each "
-              "(CUDA; not yet measured, so off by default).")
+@click.option("--no-fused-mix", is_flag=True, help="Run one-token hyper-connection mixes as the module's code, "
+              "compiled, instead of two Triton kernels each (for comparison; the kernels are used on a GPU only).")
 @_one_line_errors
 def bench(pack: Path, vram_budget: str | None, ram_budget: str | None, policy: str, hot_set: str | None,
           no_direct_io: bool, no_verify_records: bool, prompt_len: int, gen: int, json_path: Path | None, device: str,
           dtype: str, emulate_layers: int | None, baseline: str | None, baseline_layers: int, baseline_prompt_len: int,
           baseline_gen: int, seed: int, repeats: int, copy_probe: str | None, disk_probe: str,
           offload_dir: Path | None, quiet: bool, no_cuda_graphs: bool, no_compile: bool, graph_layers: int,
-          no_prefetch: bool, promote: bool, fused_mix: bool) -> None:
+          no_prefetch: bool, promote: bool, no_fused_mix: bool) -> None:
     """Time prefill and decode of PACK through the tiered store, against the machine's bandwidth roofline
     and (with --baseline) transformers + accelerate offload at the same budget. The store is always
     used: a budget left out gives its tier room for every record."""
@@ -368,7 +368,7 @@ def bench(pack: Path, vram_budget: str | None, ram_budget: str | None, policy: s
         seed=seed, repeats=repeats, direct_io=not no_direct_io, verify_records=not no_verify_records,
         copy_probe=copy_probe, disk_probe=disk_probe, offload_dir=offload_dir, json_path=json_path,
         progress=not quiet, cuda_graphs=not no_cuda_graphs, compile_layers=not no_compile, prefetch=not no_prefetch,
-        promote=promote, layers_per_graph=graph_layers, fused_mix=fused_mix,
+        promote=promote, layers_per_graph=graph_layers, fused_mix=not no_fused_mix,
     )
     click.echo(table(report))
     if json_path is not None:

@@ -8,8 +8,8 @@
 # rest after it. staging times the stage_records kernel against the copy engine (bench/kernels.py);
 # kernels times the router and hyper-connection mix kernels against what they replace, the decode
 # expert kernels with a block-size sweep, and the matvec/grouped crossover, dense the BF16 decode
-# projections' matvec against cuBLAS; unbounded-cublas is unbounded with every projection on cuBLAS; unbounded-fused-mix and
-# fused-mix bench as unbounded and budgets do with --fused-mix (hyper-connection mixes as hc_mix's kernels);
+# projections' matvec against cuBLAS; unbounded-cublas is unbounded with every projection on cuBLAS; unbounded-unfused-mix
+# and unfused-mix bench as unbounded and budgets do with --no-fused-mix (hyper-connection mixes as the module's code);
 # sampling times a token's choice on the GPU against copying the logits to the host first;
 # no-prefetch and promote bench 24/64 as budgets does, but without next-layer prefetch, or with
 # promotions; one-graph and unbounded-one-graph as budgets and unbounded do, with the whole step in
@@ -28,7 +28,7 @@ set -o pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site wheels/*.whl || exit 1
 mkdir -p /tmp/pkg && ln -sfn "$PWD" /tmp/pkg/flashpack
 export PYTHONPATH=/tmp/pkg:/tmp/site PYTHONUNBUFFERED=1
-LAYERS=${LAYERS:-4} GEN=${GEN:-32} PROMPT=${PROMPT:-512} W=/tmp/fp R=/tmp/results STAGES=${STAGES:-"tests layers unbounded fp8 budgets long baseline profile hotset prefill-profile eager fp8-unbounded staging no-prefetch promote one-graph unbounded-one-graph fp8-hot sampling kernels unbounded-no-combo unbounded-fused-mix fused-mix unbounded-cublas"}
+LAYERS=${LAYERS:-4} GEN=${GEN:-32} PROMPT=${PROMPT:-512} W=/tmp/fp R=/tmp/results STAGES=${STAGES:-"tests layers unbounded fp8 budgets long baseline profile hotset prefill-profile eager fp8-unbounded staging no-prefetch promote one-graph unbounded-one-graph fp8-hot sampling kernels unbounded-no-combo unbounded-unfused-mix unfused-mix unbounded-cublas"}
 has() { [[ " $STAGES " == *" $1 "* ]]; }
 mkdir -p $R
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee $OUT/gpu.txt
@@ -68,8 +68,8 @@ for stage in $STAGES; do
     kernels) sweep=${SWEEP-40}  # KERNELS picks bench/kernels.py's sections, SWEEP their sweeps' seconds (empty: none)
       timeout 180 python3 bench/kernels.py --only ${KERNELS:-router,hc-mix,dense,decode,crossover} ${sweep:+--sweep --sweep-seconds $sweep} \
       --json $R/kernels-decode.json 2>&1 | tail -50 ;;
-    unbounded-fused-mix) bench unbounded-fused-mix "" "" --prompt-len $PROMPT --gen $GEN --fused-mix ;;
-    fused-mix) bench 24g-64g-fused-mix 24GiB 64GiB --prompt-len $PROMPT --gen $GEN --hot-set '*' --fused-mix ;;
+    unbounded-unfused-mix) bench unbounded-unfused-mix "" "" --prompt-len $PROMPT --gen $GEN --no-fused-mix ;;
+    unfused-mix) bench 24g-64g-unfused-mix 24GiB 64GiB --prompt-len $PROMPT --gen $GEN --hot-set '*' --no-fused-mix ;;
     staging) timeout 120 python3 bench/kernels.py --only staging --sweep --sweep-seconds 20 \
       --json $R/kernels-staging.json 2>&1 | tail -30 ;;
     layers) timeout 150 python3 bench/layer_costs.py $W/full.pack --out $R 2>&1 | tail -1 ;;

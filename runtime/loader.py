@@ -74,14 +74,14 @@ def load_engine(
     cuda_graphs: bool = True,
     compile_layers: bool = True,
     layers_per_graph: int = LAYERS_PER_GRAPH,
-    fused_mix: bool = False,
+    fused_mix: bool = True,
 ) -> LoadedEngine:
     """`cuda_graphs`: on a GPU, replay the fixed-shape work of decode steps from CUDA graphs
     (runtime/model/decode_graphs.py), `layers_per_graph` layers a graph; off, every kernel is
     issued from Python (for comparison). `compile_layers`: fuse the graphs' small kernels with
     torch.compile first (the first decode steps of a process compile; later processes reuse
-    Inductor's disk cache). `fused_mix`: one-token hyper-connection mixes as two Triton kernels
-    each (CUDA only; Qwen4ExpModel.fuse_hyper_connections)."""
+    Inductor's disk cache). `fused_mix`: on a GPU, one-token hyper-connection mixes as two Triton
+    kernels each (Qwen4ExpModel.fuse_hyper_connections); off, the module's own code (for comparison)."""
     pack = Pack.open(pack_path)
     torch_device = parse_device(device)
     torch_dtype = parse_dtype(dtype, torch_device)
@@ -107,9 +107,7 @@ def load_engine(
     )
     if tiered is not None and not isinstance(tiered, ResidentSlots):
         model.prefetch_next_layer(store.prefetch)
-    if fused_mix:
-        if torch_device.type != "cuda":
-            raise FlashpackError("--fused-mix runs Triton kernels on CUDA: use --device cuda")
+    if fused_mix and torch_device.type == "cuda":
         model.fuse_hyper_connections()
     if cuda_graphs and tiered is not None and torch_device.type == "cuda":
         count_replay = tiered.count_replay if isinstance(tiered, ResidentSlots) else None

@@ -79,7 +79,7 @@ def run_bench(
     prefetch: bool = True,
     promote: bool = False,
     layers_per_graph: int = LAYERS_PER_GRAPH,
-    fused_mix: bool = False,
+    fused_mix: bool = True,
 ) -> dict:
     """Benchmark `pack`; returns the report (and writes it to `json_path` when given).
 
@@ -122,7 +122,7 @@ def run_bench(
                     "compiled_layers": graphs is not None and compile_layers,
                     "layers_per_graph": graphs.layers_per_graph if graphs is not None else None,
                     "prefetch": any(layer.moe.next_moe is not None for layer in engine.model.layers),
-                    "promote": promote, "fused_mix": fused_mix}
+                    "promote": promote, "fused_mix": fused_mix and torch_device.type == "cuda"}
     try:
         tokenizer = engine.tokenizer.tokenizer
         eos = cfg.eos_token_id if cfg.eos_token_id is not None and cfg.eos_token_id >= 0 else None

@@ -107,16 +107,17 @@ def test_fused_hyper_connection_mixes_match_eager(tiny_pack, tiered):
     compiled graphs, compute what the plain eager engine does (float32: summation order only)."""
     prompt = torch.randint(0, 1000, (30,), generator=torch.Generator().manual_seed(4))
     options = _store_options(tiny_pack, tiered)
-    eager = load_engine(tiny_pack, "cuda", dtype="float32", store=options, cuda_graphs=False)
-    fused = load_engine(tiny_pack, "cuda", dtype="float32", store=options, fused_mix=True)
+    eager = load_engine(tiny_pack, "cuda", dtype="float32", store=options, cuda_graphs=False, fused_mix=False)
+    fused = load_engine(tiny_pack, "cuda", dtype="float32", store=options)  # fused: the default on a GPU
     assert all(layer.attn_hc.fused and layer.mlp_hc.fused for layer in fused.model.layers)
     expected, got = _decode(eager, prompt, 12), _decode(fused, prompt, 12)
     assert _worst(got, expected) < 1e-4
 
 
 def test_fused_mixes_need_cuda(tiny_pack):
-    """The fused mixes are Triton kernels compiled for a GPU: a CPU engine refuses them."""
-    engine = load_engine(tiny_pack, "cpu")
+    """The fused mixes are Triton kernels compiled for a GPU: a CPU engine runs the module's code
+    whatever `fused_mix` says, and refuses them when asked directly."""
+    engine = load_engine(tiny_pack, "cpu", fused_mix=True)
     with pytest.raises(ValueError, match="CUDA only"):
         engine.model.fuse_hyper_connections()
     assert not any(layer.attn_hc.fused for layer in engine.model.layers)

@@ -227,10 +227,7 @@ def bench_decode(report: Report, bank, geometry, device, sweep: bool) -> None:
     weight_bytes = TOP_K * geometry.data_bytes
     moved = weight_bytes + H * 2 * 2 + TOP_K * I * 4 * 2
     run = lambda i, **kw: nvfp4_expert_swiglu(xs[i % 8], bank, *sets[i % 64], **kw)  # noqa: E731
-    for version in (1, 2):  # expert_decode.py keeps version 1 for this A/B
-        timed = lambda i, v=version: run(i, version=v)  # noqa: E731
-        report.timing("decode T=1", f"triton nvfp4 matvec v{version}", graph_ms(timed, 64), moved,
-                      eager_us=eager_ms(timed, 20) * 1e3)
+    report.timing("decode T=1", "triton nvfp4 matvec", graph_ms(run, 64), moved, eager_us=eager_ms(run, 20) * 1e3)
     report.timing("decode T=1", "reference (fp32 dequant)",
                   eager_ms(lambda i: expert_swiglu_reference(xs[i % 8], bank, *sets[i % 64]), 10), moved)
     # What the engine does today once experts are dequantised: bf16 F.linear per expert (4x the bytes).
@@ -256,22 +253,17 @@ def bench_decode(report: Report, bank, geometry, device, sweep: bool) -> None:
         x = xs[index]
         expected = expert_swiglu_reference(x, bank, slots, weights, out_dtype=torch.float32)
         exact = float64_reference(x, bank, slots, weights)
-        for version in (1, 2):
-            got = nvfp4_expert_swiglu(x, bank, slots, weights, out=torch.full((1, H), float("nan"), device=device),
-                                      version=version)
-            case = f"decode T=1 v{version} #{index}"
-            report.check(case, relative_error(got, expected), 1e-5, "reference fp32")
-            report.check(case, relative_error(got, exact), 1e-5, "float64")
+        got = nvfp4_expert_swiglu(x, bank, slots, weights, out=torch.full((1, H), float("nan"), device=device))
+        report.check(f"decode T=1 #{index}", relative_error(got, expected), 1e-5, "reference fp32")
+        report.check(f"decode T=1 #{index}", relative_error(got, exact), 1e-5, "float64")
     if sweep:
-        # Version 2 by rows per thread, block_i * block_h / (512 * num_warps) for gate/up and
-        # block_o * block_down_in / (512 * num_warps) for down (4 and 4 at its defaults), then
-        # narrower chunks; version 1 around its defaults.
-        configs = [dict(version=2, block_i=w * gate_up, block_h=512, block_o=4 * w * down, block_down_in=128,
-                        num_warps=w) for w in (4, 8, 2) for gate_up in (4, 2, 8) for down in (4, 2, 8)]
-        configs += [dict(version=2, block_i=16, block_h=bh, block_o=64, block_down_in=bd, num_warps=4)
+        # By rows per thread, block_i * block_h / (512 * num_warps) for gate/up and
+        # block_o * block_down_in / (512 * num_warps) for down (4 and 4 at the defaults), then
+        # narrower chunks at the default rows (29 configurations).
+        configs = [dict(block_i=w * gate_up, block_h=512, block_o=4 * w * down, block_down_in=128, num_warps=w)
+                   for w in (4, 8, 2) for gate_up in (4, 2, 8) for down in (4, 2, 8)]
+        configs += [dict(block_i=16, block_h=bh, block_o=64, block_down_in=bd, num_warps=4)
                     for bh, bd in ((256, 128), (512, 64))]
-        configs += [dict(version=1, block_i=bi, block_h=bh, block_o=16, block_down_in=128, num_warps=w)
-                    for w in (4, 2) for bi in (4, 8) for bh in (1024, 2048, 512)]
         report.start_sweep()
         for cfg in configs:
             if not report.sweeping():

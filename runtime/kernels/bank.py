@@ -62,9 +62,10 @@ class ExpertBank:
                 raise ValueError(f"{name} is on {part.device}, the bank on {self.gate_nibbles.device}")
             if part.stride()[1:] != _contiguous_strides(shape[1:]):
                 raise ValueError(f"{name}: each expert's rows must be contiguous, strides {part.stride()}")
-            if name.endswith("nibbles") and (part.data_ptr() % 4 or part.stride(0) % 4):
-                # the decode kernels read nibbles as uint32 words (records keep every part 8-byte aligned)
-                raise ValueError(f"{name}: each expert must start on a 4-byte boundary")
+            if name.endswith("nibbles") and (part.data_ptr() % 8 or (e > 1 and part.stride(0) % 8)):
+                # the decode kernels read nibbles 8 bytes (one 16-element group) at a time; records keep
+                # every nibble part 8-byte aligned (offsets 0, I*H/2, I*H in 4 KiB-strided records)
+                raise ValueError(f"{name}: each expert must start on an 8-byte boundary")
 
     @property
     def num_experts(self) -> int:

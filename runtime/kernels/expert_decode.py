@@ -16,24 +16,22 @@ Everything accumulates in float32; h stays float32. Each weight and scale byte o
 is read from memory once per token: this is the few-token path, the grouped kernel
 (expert_grouped.py) takes over when tokens share experts.
 
-Two versions of kernels 1 and 2 compute the same sums (`version=`; kernel 3 is shared). Their
-sm_90 code at H=2560, I=640, K=10 and the default blocks (ptxas via triton 3.6, no GPU):
+Kernels 1 and 2 are built for throughput: every tile is 2-D [rows, groups] in one layout. A group
+(16 elements) is one uint64 (8-byte loads) beside its one scale byte; each thread holds one group
+of a chunk for each of its rows (rows per thread = rows * groups of a chunk / (32 * num_warps), 4
+at the defaults), so each x value it loads serves all those rows, and gate and up both. Products
+accumulate in a [rows, groups] float32 tile reduced across threads once, at the end: one barrier a
+program, before the store. Nibbles decode in ~2.6 integer operations each (`_e2m1_spread`) to
+their value times 2^-126, and x is scaled by 2^64 as it is loaded (X_SCALE says why). In their
+sm_90 code (ptxas via triton 3.6, H=2560, I=640, K=10, the default blocks): ~5 instructions a
+nibble; up to 224 (gate/up) and 80 (down) bytes of weights a thread in flight; 127 and 72
+registers, so the 400 programs of four warps of each kernel for a 10-expert token all fit on the
+GPU at once.
 
-1. Tiles [rows, groups, 2] of uint32 words beside [rows, groups] scales and [groups, 2] vector
-   loads; layout conversions between those shapes cost 61 barriers a gate/up program. ~9.5
-   instructions a nibble, and ptxas keeps at most 16 bytes of weights a thread in flight (8 in
-   down): on an H200 gate/up take 21.7 us, down 9.7 us a layer (0.85-0.95 TB/s). Kept for the
-   A/B until version 2 is measured on the GPU.
-2. Built for throughput: every tile is 2-D [rows, groups] in one layout. A group (16 elements)
-   is one uint64 (8-byte loads) beside its one scale byte; each thread holds one group of a
-   chunk for each of its rows (rows per thread = rows * groups of a chunk / (32 * num_warps),
-   4 at the defaults), so each x value it loads serves all those rows, and gate and up both.
-   Products accumulate in a [rows, groups] float32 tile reduced across threads once, at the
-   end: one barrier a program, before the store. Nibbles decode in ~2.6 integer operations
-   each (`_e2m1_spread`), and x is scaled by 2^64 as it is loaded instead of each nibble by
-   2^112. ~5 instructions a nibble; up to 224 (gate/up) and 80 (down) bytes of weights a thread
-   in flight; 127 and 72 registers, so the 400 programs of four warps of each kernel for a
-   10-expert token all fit on the GPU at once.
+The kernels these replaced tiled [rows, groups, 2] uint32 words beside [rows, groups] scales and
+[groups, 2] vector loads: converting between those layouts cost 61 barriers a gate/up program, and
+ptxas kept at most 16 bytes of weights a thread in flight, so they streamed the weights at about
+0.8 TB/s on an H200 (34.2 us for the three kernels at 10 experts, against 22.0 for these: run 15).
 """
 
 from __future__ import annotations
@@ -43,110 +41,16 @@ import triton
 import triton.language as tl
 
 from flashpack.runtime.kernels.bank import ExpertBank
-from flashpack.runtime.kernels.nvfp4_dequant import block_scale_f32
 
-# Undoes _e2m1_nibble's 2^-126, less the 2^14 that block_scale_f32 (shared with the float16
-# decoding of the grouped kernels) already carries.
-E2M1_F32_SCALE: tl.constexpr = tl.constexpr(2.0**112)
-
-
-@triton.jit
-def _e2m1_nibble(words, n: tl.constexpr):
-    """float32 of nibble n (bits 4n..4n+3) of each uint32 word, times 2^-126: the three magnitude
-    bits become float32 bits 22-24 (exponent bits 23-24, mantissa bit 22) and the sign bit 31, so
-    E2M1's exponent and mantissa line up with float32's and code 1 (0.5) lands on the subnormal
-    2^-127. Integer shifts and masks only, no half-to-float conversion (session 7 cut the kernel's
-    conversions from 204 to 12 and its warp shuffles from 354 to 46 a program, in its PTX; on the
-    H200 gate/up went from 23.0 to 21.7 us a layer: neither was what bounds it)."""
-    if 4 * n <= 22:
-        magnitude = (words << (22 - 4 * n)) & 0x01C00000
-    else:
-        magnitude = (words >> (4 * n - 22)) & 0x01C00000
-    sign = (words << (28 - 4 * n)) & 0x80000000
-    return (magnitude | sign).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _nvfp4_row_block_dot(nib_ptr, scale_ptr, rows, row_mask, vec_ptr, n_in: tl.constexpr,
-                         BLOCK_ROWS: tl.constexpr, BLOCK_IN: tl.constexpr):
-    """float32 [BLOCK_ROWS]: rows of one NVFP4 matrix [*, n_in] (nibbles at nib_ptr, block scales at
-    scale_ptr, both already offset to the expert) times the float vector at vec_ptr, no global scale.
-
-    Nibbles are read as uint32 words, two a 16-element group ([rows, groups, 2] tiles), each
-    decoded nibble by nibble (`_e2m1_nibble`) and scaled into the normal range (exact) before it
-    meets the vector. A group's products are summed within a thread and scaled once; the sum
-    across groups (across threads) waits for the last chunk. Nibble rows start on 4-byte
-    boundaries (ExpertBank checks it)."""
-    GROUPS: tl.constexpr = BLOCK_IN // 16
-    group = tl.arange(0, GROUPS)
-    word = tl.arange(0, 2)
-    words_ptr = nib_ptr.to(tl.pointer_type(tl.uint32))
-    acc = tl.zeros([BLOCK_ROWS, GROUPS], dtype=tl.float32)
-    for start in tl.static_range(0, n_in, BLOCK_IN):  # unrolled, so every chunk's loads are in flight at once
-        g = start // 16 + group
-        g_mask = g < n_in // 16
-        mask2 = row_mask[:, None] & g_mask[None, :]
-        words = tl.load(words_ptr + rows[:, None, None] * (n_in // 8) + (g[None, :, None] * 2 + word[None, None, :]),
-                        mask=mask2[:, :, None], other=0)
-        scale = tl.load(scale_ptr + rows[:, None] * (n_in // 16) + g[None, :], mask=mask2, other=0)
-        products = tl.zeros([BLOCK_ROWS, GROUPS, 2], dtype=tl.float32)
-        for n in tl.static_range(8):
-            vec = tl.load(vec_ptr + g[:, None] * 16 + word[None, :] * 8 + n, mask=g_mask[:, None], other=0)
-            products += (_e2m1_nibble(words, n) * E2M1_F32_SCALE) * vec.to(tl.float32)[None, :, :]
-        acc += tl.sum(products, axis=2) * block_scale_f32(scale)
-    return tl.sum(acc, axis=1)
-
-
-@triton.jit
-def _gate_up_kernel(
-    x_ptr, slots_ptr, h_ptr,
-    gate_nib_ptr, up_nib_ptr, gate_scale_ptr, up_scale_ptr, global_ptr,
-    gate_nib_stride, up_nib_stride, gate_scale_stride, up_scale_stride, global_stride,
-    H: tl.constexpr, I: tl.constexpr, K: tl.constexpr,
-    BLOCK_I: tl.constexpr, BLOCK_H: tl.constexpr,
-):
-    pair = tl.program_id(0)
-    rows = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
-    row_mask = rows < I
-    e = tl.load(slots_ptr + pair).to(tl.int64)
-    x_row = x_ptr + (pair // K).to(tl.int64) * H
-    gate = _nvfp4_row_block_dot(gate_nib_ptr + e * gate_nib_stride, gate_scale_ptr + e * gate_scale_stride,
-                                rows, row_mask, x_row, H, BLOCK_I, BLOCK_H)
-    up = _nvfp4_row_block_dot(up_nib_ptr + e * up_nib_stride, up_scale_ptr + e * up_scale_stride,
-                              rows, row_mask, x_row, H, BLOCK_I, BLOCK_H)
-    gate = gate * tl.load(global_ptr + e * global_stride)
-    up = up * tl.load(global_ptr + e * global_stride + 1)
-    h = gate * tl.sigmoid(gate) * up
-    tl.store(h_ptr + pair.to(tl.int64) * I + rows, h, mask=row_mask)
-
-
-@triton.jit
-def _down_kernel(
-    h_ptr, slots_ptr, weights_ptr, partial_ptr,
-    down_nib_ptr, down_scale_ptr, global_ptr,
-    down_nib_stride, down_scale_stride, global_stride,
-    H: tl.constexpr, I: tl.constexpr,
-    BLOCK_O: tl.constexpr, BLOCK_I: tl.constexpr,
-):
-    pair = tl.program_id(0)
-    rows = tl.program_id(1) * BLOCK_O + tl.arange(0, BLOCK_O)
-    row_mask = rows < H
-    e = tl.load(slots_ptr + pair).to(tl.int64)
-    y = _nvfp4_row_block_dot(down_nib_ptr + e * down_nib_stride, down_scale_ptr + e * down_scale_stride,
-                             rows, row_mask, h_ptr + pair.to(tl.int64) * I, I, BLOCK_O, BLOCK_I)
-    w = tl.load(weights_ptr + pair).to(tl.float32) * tl.load(global_ptr + e * global_stride + 2)
-    tl.store(partial_ptr + pair.to(tl.int64) * H + rows, y * w, mask=row_mask)
-
-
-# Version 2 keeps `_e2m1_nibble`'s values (E2M1 * 2^-126, so 0.5 is the subnormal 2^-127) and
-# scales x by 2^64 as it is loaded, one multiply a loaded x instead of one a nibble. The fma that
-# meets them takes the subnormal operand as it is (Triton emits fma.rn.f32, not .ftz: no FFMA.FTZ
-# in the sm_90 code) and the product E2M1 * x * 2^-62 is normal for 2^-63 <= |x| < 2^64, so the
-# sums are version 1's up to their order; a smaller |x| rounds at 2^-150 (2^-88 once the block
-# scale is on: nothing), a larger one overflows. The block scale carries the 2^62 back. numpy
-# keeps subnormals too, so the interpreter runs the same arithmetic (test_input_range).
+# A decoded nibble is its E2M1 value times 2^-126 (0.5 is the subnormal 2^-127: `_e2m1_spread_nibble`),
+# and x is scaled by 2^64 as it is loaded, one multiply a loaded x instead of one a nibble. The fma
+# that meets them takes the subnormal operand as it is (Triton emits fma.rn.f32, not .ftz: no
+# FFMA.FTZ in the sm_90 code) and the product E2M1 * x * 2^-62 is normal for 2^-63 <= |x| < 2^64,
+# so the sums are those of the unscaled values up to their order; a smaller |x| rounds at 2^-150
+# (2^-88 once the block scale is on: nothing), a larger one overflows. The block scale carries the
+# 2^62 back. numpy keeps subnormals too, so the interpreter runs the same arithmetic (test_input_range).
 X_SCALE: tl.constexpr = tl.constexpr(2.0**64)
-BLOCK_SCALE_V2: tl.constexpr = tl.constexpr(2.0**62)
+BLOCK_SCALE: tl.constexpr = tl.constexpr(2.0**62)
 SPREAD_MAGNITUDES: tl.constexpr = tl.constexpr(0x01DC01DC)  # bits 2-4, 6-8, 18-20, 22-24
 SPREAD_SIGNS: tl.constexpr = tl.constexpr(0xFE23FE23)  # the rest: signs at 11, 15, 27, 31
 
@@ -155,21 +59,23 @@ SPREAD_SIGNS: tl.constexpr = tl.constexpr(0xFE23FE23)  # the rest: signs at 11, 
 def _e2m1_spread(words):
     """uint32 words -> nibbles 0, 1, 4 and 5 rearranged so each one's sign lies 9 bits above its
     three magnitude bits (magnitudes at bits 2, 6, 18 and 22, signs at 11, 15, 27 and 31; other
-    bits are don't-care): the spacing of `_e2m1_nibble`'s float32 (magnitude at 22, sign at 31),
-    so `_e2m1_spread_nibble` decodes each with one shift and one mask instead of two of each.
-    `_e2m1_spread(words >> 8)` does nibbles 2, 3, 6 and 7."""
+    bits are don't-care): the spacing of the float32 that `_e2m1_spread_nibble` makes (magnitude at
+    bits 22-24, sign at 31), so it decodes each with one shift and one mask, not two of each as
+    from the word itself. `_e2m1_spread(words >> 8)` does nibbles 2, 3, 6 and 7."""
     return ((words << 2) & SPREAD_MAGNITUDES) | ((words << 8) & SPREAD_SIGNS)
 
 
 @triton.jit
 def _e2m1_spread_nibble(spread, slot: tl.constexpr):
     """float32 of the nibble in `slot` (0-3: nibbles 0, 1, 4, 5 of the words `_e2m1_spread` took)
-    times 2^-126, the same value as `_e2m1_nibble`."""
+    times 2^-126: the three magnitude bits become float32 bits 22-24 (exponent bits 23-24, mantissa
+    bit 22) and the sign bit 31, so E2M1's exponent and mantissa line up with float32's and code 1
+    (0.5) lands on the subnormal 2^-127. Integer shifts and masks only, then a bitcast."""
     return ((spread << (20 - 4 * (slot % 2) - 16 * (slot // 2))) & 0x81C00000).to(tl.float32, bitcast=True)
 
 
 @triton.jit
-def _nvfp4_chunk_v2(group_rows, scale_rows, x_ptr, group, group_mask, mask):
+def _nvfp4_chunk(group_rows, scale_rows, x_ptr, group, group_mask, mask):
     """float32 [ROWS, GROUPS]: for each row and each 16-element group of this chunk, the group's
     elements times x, summed and times its block scale (no global scale). Summed over the chunks
     (elementwise, in registers) and then over groups (across threads, once), the rows' dot
@@ -193,18 +99,18 @@ def _nvfp4_chunk_v2(group_rows, scale_rows, x_ptr, group, group_mask, mask):
                 n = 8 * half + 2 * upper + slot % 2 + 4 * (slot // 2)
                 x = tl.load(x_ptr + 16 * group + n, mask=group_mask, other=0).to(tl.float32) * X_SCALE
                 acc += _e2m1_spread_nibble(spread, slot) * x[None, :]
-    return acc * (scales.to(tl.float8e4nv, bitcast=True).to(tl.float32) * BLOCK_SCALE_V2)
+    return acc * (scales.to(tl.float8e4nv, bitcast=True).to(tl.float32) * BLOCK_SCALE)
 
 
 @triton.jit
-def _gate_up_kernel_v2(
+def _gate_up_kernel(
     x_ptr, slots_ptr, h_ptr,
     gate_nib_ptr, up_nib_ptr, gate_scale_ptr, up_scale_ptr, global_ptr,
     gate_nib_stride, up_nib_stride, gate_scale_stride, up_scale_stride, global_stride,
     H: tl.constexpr, I: tl.constexpr, K: tl.constexpr,
     BLOCK_I: tl.constexpr, BLOCK_H: tl.constexpr,
 ):
-    """`_gate_up_kernel` with `_nvfp4_chunk_v2`: gate and up chunk by chunk, sharing x."""
+    """Kernel 1, one pair and BLOCK_I rows of gate and up a program: both chunk by chunk, sharing x."""
     pair = tl.program_id(0)
     rows = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
     row_mask = rows < I
@@ -222,22 +128,22 @@ def _gate_up_kernel_v2(
         group = start + tl.arange(0, GROUPS)
         group_mask = group < H // 16
         mask = row_mask[:, None] & group_mask[None, :]
-        gate += _nvfp4_chunk_v2(gate_groups, gate_scales, x_row, group, group_mask, mask)
-        up += _nvfp4_chunk_v2(up_groups, up_scales, x_row, group, group_mask, mask)
+        gate += _nvfp4_chunk(gate_groups, gate_scales, x_row, group, group_mask, mask)
+        up += _nvfp4_chunk(up_groups, up_scales, x_row, group, group_mask, mask)
     gate = tl.sum(gate, axis=1) * tl.load(global_ptr + e * global_stride)
     up = tl.sum(up, axis=1) * tl.load(global_ptr + e * global_stride + 1)
     tl.store(h_ptr + pair.to(tl.int64) * I + rows, gate * tl.sigmoid(gate) * up, mask=row_mask)
 
 
 @triton.jit
-def _down_kernel_v2(
+def _down_kernel(
     h_ptr, slots_ptr, weights_ptr, partial_ptr,
     down_nib_ptr, down_scale_ptr, global_ptr,
     down_nib_stride, down_scale_stride, global_stride,
     H: tl.constexpr, I: tl.constexpr,
     BLOCK_O: tl.constexpr, BLOCK_I: tl.constexpr,
 ):
-    """`_down_kernel` with `_nvfp4_chunk_v2`."""
+    """Kernel 2, one pair and BLOCK_O rows of down a program, times the routing and global weights."""
     pair = tl.program_id(0)
     rows = tl.program_id(1) * BLOCK_O + tl.arange(0, BLOCK_O)
     row_mask = rows < H
@@ -251,8 +157,8 @@ def _down_kernel_v2(
     for start in tl.static_range(0, I // 16, GROUPS):  # unrolled, so every chunk's loads are in flight at once
         group = start + tl.arange(0, GROUPS)
         group_mask = group < I // 16
-        acc += _nvfp4_chunk_v2(down_groups, down_scales, h_row, group, group_mask,
-                               row_mask[:, None] & group_mask[None, :])
+        acc += _nvfp4_chunk(down_groups, down_scales, h_row, group, group_mask,
+                            row_mask[:, None] & group_mask[None, :])
     w = tl.load(weights_ptr + pair).to(tl.float32) * tl.load(global_ptr + e * global_stride + 2)
     tl.store(partial_ptr + pair.to(tl.int64) * H + rows, tl.sum(acc, axis=1) * w, mask=row_mask)
 
@@ -268,21 +174,10 @@ def _sum_experts_kernel(partial_ptr, out_ptr, H: tl.constexpr, K: tl.constexpr,
     tl.store(out_ptr + t * H + cols, tl.sum(partial, axis=0).to(out_ptr.dtype.element_ty), mask=cols < H)
 
 
-# Block sizes of each version: among the best of block-size sweeps on an H200 for version 1
-# (bench/kernels.py, bench/results/kernels-decode-h200.json: 33.8 us for the three kernels, the best
-# 33.7, the worst of 72 configurations 69); for version 2 chosen offline from its sm_90 code (four
-# rows per thread in both kernels, 400 programs each at H=2560, I=640, K=10), not yet measured.
-DEFAULT_BLOCKS = {
-    1: dict(block_i=4, block_h=1024, block_o=16, block_down_in=128),
-    2: dict(block_i=16, block_h=512, block_o=64, block_down_in=128),
-}
-
-
 def nvfp4_expert_swiglu(
     x: torch.Tensor, bank: ExpertBank, slots: torch.Tensor, weights: torch.Tensor,
     out: torch.Tensor | None = None, h: torch.Tensor | None = None,
-    block_i: int | None = None, block_h: int | None = None, block_o: int | None = None,
-    block_down_in: int | None = None, num_warps: int = 4, version: int = 2,
+    block_i: int = 16, block_h: int = 512, block_o: int = 64, block_down_in: int = 128, num_warps: int = 4,
 ) -> torch.Tensor:
     """Routed SwiGLU experts for a few tokens, straight from NVFP4 records.
 
@@ -290,18 +185,14 @@ def nvfp4_expert_swiglu(
     routing weights. Returns out [T, H] (or [H]), dtype of `out` if given, else x.dtype:
     out[t] = sum_k weights[t, k] * down_e(silu(gate_e x[t]) * up_e x[t]), e = slots[t, k].
     `out` and `h` (float32 [T*K, I] scratch) may be passed preallocated; a float32 [T*K, H] scratch
-    for the per-expert outputs is allocated here (graph-capturable, like every step).
-    `version` picks the kernels (module docstring); 2 reads nibbles 8 bytes at a time, so each
-    expert's nibbles must start on an 8-byte boundary (records keep them so).
+    for the per-expert outputs is allocated here (graph-capturable, like every step). Nibbles are
+    read 8 bytes at a time; ExpertBank checks that each expert's nibbles start on an 8-byte boundary.
     Blocks: rows a program (block_i gate/up, block_o down) and input elements a chunk (block_h,
-    block_down_in); None takes DEFAULT_BLOCKS[version]. Powers of two; the chunks at least 16."""
-    if version not in DEFAULT_BLOCKS:
-        raise ValueError(f"version must be one of {sorted(DEFAULT_BLOCKS)}, got {version!r}")
-    defaults = DEFAULT_BLOCKS[version]
-    block_i = defaults["block_i"] if block_i is None else block_i
-    block_h = defaults["block_h"] if block_h is None else block_h
-    block_o = defaults["block_o"] if block_o is None else block_o
-    block_down_in = defaults["block_down_in"] if block_down_in is None else block_down_in
+    block_down_in); powers of two, the chunks at least 16. The defaults (four rows a thread in
+    both kernels, 400 programs each) took 22.0 us for the three kernels on an H200 (run 15,
+    bench/kernels.py --only decode, 10 experts, H=2560, I=640) against 34.2 for the kernels these
+    replaced; in the block sweep around them block_o 32 took 22.6 us, block_o 128 22.8 and block_i
+    8 23.2."""
     squeeze = x.dim() == 1
     if squeeze:
         x2, slots2, weights2 = x[None], slots.reshape(1, -1), weights.reshape(1, -1)
@@ -312,11 +203,6 @@ def nvfp4_expert_swiglu(
     if hidden != bank.hidden or slots2.shape != (t, k) or weights2.shape != (t, k):
         raise ValueError(f"x {tuple(x.shape)}, slots {tuple(slots.shape)}, weights {tuple(weights.shape)} "
                          f"do not fit a bank with H={bank.hidden}")
-    if version == 2:
-        for projection in ("gate", "up", "down"):
-            part = bank.nibbles(projection)
-            if part.data_ptr() % 8 or (part.shape[0] > 1 and part.stride(0) % 8):
-                raise ValueError(f"version 2 needs each expert's {projection} nibbles on an 8-byte boundary")
     inter = bank.intermediate
     x2, slots2, weights2 = x2.contiguous(), slots2.contiguous(), weights2.contiguous()
     if h is None:
@@ -328,8 +214,7 @@ def nvfp4_expert_swiglu(
         raise ValueError("h must be contiguous float32 [T*K, I] and out contiguous [T, H]")
     gs = bank.global_scales
     scale_bytes = {p: bank.scales(p).view(torch.uint8) for p in ("gate", "up", "down")}
-    gate_up, down = (_gate_up_kernel, _down_kernel) if version == 1 else (_gate_up_kernel_v2, _down_kernel_v2)
-    gate_up[(t * k, triton.cdiv(inter, block_i))](
+    _gate_up_kernel[(t * k, triton.cdiv(inter, block_i))](
         x2, slots2, h,
         bank.gate_nibbles, bank.up_nibbles, scale_bytes["gate"], scale_bytes["up"], gs,
         bank.gate_nibbles.stride(0), bank.up_nibbles.stride(0), bank.gate_scales.stride(0),
@@ -337,7 +222,7 @@ def nvfp4_expert_swiglu(
         hidden, inter, k, BLOCK_I=block_i, BLOCK_H=block_h, num_warps=num_warps,
     )
     partial = torch.empty(t * k, hidden, dtype=torch.float32, device=x.device)
-    down[(t * k, triton.cdiv(hidden, block_o))](
+    _down_kernel[(t * k, triton.cdiv(hidden, block_o))](
         h, slots2, weights2, partial,
         bank.down_nibbles, scale_bytes["down"], gs,
         bank.down_nibbles.stride(0), bank.down_scales.stride(0), gs.stride(0),

@@ -69,11 +69,19 @@ def test_bank_views_the_pool_in_place():
     assert torch.equal(one.global_scales[0], bank.global_scales[1])
 
 
-def test_a_bank_whose_nibbles_are_not_word_aligned_is_refused():
-    """The decode kernels read nibbles as uint32 words: gate nibbles viewed from an odd byte must
-    not pass (from_pool's own checks keep its views aligned; a bank can be built from any views)."""
+def test_a_bank_whose_nibbles_are_not_8_byte_aligned_is_refused():
+    """The decode kernels read nibbles 8 bytes (one 16-element group) at a time: gate nibbles viewed
+    from a byte 4 past an 8-byte boundary must not pass (from_pool's views of records are aligned;
+    a bank can be built from any views)."""
     bank = ExpertBank.from_pool(make_pool(80, 48, 2, seed=0), RecordGeometry(80, 48))
     shape = bank.gate_nibbles.shape
-    odd = torch.zeros(bank.gate_nibbles.numel() + 1, dtype=torch.uint8)[1:].view(shape)
-    with pytest.raises(ValueError, match="4-byte boundary"):
-        dataclasses.replace(bank, gate_nibbles=odd)
+    base = torch.zeros(bank.gate_nibbles.numel() + 8, dtype=torch.uint8)
+    assert base.data_ptr() % 8 == 0
+    dataclasses.replace(bank, gate_nibbles=base[8:].view(shape))  # 8-byte aligned: accepted
+    with pytest.raises(ValueError, match="8-byte boundary"):
+        dataclasses.replace(bank, gate_nibbles=base[4:-4].view(shape))
+    experts, rows, half_h = shape  # the second expert 4 bytes past a boundary: refused too
+    strided = torch.zeros(experts * (rows * half_h + 4), dtype=torch.uint8).as_strided(
+        shape, (rows * half_h + 4, half_h, 1))
+    with pytest.raises(ValueError, match="8-byte boundary"):
+        dataclasses.replace(bank, gate_nibbles=strided)

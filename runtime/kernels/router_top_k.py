@@ -2,7 +2,7 @@
 
 torch spends three to four launches on it (softmax, a radix select and a sort for `topk`, the
 renormalising sum and divide); on an H200 the select and sort alone took about 11 us a decode
-step's layer (bench/results/profile-decode-resident-h200.txt), for 512 logits. One program a row
+step's layer (bench/results/profile-decode-resident-run10-h200.txt), for 512 logits. One program a row
 holds the row in registers, takes the maximum k times (the lowest index among equal
 probabilities) and writes the weights and ids in descending order, as `torch.topk` does.
 """

@@ -17,6 +17,9 @@ def test_first_matching_class_wins():
     assert classify("fmha_cutlassF_bf16_aligned_32x128_gmem_sm80(PyTorchMemEffAttention)") == "attention (SDPA)"
     assert classify("nvjet_sm90_tst_128x8_64x12_4x1_v_bz_TNT") == "dense matrix-vector (cuBLAS)"
     assert classify("_gate_up_kernel") == "routed experts (NVFP4 kernels)"
+    # the hyper-connection mix's first kernel also holds "_down_kernel" (the experts' pattern)
+    assert classify("_mix_down_kernel") == "hyper-connection mixes (hc_mix)"
+    assert classify("_matvec_kernel") == "dense matrix-vector (our matvec)"
     assert classify("void at::native::sbtopk::gatherTopK<float>") == "router and indexer top-k"
     assert classify("triton_poi_fused_add_mul_0") == "fused elementwise (Inductor)"
     assert classify("some_new_kernel") == OTHER

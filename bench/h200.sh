@@ -6,10 +6,11 @@
 # Run with carry ["wheels"] (transformers 5.23 + jsonschema wheels; /work/.library/device/README.md).
 # STAGES picks steps and their order (default all, the list below); tests run beside the build, the
 # rest after it. staging times the stage_records kernel against the copy engine (bench/kernels.py);
-# kernels times the router and hyper-connection mix kernels against what they replace, the decode
-# expert kernels with a block-size sweep, and the matvec/grouped crossover, dense the BF16 decode
-# projections' matvec against cuBLAS; unbounded-cublas is unbounded with every projection on cuBLAS; unbounded-unfused-mix
-# and unfused-mix bench as unbounded and budgets do with --no-fused-mix (hyper-connection mixes as the module's code);
+# kernels runs bench/kernels.py's sections KERNELS (default: the router, the hyper-connection mix,
+# the BF16 decode matvec against cuBLAS, the NVFP4 decode experts, the matvec/grouped crossover) with
+# SWEEP seconds of block-size sweep each (empty: none); unbounded-cublas is unbounded with every
+# projection on cuBLAS; unbounded-unfused-mix and unfused-mix bench as unbounded and budgets do with
+# --no-fused-mix (hyper-connection mixes as the module's code);
 # sampling times a token's choice on the GPU against copying the logits to the host first;
 # no-prefetch and promote bench 24/64 as budgets does, but without next-layer prefetch, or with
 # promotions; one-graph and unbounded-one-graph as budgets and unbounded do, with the whole step in
@@ -20,10 +21,11 @@
 # weights alone exceed an 8 GB card at 48 layers). budgets, long (a 32k prompt) and baseline (with
 # transformers + accelerate beside) run 24/64 with every record pre-warmed (--hot-set '*'). TESTS
 # overrides the GPU test list.
-# Timing on an H200 (2026-11-29): build 120-240 s (LAYERS=4; the FP8 pack is converted by the first
-# stage that needs it), each bench 40-120 s, a hot set's profile ~20 s, the resident and tiered
-# profiles ~90 s together; all stages exceed one call's 600 s, and a machine keeps nothing between
-# calls, so split STAGES over calls (each rebuilds).
+# Timing on an H200 (2026-11-29, runs 14-16): build 134-139 s (LAYERS=4; the FP8 pack is converted by
+# the first stage that needs it), tests 178-204 s beside it, the first bench of a call ~100-120 s
+# (Inductor compiles), later ones 40-50 s, hotset ~90 s, the resident profile ~35 s, long ~55 s; all
+# stages exceed one call's 600 s, and a machine keeps nothing between calls, so split STAGES over
+# calls (each rebuilds).
 set -o pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site wheels/*.whl || exit 1
 mkdir -p /tmp/pkg && ln -sfn "$PWD" /tmp/pkg/flashpack

@@ -5,7 +5,9 @@ backend="auto" takes the Triton kernels on CUDA and the plain-PyTorch reference 
 "triton" and "reference" force one side. The tests force "triton" on a CPU, where the kernels run
 in Triton's interpreter (TRITON_INTERPRET=1 set before this package's kernels were first imported):
 correct but far too slow for an engine, which is why "auto" never picks it. Under the interpreter
-the tile kernels run precision="fp32" (its bf16 tl.dot is wrong); on CUDA they run bf16 tensor cores.
+the tile kernels run precision="fp32" (its bf16 tl.dot is wrong); on CUDA they run bf16 tensor cores
+for a BF16/FP16 engine and IEEE float32 dots for an FP32 one, which must match an FP32 reference
+(`flashpack verify --dtype float32` gates every layer at 1e-5).
 """
 
 from __future__ import annotations
@@ -48,8 +50,11 @@ def use_triton(device: torch.device | str, backend: str = "auto") -> bool:
     return torch.device(device).type == "cuda" and triton_available()
 
 
-def _precision(device: torch.device) -> str:
-    return "bf16" if device.type == "cuda" else "fp32"
+def tile_precision(device: torch.device, dtype: torch.dtype) -> str:
+    """The tile kernels' dot precision for activations of `dtype` on `device`: bf16 tensor cores on
+    CUDA unless the engine computes in float32 (a 31-token prompt through bf16 dots put an FP32
+    engine 1.2e-5 off the reference at the third of eight layers on the H200, session 8)."""
+    return "bf16" if device.type == "cuda" and dtype != torch.float32 else "fp32"
 
 
 @torch.compiler.disable  # the Triton kernels are launched as they are from compiled decode steps
@@ -73,7 +78,7 @@ def moe_experts(
 
     # Tiles of 16 rows when experts get few tokens each (batched decode), 64 for prompts.
     block_m = 16 if slots.numel() < 16 * bank.num_experts else 64
-    return nvfp4_expert_swiglu_grouped(x, bank, slots, weights, out=out, precision=_precision(x.device),
+    return nvfp4_expert_swiglu_grouped(x, bank, slots, weights, out=out, precision=tile_precision(x.device, x.dtype),
                                        block_m=block_m)
 
 
@@ -104,7 +109,7 @@ def fp8_linear(
         return result if out is None else out.copy_(result)
     from flashpack.runtime.kernels.fp8_linear import fp8_linear_triton
 
-    return fp8_linear_triton(x, values, row_scale, out=out, precision=_precision(x.device),
+    return fp8_linear_triton(x, values, row_scale, out=out, precision=tile_precision(x.device, x.dtype),
                              matvec_max_tokens=FP8_MATVEC_MAX_TOKENS)
 
 

@@ -85,3 +85,13 @@ def test_a_bank_whose_nibbles_are_not_8_byte_aligned_is_refused():
         shape, (rows * half_h + 4, half_h, 1))
     with pytest.raises(ValueError, match="8-byte boundary"):
         dataclasses.replace(bank, gate_nibbles=strided)
+
+
+def test_an_fp32_engine_gets_ieee_dots_on_cuda():
+    """Tensor-core bf16 dots only where the engine itself computes in 16 bits."""
+    from flashpack.runtime.kernels.dispatch import tile_precision
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert tile_precision(cuda, torch.bfloat16) == "bf16" and tile_precision(cuda, torch.float16) == "bf16"
+    assert tile_precision(cuda, torch.float32) == "fp32"
+    assert tile_precision(cpu, torch.bfloat16) == "fp32"  # the interpreter's bf16 tl.dot is wrong

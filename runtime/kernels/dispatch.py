@@ -52,8 +52,8 @@ def use_triton(device: torch.device | str, backend: str = "auto") -> bool:
 
 def tile_precision(device: torch.device, dtype: torch.dtype) -> str:
     """The tile kernels' dot precision for activations of `dtype` on `device`: bf16 tensor cores on
-    CUDA unless the engine computes in float32 (a 31-token prompt through bf16 dots put an FP32
-    engine 1.2e-5 off the reference at the third of eight layers on the H200, session 8)."""
+    CUDA unless the engine computes in float32, where rounding x and h to bf16 (2^-9) would put a
+    prompt's experts far outside the 1e-5 an FP32 engine is held to."""
     return "bf16" if device.type == "cuda" and dtype != torch.float32 else "fp32"
 
 

@@ -22,16 +22,16 @@ last's (t_layers), and scales only that:
 
     t(L_full) = t(L) + t_layers(L) * (L_full - L) / L
 
-That still counts the pack's first layers, which are not like the rest, once per L of the full
-model's layers: layer 0 (no layer before it predicts its experts) and the PLE layer (layer 1, the
-full model's only one). Where each layer was timed on its own (one CUDA graph a layer), the layers
+That still counts the pack's first layer, which is not like the rest, once per L of the full
+model's layers: layer 0 (no layer before it predicts its experts, and in the full model it is the
+PLE layer, the only one). Where each layer was timed on its own (one CUDA graph a layer), the layers
 past the pack's are therefore counted by kind instead:
 
     t(L_full) = t(L) + sum over j = L .. L_full - 1 of t_kind(j)
 
 t_kind being the mean time of the pack's layers of that kind (DeltaNet or attention) past layer 0
 and without PLE; layer j's kind continues the pack's attention pattern (every `period`-th layer,
-the period read off the pack) and it has no PLE (true of the full model, whose PLE layer is layer 1).
+the period read off the pack) and it has no PLE (true of the full model, whose PLE layer is layer 0).
 The dense bytes the roofline counts for those layers are found the same way. Expert traffic stays
 scaled evenly: every layer routes top-k experts.
 

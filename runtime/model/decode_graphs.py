@@ -35,8 +35,7 @@ host launches layer L + 1, where a whole step's graph would idle the GPU through
                             so a budget that misses every step pays for few of them.
 
 What stays eager around them: the PLE rows (hashed and gathered on the host from the step's
-token, once per step, when the first piece that needs them is issued: the host does it while the
-GPU runs the layers before), the embedding and the logits. Before each step the attention caches
+token, once per step), the embedding and the logits. Before each step the attention caches
 reserve room for the token; when one has to grow, its buffers move and the graphs are captured
 again (the caches grow by doubling, so that is rare). A redone step writes the same attention
 cache entries again, so only DeltaNet and PLE state are copied. Each captured call runs eagerly
@@ -145,13 +144,8 @@ class DecodeGraphs:
         self._bind(state, streams.device)
         self._state = state
         self._position.fill_(state.position)
-        embedded: dict[int, torch.Tensor] = {}
-
-        def rows(layer: DecoderLayer) -> torch.Tensor:  # a redone step reuses them
-            if layer.layer not in embedded:  # advances the n-gram context: once a step
-                embedded[layer.layer] = layer.ple.embed(tokens, state.ple[layer.layer])
-            return embedded[layer.layer]
-
+        rows = {layer.layer: layer.ple.embed(tokens, state.ple[layer.layer])
+                for layer in self.layers if layer.ple is not None}  # advances the n-gram context: once
         head = head or (lambda streams: None)
         if self.resident:
             streams = self._through_table(streams, self.layers[0].moe.resident.slot_table, rows, after_layer)
@@ -240,8 +234,8 @@ class DecodeGraphs:
         return streams
 
     @staticmethod
-    def _rows_of(layers: list[DecoderLayer], rows: Callable[[DecoderLayer], torch.Tensor]) -> list[torch.Tensor]:
-        return [rows(layer) for layer in layers if layer.ple is not None]
+    def _rows_of(layers: list[DecoderLayer], rows: dict[int, torch.Tensor]) -> list[torch.Tensor]:
+        return [rows[layer.layer] for layer in layers if layer.ple is not None]
 
     def _layer_front(self, layer: DecoderLayer, streams, position, ple_rows):
         ple_state = self._state.ple[layer.layer] if layer.ple is not None else None

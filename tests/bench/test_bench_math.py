@@ -88,13 +88,16 @@ def test_costs_scale_per_layer_around_the_fixed_part():
 
 
 def test_layer_kinds_continue_the_packs_attention_pattern():
-    kinds = LayerKinds.of([True, True, True, False], [False, True, False, False], 48)  # the full preset, cut to 4
-    assert kinds.pack == ("first", "ple", "deltanet", "attention")
+    kinds = LayerKinds.of([True, True, True, False], [True, False, False, False], 48)  # the full preset, cut to 4
+    assert kinds.pack == ("first", "deltanet", "deltanet", "attention")  # layer 0 is also the PLE layer
     assert len(kinds.tail) == 44 and kinds.tail.count("deltanet") == 33 and kinds.tail.count("attention") == 11
     assert kinds.tail[:4] == ("deltanet", "deltanet", "deltanet", "attention")
-    # layer 0 and the PLE layer stand for nothing past the pack: 33 x 2 + 11 x 3
-    assert kinds.tail_sum({0: 100.0, 1: 50.0, 2: 2.0, 3: 3.0}) == 99.0
+    # layer 0 stands for nothing past the pack; DeltaNet is the mean of layers 1 and 2: 33 x 2 + 11 x 3
+    assert kinds.tail_sum({0: 100.0, 1: 1.0, 2: 3.0, 3: 3.0}) == 99.0
     assert kinds.tail_sum({0: 1.0, 1: 5.0, 3: 3.0}) is None  # layer 2 not timed (a piece of several layers)
+    # a PLE layer past layer 0 is a kind of its own, counted once
+    assert LayerKinds.of([True, True, True, False], [False, True, False, False], 48).tail_sum(
+        {0: 100.0, 1: 50.0, 2: 2.0, 3: 3.0}) == 99.0
     assert LayerKinds.of([True, True], [False, False], 48).tail is None  # no attention layer: no pattern
     assert LayerKinds.of([True, False, False], [False, False, False], 48).tail is None  # not a pattern
     only_first = LayerKinds.of([True, True, True, False], [False, True, True, False], 8)  # no plain DeltaNet
@@ -112,10 +115,10 @@ def test_decode_from_graphs_scales_only_the_layers_time():
     scaled = _scaled(result, {"prefill": 0.2, "decode": 0.1}, 4, 48)
     assert math.isclose(scaled["decode_ms_per_token"], 7600) and scaled["decode_scaling"] == LAYER_TIME_FORMULA
     assert math.isclose(scaled["decode_ms_per_token_even"], 1000 * (0.1 + 0.9 * 12))
-    # each layer timed: layers 4..47 are 33 DeltaNet layers like layer 2 and 11 attention layers like
-    # layer 3; per token 1.0 + 33 * 0.1 + 11 * 0.2
-    kinds = LayerKinds.of([True, True, True, False], [False, True, False, False], 48)
-    result["decode"]["layer_seconds_each"] = {"0": 0.2, "1": 0.6, "2": 0.2, "3": 0.4}
+    # each layer timed: layers 4..47 are 33 DeltaNet layers like layers 1 and 2 and 11 attention layers
+    # like layer 3; per token 1.0 + 33 * 0.1 + 11 * 0.2
+    kinds = LayerKinds.of([True, True, True, False], [True, False, False, False], 48)
+    result["decode"]["layer_seconds_each"] = {"0": 0.6, "1": 0.1, "2": 0.3, "3": 0.4}
     by_kind = _scaled(result, {"prefill": 0.2, "decode": 0.1}, 4, 48, kinds)
     assert by_kind["decode_scaling"] == LAYER_KIND_FORMULA and math.isclose(by_kind["decode_ms_per_token"], 6500)
     assert math.isclose(by_kind["decode_ms_per_token_layer_time"], 7600)

@@ -168,3 +168,22 @@ def test_metrics_keep_nan_and_fail_on_it():
     chunked = errors(a, b, chunk=7)
     assert chunked.rel == pytest.approx(((a - b).norm() / b.norm()).item(), rel=1e-12)
     assert chunked.cos == pytest.approx((a @ b / a.norm() / b.norm()).item(), rel=1e-12)
+
+
+def test_fp32_verify_runs_without_tf32_anywhere(monkeypatch):
+    """Inside verify, float32 is IEEE float32: cuBLAS, cuDNN and Triton's dots (whose default for
+    float32 is TF32, which flash-linear-attention's kernels keep) are told so, and put back after."""
+    import os
+
+    from flashpack.verify.run import TRITON_F32_DEFAULT, ieee_fp32
+
+    monkeypatch.setenv(TRITON_F32_DEFAULT, "tf32")
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", True)
+    with ieee_fp32():
+        assert os.environ[TRITON_F32_DEFAULT] == "ieee"
+        assert not torch.backends.cudnn.allow_tf32 and not torch.backends.cuda.matmul.allow_tf32
+    assert os.environ[TRITON_F32_DEFAULT] == "tf32" and torch.backends.cudnn.allow_tf32
+    monkeypatch.delenv(TRITON_F32_DEFAULT)
+    with ieee_fp32():
+        pass
+    assert TRITON_F32_DEFAULT not in os.environ

@@ -13,6 +13,7 @@ must fail (controls.py).
 
 from __future__ import annotations
 
+import os
 import tempfile
 import time
 from collections.abc import Iterator
@@ -34,6 +35,7 @@ from flashpack.verify.ours import run_engine
 from flashpack.verify.reference import LayerwiseReference
 from flashpack.verify.report import Row, VerifyReport
 
+TRITON_F32_DEFAULT = "TRITON_F32_DEFAULT"  # Triton's default precision of float32 dots
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
 
 
@@ -92,21 +94,30 @@ def verify_pack(
 
 
 @contextmanager
-def _ieee_fp32() -> Iterator[None]:
-    """FP32 means FP32 on CUDA too: no TF32 in matmuls or cuDNN convolutions while verify runs."""
+def ieee_fp32() -> Iterator[None]:
+    """FP32 means FP32 on CUDA too: no TF32 in matmuls, cuDNN convolutions or Triton dots while verify
+    runs. Triton's dots default to TF32 for float32 operands, and flash-linear-attention's chunked
+    DeltaNet kernels (which both our engine and transformers call on a GPU) leave that default;
+    TRITON_F32_DEFAULT is read as a kernel is compiled, so kernels built inside the block are IEEE."""
     flags = torch.backends.cuda.matmul, torch.backends.cudnn
     saved = [flag.allow_tf32 for flag in flags]
+    saved_env = os.environ.get(TRITON_F32_DEFAULT)
     for flag in flags:
         flag.allow_tf32 = False
+    os.environ[TRITON_F32_DEFAULT] = "ieee"
     try:
         yield
     finally:
         for flag, value in zip(flags, saved):
             flag.allow_tf32 = value
+        if saved_env is None:
+            os.environ.pop(TRITON_F32_DEFAULT, None)
+        else:
+            os.environ[TRITON_F32_DEFAULT] = saved_env
 
 
 def _verify(pack: Pack, snapshot, sequences: list[Sequence], dtype: str, device: str) -> VerifyReport:
-    with _ieee_fp32():
+    with ieee_fp32():
         return _run_and_compare(pack, snapshot, sequences, dtype, device)
 
 

@@ -10,7 +10,9 @@
 # the BF16 decode matvec against cuBLAS, the NVFP4 decode experts, the matvec/grouped crossover) with
 # SWEEP seconds of block-size sweep each (empty: none); unbounded-cublas is unbounded with every
 # projection on cuBLAS; unbounded-unfused-mix and unfused-mix bench as unbounded and budgets do with
-# --no-fused-mix (hyper-connection mixes as the module's code);
+# --no-fused-mix (hyper-connection mixes as the module's code); ahead-programs benches 24/64 with the
+# next layer's staging kernel on AHEAD programs (the engine's AHEAD_PROGRAMS, 32) to see whether it
+# starves beside the layers' kernels;
 # sampling times a token's choice on the GPU against copying the logits to the host first;
 # no-prefetch and promote bench 24/64 as budgets does, but without next-layer prefetch, or with
 # promotions; one-graph and unbounded-one-graph as budgets and unbounded do, with the whole step in
@@ -30,7 +32,7 @@ set -o pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site wheels/*.whl || exit 1
 mkdir -p /tmp/pkg && ln -sfn "$PWD" /tmp/pkg/flashpack
 export PYTHONPATH=/tmp/pkg:/tmp/site PYTHONUNBUFFERED=1
-LAYERS=${LAYERS:-4} GEN=${GEN:-32} PROMPT=${PROMPT:-512} W=/tmp/fp R=/tmp/results STAGES=${STAGES:-"tests layers unbounded fp8 budgets long baseline profile hotset prefill-profile eager fp8-unbounded staging no-prefetch promote one-graph unbounded-one-graph fp8-hot sampling kernels unbounded-no-combo unbounded-unfused-mix unfused-mix unbounded-cublas"}
+LAYERS=${LAYERS:-4} GEN=${GEN:-32} PROMPT=${PROMPT:-512} W=/tmp/fp R=/tmp/results STAGES=${STAGES:-"tests layers unbounded fp8 budgets long baseline profile hotset prefill-profile eager fp8-unbounded staging no-prefetch promote one-graph unbounded-one-graph fp8-hot sampling kernels unbounded-no-combo unbounded-unfused-mix unfused-mix unbounded-cublas ahead-programs"}
 has() { [[ " $STAGES " == *" $1 "* ]]; }
 mkdir -p $R
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee $OUT/gpu.txt
@@ -79,6 +81,9 @@ for stage in $STAGES; do
     unbounded-cublas)  # the control for the decode matvec kernel: every BF16 projection on cuBLAS
       BENCH_PY="import sys; from flashpack.runtime.kernels import dispatch; dispatch.DENSE_MATVEC_MAX_TOKENS = 0; from flashpack.cli import main; main()" \
         bench unbounded-cublas "" "" --prompt-len $PROMPT --gen $GEN ;;
+    ahead-programs)  # 24/64 with the side stream's staging kernel on AHEAD (default 64) programs instead of 32
+      BENCH_PY="import sys; from flashpack.runtime.model import decode_graphs; decode_graphs.AHEAD_PROGRAMS = ${AHEAD:-64}; from flashpack.cli import main; main()" \
+        bench 24g-64g-ahead-${AHEAD:-64} 24GiB 64GiB --prompt-len $PROMPT --gen $GEN --hot-set '*' ;;
     unbounded-no-combo)  # the control for the engine's inductor combo kernels: compiled without them
       BENCH_PY="import sys; from flashpack.runtime.model import decode_graphs; decode_graphs.COMPILE_OPTIONS = {}; from flashpack.cli import main; main()" \
         bench unbounded-no-combo "" "" --prompt-len $PROMPT --gen $GEN ;;

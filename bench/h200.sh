@@ -32,7 +32,7 @@ set -o pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site wheels/*.whl || exit 1
 mkdir -p /tmp/pkg && ln -sfn "$PWD" /tmp/pkg/flashpack
 export PYTHONPATH=/tmp/pkg:/tmp/site PYTHONUNBUFFERED=1
-LAYERS=${LAYERS:-4} GEN=${GEN:-32} PROMPT=${PROMPT:-512} W=/tmp/fp R=/tmp/results STAGES=${STAGES:-"tests layers unbounded fp8 budgets long baseline profile hotset prefill-profile eager fp8-unbounded staging no-prefetch promote one-graph unbounded-one-graph fp8-hot sampling kernels unbounded-no-combo unbounded-unfused-mix unfused-mix unbounded-cublas ahead-programs"}
+LAYERS=${LAYERS:-4} GEN=${GEN:-32} PROMPT=${PROMPT:-512} W=/tmp/fp R=/tmp/results STAGES=${STAGES:-"tests unbounded fp8 budgets long baseline profile hotset prefill-profile eager fp8-unbounded staging no-prefetch promote one-graph unbounded-one-graph fp8-hot sampling kernels unbounded-no-combo unbounded-unfused-mix unfused-mix unbounded-cublas ahead-programs"}
 has() { [[ " $STAGES " == *" $1 "* ]]; }
 mkdir -p $R
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee $OUT/gpu.txt
@@ -76,7 +76,6 @@ for stage in $STAGES; do
     unfused-mix) bench 24g-64g-unfused-mix 24GiB 64GiB --prompt-len $PROMPT --gen $GEN --hot-set '*' --no-fused-mix ;;
     staging) timeout 120 python3 bench/kernels.py --only staging --sweep --sweep-seconds 20 \
       --json $R/kernels-staging.json 2>&1 | tail -30 ;;
-    layers) timeout 150 python3 bench/layer_costs.py $W/full.pack --out $R 2>&1 | tail -1 ;;
     unbounded) bench unbounded "" "" --prompt-len $PROMPT --gen $GEN ;;
     unbounded-cublas)  # the control for the decode matvec kernel: every BF16 projection on cuBLAS
       BENCH_PY="import sys; from flashpack.runtime.kernels import dispatch; dispatch.DENSE_MATVEC_MAX_TOKENS = 0; from flashpack.cli import main; main()" \

@@ -44,8 +44,7 @@ from then on. Graphs read the state buffers of the sequence they were captured w
 snapshot is copied into them); a step with another sequence's state drops them and starts over
 (the Generator and the bench reset one state in place for each new sequence, so theirs stay). A
 resident expert source's requests are counted here, every step, since neither a replay nor the
-pieces call it. `run(after_layer=...)` is called after each layer's graph is launched
-(bench/layer_costs.py times layers apart that way).
+pieces call it.
 
 With `compile_layers`, the pieces are first compiled by torch.compile (TorchInductor), which fuses
 the hundred-odd small kernels of a layer (norms, gates, the hyper-connection mixing) into a few;
@@ -130,14 +129,12 @@ class DecodeGraphs:
 
     def run(
         self, streams: torch.Tensor, tokens: torch.Tensor, state: SequenceState,
-        after_layer: Callable[[DecoderLayer], None] | None = None,
         head: Callable[[torch.Tensor], torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """streams [1, hc*H] through every decoder layer for one token (`tokens` [1] on the host);
         advances `state` (not its position). Returns the streams and `head(streams)` (or None),
         issued as soon as the layers are: with a tiered store before the step's read-back, so the
-        host issues it while the GPU still runs the layers. `after_layer(layer)` is called after
-        each layer's work is issued."""
+        host issues it while the GPU still runs the layers."""
         for layer in self.layers:
             if not layer.linear:
                 state.attention[layer.layer].reserve(state.position + 1)
@@ -148,19 +145,19 @@ class DecodeGraphs:
                 for layer in self.layers if layer.ple is not None}  # advances the n-gram context: once
         head = head or (lambda streams: None)
         if self.resident:
-            streams = self._through_table(streams, self.layers[0].moe.resident.slot_table, rows, after_layer)
+            streams = self._through_table(streams, self.layers[0].moe.resident.slot_table, rows)
             out = streams, head(streams)
         else:
             out = self._try_table(streams, rows, head) if self.speculation is not None else None
             if out is None:
-                streams = self._through_store(streams, rows, after_layer)
+                streams = self._through_store(streams, rows)
                 out = streams, head(streams)
         for layer in self.layers:
             if not layer.linear:
                 state.attention[layer.layer].advance(1)
         return out
 
-    def _through_table(self, streams, table, rows, after_layer=None) -> torch.Tensor:
+    def _through_table(self, streams, table, rows) -> torch.Tensor:
         """Launch the table pieces, layer after layer, each handed the one before's outputs."""
         self._begin_laps()
         carried = ()  # the previous layer's prediction of the next piece's first layer's experts
@@ -170,8 +167,6 @@ class DecodeGraphs:
                 if self.count_replay is not None:
                     self.count_replay(layer.layer)
             self._lap(layers[-1])  # a piece of several layers is timed as a whole, under its last
-            if after_layer is not None:
-                after_layer(layers[-1])
         return streams
 
     def _begin_laps(self) -> None:
@@ -218,7 +213,7 @@ class DecodeGraphs:
     def _record(self, report: list[list[int]]) -> None:
         self.tabled.record_step(count_step(self.layers, report, self.staging))
 
-    def _through_store(self, streams, rows, after_layer) -> torch.Tensor:
+    def _through_store(self, streams, rows) -> torch.Tensor:
         self.settle()  # the store sees the steps in order
         self._begin_laps()
         carried = ()  # the previous layer's (routed and shared experts' outputs, inject), combined next
@@ -227,8 +222,6 @@ class DecodeGraphs:
                 streams, self._position, *carried, *self._rows_of([layer], rows))
             carried = (layer.moe.routed_from_store(x, weights, experts, predicted), shared, inject)
             self._lap(layer)
-            if after_layer is not None:
-                after_layer(layer)
         streams = self.combine(self.layers[-1], streams, *carried)
         self._lap(self.layers[-1])  # its experts' combine, which no next piece does
         return streams

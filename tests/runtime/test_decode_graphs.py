@@ -72,9 +72,10 @@ def test_graph_decode_matches_eager(tiny_pack, tiered, compiled):
     assert graphed.model.decode_graphs is not None and eager.model.decode_graphs is None
     # a tiered prompt adds its experts' outputs chunk by chunk with atomic index_add, in an order
     # that varies run to run and with what each store holds (the eager engine loads its misses,
-    # the graphed one stages from RAM): on the H200 tiered-60's prompt logits differed by 3.3e-5
-    # (session 7) and 1.5e-4 (run 14, its decode steps by 5e-6-3e-5), so 3e-4 when tiered
-    tolerance = 3e-4 if tiered is not None else 1e-4 if compiled else 1e-5
+    # the graphed one stages from RAM): 3.3e-5 was seen on the H200 for tiered-60 (session 7). Run
+    # 14's 1.5e-4 came while this FP32 engine's prompt experts ran on bf16 tensor cores, where an
+    # order difference can flip a rounding; they take IEEE dots now (dispatch.tile_precision)
+    tolerance = 1e-4 if compiled or tiered is not None else 1e-5
     for _ in range(2):  # a second sequence: new state buffers, graphs captured again
         # 40 steps: past the indexer's budget, and the attention caches grow (graphs captured again)
         expected, got = _decode(eager, prompt, 40, restore_at=30), _decode(graphed, prompt, 40, restore_at=30)

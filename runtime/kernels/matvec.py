@@ -3,13 +3,14 @@
 W is BF16/FP16, or FP8 (e4m3) rows with a float32 scale per row (`--dense-fp8`). At one token a
 decode step is a chain of such products over 2-60 MB matrices, each read once; cuBLAS's kernels for
 them reached 1.3-3.3 TB/s of the H200's ~4.2 (session 7's trace: a 9 MB stack 7 us, a 21 MB one 9 us
-with its split-K reduction), and the FP8 kernel that summed across threads every chunk no faster than
-BF16 at half the bytes. Measured against cuBLAS at one token (run 15, us): DeltaNet's stacked input
-projection (12352 x 2560) 17.0 against 19.3, its output projection (2560 x 4096) 7.0 against 10.4,
-the router and shared expert's stack (1793 x 2560) 4.6 against 6.8, a hyper-connection's stacked
-down projection (324 x 10240) 4.5 against 8.2. Here each program owns BLOCK_R rows; its loop over the input is unrolled,
-so every load of its rows is in flight at once, and multiply-adds into a float32 [BLOCK_R, BLOCK_C]
-tile that is summed across threads once, at the end. Blocks are sized so each thread holds at most
+with its split-K reduction), and the FP8 kernel that summed across threads every chunk no faster
+than BF16 at half the bytes. Measured against cuBLAS at one token (run 15, us): DeltaNet's stacked
+input projection (12352 x 2560) 17.0 against 19.3, its output projection (2560 x 4096) 7.0 against
+10.4, the router and shared expert's stack (1793 x 2560) 4.6 against 6.8, a hyper-connection's
+stacked down projection (324 x 10240) 4.5 against 8.2 (the sweep's rows at the block sizes now the
+default). Here each program owns BLOCK_R rows; its loop over the input is unrolled, so every load of
+its rows is in flight at once, and multiply-adds into a float32 [BLOCK_R, BLOCK_C] tile that is
+summed across threads once, at the end. Blocks are sized so each thread holds at most
 ELEMENTS_PER_THREAD weights in flight. Accumulation is float32 in a fixed order: deterministic.
 
 The reference is `F.linear` (float32 products of the same values; fp8_linear_reference for FP8).

@@ -115,8 +115,8 @@ class PLELayer(nn.Module):
 
     def _to_device(self, rows: torch.Tensor) -> torch.Tensor:
         """One token's rows, cast, on the device. On a GPU they cross from a pinned buffer without
-        the host waiting (a copy from pageable memory would wait for the GPU to reach it, which in
-        a decode step is behind the layers already issued)."""
+        the host waiting: a copy from pageable memory is synchronous, the host staging it and
+        waiting for the GPU to reach and take it."""
         rows = rows.to(self.dtype)  # cast first: half the bytes to copy
         if torch.device(self.device).type != "cuda":
             return rows.to(self.device)

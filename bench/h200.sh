@@ -13,6 +13,7 @@
 # --no-fused-mix (hyper-connection mixes as the module's code); ahead-programs benches 24/64 with the
 # next layer's staging kernel on AHEAD programs (the engine's AHEAD_PROGRAMS, 32) to see whether it
 # starves beside the layers' kernels;
+# verify checks the tiny preset layer by layer on the GPU at float32 and bfloat16;
 # sampling times a token's choice on the GPU against copying the logits to the host first;
 # no-prefetch and promote bench 24/64 as budgets does, but without next-layer prefetch, or with
 # promotions; one-graph and unbounded-one-graph as budgets and unbounded do, with the whole step in
@@ -32,7 +33,7 @@ set -o pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site wheels/*.whl || exit 1
 mkdir -p /tmp/pkg && ln -sfn "$PWD" /tmp/pkg/flashpack
 export PYTHONPATH=/tmp/pkg:/tmp/site PYTHONUNBUFFERED=1
-LAYERS=${LAYERS:-4} GEN=${GEN:-32} PROMPT=${PROMPT:-512} W=/tmp/fp R=/tmp/results STAGES=${STAGES:-"tests unbounded fp8 budgets long baseline profile hotset prefill-profile eager fp8-unbounded staging no-prefetch promote one-graph unbounded-one-graph fp8-hot sampling kernels unbounded-no-combo unbounded-unfused-mix unfused-mix unbounded-cublas ahead-programs"}
+LAYERS=${LAYERS:-4} GEN=${GEN:-32} PROMPT=${PROMPT:-512} W=/tmp/fp R=/tmp/results STAGES=${STAGES:-"tests unbounded fp8 budgets long baseline profile hotset verify prefill-profile eager fp8-unbounded staging no-prefetch promote one-graph unbounded-one-graph fp8-hot sampling kernels unbounded-no-combo unbounded-unfused-mix unfused-mix unbounded-cublas ahead-programs"}
 has() { [[ " $STAGES " == *" $1 "* ]]; }
 mkdir -p $R
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee $OUT/gpu.txt
@@ -117,6 +118,12 @@ for stage in $STAGES; do
     eager)
       bench unbounded-eager "" "" --prompt-len $PROMPT --gen $GEN --no-cuda-graphs
       bench 24g-64g-eager 24GiB 64GiB --prompt-len $PROMPT --gen $GEN --no-cuda-graphs ;;
+    verify)  # the tiny preset verified on the GPU at both dtypes (FP32 must match the reference to 1e-4)
+      timeout 60 python3 -m flashpack.cli synth tiny $W/tiny --force >/dev/null && \
+        timeout 60 python3 -m flashpack.cli convert $W/tiny $W/tiny.pack --force >/dev/null 2>&1
+      for dtype in float32 bfloat16; do
+        timeout 120 python3 -m flashpack.cli verify $W/tiny.pack --reference $W/tiny --device cuda --dtype $dtype \
+          --json $R/verify-tiny-$dtype.json 2>&1 | tail -4; done ;;
     fp8-unbounded) fp8_pack; PACK=full-fp8 bench unbounded-fp8 "" "" --prompt-len $PROMPT --gen $GEN ;;
   esac
   tar czf $OUT/results.tgz -C $R .  # at most 8 files come back from a device call: one archive

@@ -13,7 +13,7 @@
 # --no-fused-mix (hyper-connection mixes as the module's code); ahead-programs benches 24/64 with the
 # next layer's staging kernel on AHEAD programs (the engine's AHEAD_PROGRAMS, 32) to see whether it
 # starves beside the layers' kernels;
-# verify checks the tiny preset layer by layer on the GPU at float32 and bfloat16;
+# verify checks the tiny preset layer by layer on the GPU at float32 and bfloat16 (~250 s: Triton autotunes);
 # sampling times a token's choice on the GPU against copying the logits to the host first;
 # no-prefetch and promote bench 24/64 as budgets does, but without next-layer prefetch, or with
 # promotions; one-graph and unbounded-one-graph as budgets and unbounded do, with the whole step in
@@ -114,7 +114,7 @@ for stage in $STAGES; do
       PACK=full-fp8 bench 24g-64g-fp8-hot 24GiB 64GiB --prompt-len $PROMPT --gen $GEN --hot-set corpus ;;
     prefill-profile)  # every record resident: where a 32k prompt's compute goes
       timeout 150 python3 bench/profile_decode.py $W/full.pack --phase prefill --prompt-len 32768 \
-        --name prefill-32k --out $R 2>&1 | tail -1 ;;
+        --name prefill-32k --trace --out $R 2>&1 | tail -30 ;;
     eager)
       bench unbounded-eager "" "" --prompt-len $PROMPT --gen $GEN --no-cuda-graphs
       bench 24g-64g-eager 24GiB 64GiB --prompt-len $PROMPT --gen $GEN --no-cuda-graphs ;;
@@ -122,7 +122,7 @@ for stage in $STAGES; do
       timeout 60 python3 -m flashpack.cli synth tiny $W/tiny --force >/dev/null && \
         timeout 60 python3 -m flashpack.cli convert $W/tiny $W/tiny.pack --force >/dev/null 2>&1
       for dtype in float32 bfloat16; do
-        timeout 120 python3 -m flashpack.cli verify $W/tiny.pack --reference $W/tiny --device cuda --dtype $dtype \
+        timeout 200 python3 -m flashpack.cli verify $W/tiny.pack --reference $W/tiny --device cuda --dtype $dtype \
           --json $R/verify-tiny-$dtype.json 2>&1 | tail -4; done ;;
     fp8-unbounded) fp8_pack; PACK=full-fp8 bench unbounded-fp8 "" "" --prompt-len $PROMPT --gen $GEN ;;
   esac

@@ -1,5 +1,5 @@
 """The calls the engine makes: `moe_experts`, `dense_linear`, `fp8_linear`, `stage_records`,
-`router_top_k` and `decode_attention`, Triton where it runs, else reference.
+`router_top_k`, `decode_attention` and `prompt_attention`, Triton where it runs, else reference.
 
 backend="auto" takes the Triton kernels on CUDA and the plain-PyTorch reference anywhere else;
 "triton" and "reference" force one side. The tests force "triton" on a CPU, where the kernels run
@@ -19,8 +19,8 @@ import torch.nn.functional as F
 
 from flashpack.runtime.kernels.bank import ExpertBank
 from flashpack.runtime.kernels.reference import (
-    decode_attention_reference, expert_swiglu_reference, fp8_linear_reference, router_top_k_reference,
-    stage_records_reference,
+    decode_attention_reference, expert_swiglu_reference, fp8_linear_reference, prompt_attention_reference,
+    router_top_k_reference, stage_records_reference,
 )
 
 BACKENDS = ("auto", "triton", "reference")
@@ -152,3 +152,16 @@ def decode_attention(
     from flashpack.runtime.kernels.decode_attention import decode_attention as decode_attention_triton
 
     return decode_attention_triton(q, keys, values, keep, scale)
+
+
+def prompt_attention(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, blocks: torch.Tensor, first: int, ratio: int,
+    scale: float, backend: str = "auto",
+) -> torch.Tensor:
+    """A prompt's QSA attention over the key blocks each query picked: q [T, heads, hd] at positions
+    first.., keys/values [kv_heads, L, hd], blocks int [T, NB] (-1 pads) -> [T, heads, hd] in q's dtype."""
+    if not use_triton(q.device, backend):
+        return prompt_attention_reference(q, keys, values, blocks, first, ratio, scale, dtype=None)
+    from flashpack.runtime.kernels.prompt_attention import prompt_attention as prompt_attention_triton
+
+    return prompt_attention_triton(q, keys, values, blocks, first, ratio, scale)

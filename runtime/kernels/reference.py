@@ -96,3 +96,35 @@ def decode_attention_reference(
             q[:, None], keys[:, None], values[:, None], attn_mask=keep[None, None, None, :], scale=scale,
         )  # [kv_heads, 1, group, hd]
     return out[:, 0]
+
+
+def prompt_keep_mask(blocks: torch.Tensor, first: int, ratio: int, length: int) -> torch.Tensor:
+    """blocks int [T, NB] (-1 pads) -> bool [T, length]: the keys query t (position first + t) sees,
+    every key block * ratio + j (j < ratio) of its blocks at positions <= its own."""
+    tokens = blocks.shape[0]
+    keys = blocks.long()[:, :, None] * ratio + torch.arange(ratio, device=blocks.device)  # [T, NB, ratio]
+    positions = first + torch.arange(tokens, device=blocks.device)
+    valid = (blocks[:, :, None] >= 0) & (keys <= positions[:, None, None])
+    mask = torch.zeros(tokens, length + 1, dtype=torch.bool, device=blocks.device)  # column `length`: the discards
+    mask.scatter_(1, torch.where(valid, keys, length).flatten(1), True)
+    return mask[:, :length]
+
+
+def prompt_attention_reference(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, blocks: torch.Tensor, first: int, ratio: int,
+    scale: float, dtype: torch.dtype | None = torch.float32,
+) -> torch.Tensor:
+    """prompt_attention.py's kernel as masked F.scaled_dot_product_attention: q [T, heads, hd] against
+    keys/values [kv_heads, L, hd] (L >= first + T) masked by `prompt_keep_mask`, computed in `dtype`
+    (None: the inputs' own) -> [T, heads, hd]."""
+    out_dtype, tokens, heads = q.dtype, q.shape[0], q.shape[1]
+    if dtype is not None:
+        q, keys, values = q.to(dtype), keys.to(dtype), values.to(dtype)
+    length = first + tokens
+    mask = prompt_keep_mask(blocks, first, ratio, length)
+    with sdpa_kernel(ATTENTION_BACKENDS):
+        out = F.scaled_dot_product_attention(
+            q.transpose(0, 1)[None], keys[None, :, :length], values[None, :, :length], attn_mask=mask[None, None],
+            scale=scale, enable_gqa=heads != keys.shape[0],
+        )[0]  # [heads, T, hd]
+    return out.transpose(0, 1).to(out_dtype)

@@ -10,6 +10,10 @@ blocks plus the incomplete tail. Decode therefore reads at most budget + ratio -
 Attention itself: q_proj yields per head a query and a same-sized output gate (sigmoid); q/k norms
 per head (zero-centred); partial rotary; KV heads shared by groups of query heads.
 
+A prompt's queries take `select_blocks` (each query's chosen blocks and its own incomplete one) and
+the sparse prompt-attention kernel (runtime/kernels/prompt_attention.py; its reference, the masked
+SDPA call, off CUDA), a chunk of queries at a time.
+
 Decode has two forms. `attend_cache` (eager) appends at the cache's host-side length and attends
 to exactly the picked keys. `attend_step` (replayed from a CUDA graph, so every shape is fixed
 and the position is a device tensor) writes in place at the position, re-pools the block holding
@@ -30,7 +34,7 @@ from torch import nn
 from torch.nn.attention import sdpa_kernel
 
 from flashpack.layout.model_config import TextConfig
-from flashpack.runtime.kernels import decode_attention
+from flashpack.runtime.kernels import decode_attention, prompt_attention
 from flashpack.runtime.kernels.reference import ATTENTION_BACKENDS
 from flashpack.runtime.model.linear import DenseLinear, StackedLinear
 from flashpack.runtime.model.norms import RMSNorm
@@ -107,22 +111,24 @@ class BlockIndexer(nn.Module):
         scores = torch.einsum("thd,bd->tbh", queries.float(), blocks.float())
         return torch.relu(scores).sum(dim=-1) / math.sqrt(self.dim)
 
-    def select_mask(self, queries: torch.Tensor, start: int, cache: AttentionCache) -> torch.Tensor:
-        """Bool [T, start + T]: which keys each query (positions start..start+T-1) attends to."""
+    def select_blocks(self, queries: torch.Tensor, start: int, cache: AttentionCache) -> torch.Tensor:
+        """int32 [T, min(budget / ratio, complete blocks) + 1]: the key blocks each query (positions
+        start..start+T-1) attends to: its chosen complete blocks (every one while they fit the
+        budget, else the top-scored), ascending, then its own incomplete block (whose keys past the
+        query a consumer masks: `prompt_keep_mask`); -1 pads."""
         length, device = start + queries.shape[0], queries.device
         positions = torch.arange(start, length, device=device)
-        mask = torch.arange(length, device=device)[None, :] <= positions[:, None]  # causal
-        most = length // self.ratio  # complete blocks the last query sees
-        if most <= self.block_topk:
-            return mask
         visible = (positions + 1) // self.ratio  # complete blocks per query
-        seen = torch.arange(most, device=device)[None, :] < visible[:, None]  # [T, most]
-        scores = self.block_scores(queries, cache.block_keys[:most]).masked_fill(~seen, float("-inf"))
-        chosen = torch.zeros_like(seen).scatter(1, self._top_blocks(scores, visible), True) & seen
-        chosen |= seen & (visible[:, None] <= self.block_topk)  # under the budget: every block
-        keep = (chosen | ~seen).repeat_interleave(self.ratio, dim=1)  # unseen blocks: tail or future
-        mask[:, : most * self.ratio] &= keep
-        return mask
+        most = length // self.ratio  # complete blocks the last query sees
+        width = min(self.block_topk, most)
+        every = torch.arange(width, device=device)[None, :].expand(queries.shape[0], -1)
+        chosen = torch.where(every < visible[:, None], every, -1)  # under the budget: every block
+        if most > self.block_topk:
+            seen = torch.arange(most, device=device)[None, :] < visible[:, None]  # [T, most]
+            scores = self.block_scores(queries, cache.block_keys[:most]).masked_fill(~seen, float("-inf"))
+            top = self._top_blocks(scores, visible).sort(dim=-1).values
+            chosen = torch.where((visible > self.block_topk)[:, None], top, chosen)
+        return torch.cat([chosen, visible[:, None]], dim=-1).to(torch.int32)
 
     def _top_blocks(self, scores: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
         """Top blocks per query row of scores [T, most]; ties at the cut are broken as transformers does.
@@ -200,15 +206,14 @@ class QSAAttention(nn.Module):
             keys, values = cache.keys, cache.values  # [kv_heads, L, hd]
             if picked is not None:
                 keys, values = keys[:, picked], values[:, picked]
-            out = self.attend(q, keys, values, None)
-        else:  # a prompt: query chunks bound the [chunk, L] masks and scores
-            pieces = []
-            for a in range(0, length, QUERY_CHUNK):
-                b = min(a + QUERY_CHUNK, length)
-                mask = self.indexer.select_mask(index_q[a:b], start + a, cache)  # [b - a, start + b]
-                pieces.append(self.attend(q[a:b], cache.keys[:, : start + b], cache.values[:, : start + b], mask))
-            out = torch.cat(pieces, dim=1)
-        return out.transpose(0, 1).reshape(length, self.heads * self.head_dim)
+            return self.attend(q, keys, values).transpose(0, 1).reshape(length, self.heads * self.head_dim)
+        pieces = []  # a prompt: query chunks bound the indexer's [chunk, blocks] scores
+        for a in range(0, length, QUERY_CHUNK):
+            b = min(a + QUERY_CHUNK, length)
+            blocks = self.indexer.select_blocks(index_q[a:b], start + a, cache)
+            pieces.append(prompt_attention(q[a:b], cache.keys, cache.values, blocks, start + a, self.indexer.ratio,
+                                           self.head_dim ** -0.5))
+        return torch.cat(pieces).reshape(length, self.heads * self.head_dim)
 
     def attend_step(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index_q: torch.Tensor, index_k: torch.Tensor,
@@ -231,10 +236,10 @@ class QSAAttention(nn.Module):
         """attended [T, heads * hd] gated by sigmoid(gate) -> o_proj -> [T, H]."""
         return self.o_proj(attended * torch.sigmoid(gate))
 
-    def attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None):
-        """q [T, heads, hd], keys/values [kv_heads, L, hd], mask bool [T, L] or None -> [heads, T, hd]."""
+    def attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        """One query q [1, heads, hd] against every one of keys/values [kv_heads, L, hd] -> [heads, 1, hd]."""
         with sdpa_kernel(ATTENTION_BACKENDS):
             return F.scaled_dot_product_attention(
-                q.transpose(0, 1)[None], keys[None], values[None], attn_mask=None if mask is None else mask[None, None],
-                scale=self.head_dim ** -0.5, enable_gqa=self.heads != self.kv_heads,
+                q.transpose(0, 1)[None], keys[None], values[None], scale=self.head_dim ** -0.5,
+                enable_gqa=self.heads != self.kv_heads,
             )[0]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from reference_model import EOS, prompts, rel_err
 
+from flashpack.runtime.kernels.reference import prompt_keep_mask
 from flashpack.runtime.state import AttentionCache
 
 
@@ -60,8 +61,11 @@ def test_indexer_selection_equals_transformers_mask(bench, engine):
     cache.append(torch.zeros(cfg.num_key_value_heads, length, cfg.head_dim),
                  torch.zeros(cfg.num_key_value_heads, length, cfg.head_dim), keys)
     mine.indexer.pool_new_blocks(cache, mine.rotary)
-    actual = mine.indexer.select_mask(queries, 0, cache)
+    actual = prompt_keep_mask(mine.indexer.select_blocks(queries, 0, cache), 0, cfg.indexer_compress_ratio, length)
     assert torch.equal(actual, expected)
+    for start in (13, 40):  # a later chunk of the same prompt picks the same keys
+        chunk = mine.indexer.select_blocks(queries[start:], start, cache)
+        assert torch.equal(prompt_keep_mask(chunk, start, cfg.indexer_compress_ratio, length), expected[start:])
     assert actual.sum(-1).max() <= cfg.indexer_budget + cfg.indexer_compress_ratio - 1
     for position in (15, 16, 19, 20, 40, 60):  # below, at and above the budget
         picked = mine.indexer.select_indices(queries[position:position + 1], position, cache)

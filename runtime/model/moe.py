@@ -117,10 +117,9 @@ class SparseMoE(nn.Module):
         out = None
         with closing(self.slots.stream(self.layer, wanted)) as chunks:  # closing releases the last chunk
             for chunk in chunks:
-                if host_experts is not None and len(chunk) == len(wanted):
-                    slot_of = {handle.expert: handle.slot for handle in chunk}
-                    slots = torch.tensor([slot_of[e] for e in host_experts], dtype=torch.int32).view(experts.shape)
-                    out = self._experts(x, self.slots.bank, slots.to(x.device), weights, prompt)
+                if host_experts is not None:
+                    part = self._decode_chunk(x, weights, experts, chunk, host_experts, whole=len(chunk) == len(wanted))
+                    out = part if out is None else out + part
                     continue
                 lookup = torch.full((self.num_experts,), -1, dtype=torch.int32)
                 lookup[[h.expert for h in chunk]] = torch.tensor([h.slot for h in chunk], dtype=torch.int32)
@@ -136,6 +135,23 @@ class SparseMoE(nn.Module):
                 out = torch.zeros_like(x) if out is None else out
                 out.index_add_(0, tokens, part)
         return out if out is not None else torch.zeros_like(x)
+
+    def _decode_chunk(self, x, weights, experts, chunk, host_experts: list[int], whole: bool) -> torch.Tensor:
+        """A decode step's picks from one chunk of the store's stream, at the full [T, k] shape: where
+        the store lands a step's experts in several chunks (a slot share held by prefetches still
+        loading), the picks this chunk lacks run on one of its rows at zero weight. One kernel build
+        serves every chunk (a [n, 1] call would build again, seconds mid-decode), and the slots reach
+        the device from pinned memory without the host waiting for the copy."""
+        slot_of = {handle.expert: handle.slot for handle in chunk}
+        held = [slot_of.get(expert, chunk[0].slot) for expert in host_experts]
+        if whole:
+            codes = torch.tensor(held, dtype=torch.int32, pin_memory=x.is_cuda)
+            slots = codes.to(x.device, non_blocking=True).view(experts.shape)
+            return self._experts(x, self.slots.bank, slots, weights, prompt=False)
+        present = [int(expert in slot_of) for expert in host_experts]
+        codes = torch.tensor([held, present], dtype=torch.int32, pin_memory=x.is_cuda).to(x.device, non_blocking=True)
+        slots, present = codes[0].view(experts.shape), codes[1].view(experts.shape)
+        return self._experts(x, self.slots.bank, slots, weights * present.to(weights.dtype), prompt=False)
 
     @staticmethod
     def _experts(x, bank, slots, weights, prompt: bool) -> torch.Tensor:

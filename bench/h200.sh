@@ -13,7 +13,8 @@
 # --no-fused-mix (hyper-connection mixes as the module's code); ahead-programs benches 24/64 with the
 # next layer's staging kernel on AHEAD programs (the engine's AHEAD_PROGRAMS, 32) to see whether it
 # starves beside the layers' kernels;
-# verify checks the tiny preset layer by layer on the GPU at float32 and bfloat16 (~250 s: Triton autotunes);
+# verify checks the tiny preset layer by layer on the GPU at VERIFY_DTYPES (default float32 bfloat16; ~250 s
+# for both: Triton autotunes);
 # sampling times a token's choice on the GPU against copying the logits to the host first;
 # no-prefetch and promote bench 24/64 as budgets does, but without next-layer prefetch, or with
 # promotions; one-graph and unbounded-one-graph as budgets and unbounded do, with the whole step in
@@ -121,7 +122,7 @@ for stage in $STAGES; do
     verify)  # the tiny preset verified on the GPU at both dtypes (FP32 must match the reference to 1e-4)
       timeout 60 python3 -m flashpack.cli synth tiny $W/tiny --force >/dev/null && \
         timeout 60 python3 -m flashpack.cli convert $W/tiny $W/tiny.pack --force >/dev/null 2>&1
-      for dtype in float32 bfloat16; do
+      for dtype in ${VERIFY_DTYPES:-float32 bfloat16}; do
         timeout 200 python3 -m flashpack.cli verify $W/tiny.pack --reference $W/tiny --device cuda --dtype $dtype \
           --json $R/verify-tiny-$dtype.json 2>&1 | tail -4; done ;;
     fp8-unbounded) fp8_pack; PACK=full-fp8 bench unbounded-fp8 "" "" --prompt-len $PROMPT --gen $GEN ;;

@@ -1,10 +1,12 @@
-"""The reader threads: two FIFO lanes, required reads first, prefetch reads only in the gaps.
+"""The reader threads (and the one copy thread): two FIFO lanes, required jobs first, prefetch jobs
+only in the gaps.
 
 A read a request waits for goes in the required lane; a prefetch (a guess at what the next layer
 will ask for) goes in the low lane. A free thread always takes the oldest required read; it takes
 a prefetch read only when no required read is waiting, and at most `threads - 1` threads run
 prefetch reads at once, so a required read arriving behind a burst of prefetches finds a thread
-(or the next one to free up) instead of queueing behind them. Plain Python.
+(or the next one to free up) instead of queueing behind them. The store's host-to-device copies
+run on one thread of their own lanes the same way. Plain Python.
 """
 
 from __future__ import annotations

@@ -131,7 +131,9 @@ class TieredStore(TransferJobs, TableSteps):
         self.rebalancer = Rebalancer(floor=floor, window=REBALANCE_WINDOW * len(self.layers)) if rebalance else None
         self.reader = RecordReader(pack.root, sorted({r.file for r in records}), direct=direct_io)
         self._readers = ReadLanes(reader_threads)
-        self._copier = ThreadPoolExecutor(1, thread_name_prefix="flashpack-copy")
+        # one copy thread, its own two lanes: a request's copies go ahead of prefetch copies queued
+        # by the layer before (a through-store decode layer otherwise waits behind the guesses)
+        self._copier = ReadLanes(1, name="flashpack-copy")
         self._lander = ThreadPoolExecutor(1, thread_name_prefix="flashpack-land") if cuda else None
         self._copy_stream = torch.cuda.Stream(self.device) if cuda else None
         self._slot_free_events: dict[int, torch.cuda.Event] = {}
@@ -404,10 +406,10 @@ class TieredStore(TransferJobs, TableSteps):
                 self.host_slots.touch(key)
             self.host_slots.pin(key)
             if host_entry.ready:
-                self._copier.submit(self._copy_job, key, host_entry, slot, future, None, prewarm)
+                self._copier.submit(self._copy_job, key, host_entry, slot, future, None, prewarm, low=prefetch)
             else:  # its read is in flight (pre-warming the host tier): copy when it lands
                 copy = lambda load: self._copier.submit(  # noqa: E731
-                    self._copy_job, key, host_entry, slot, future, load, prewarm)
+                    self._copy_job, key, host_entry, slot, future, load, prewarm, low=prefetch)
                 self._host_loads[key].add_done_callback(copy)
             return future, "host"
         self._place_host(key, seed=0.0 if prefetch else seed)

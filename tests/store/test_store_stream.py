@@ -342,6 +342,39 @@ def test_required_reads_go_before_queued_prefetch_reads(store_pack):
         assert order == [(1, 0), (2, 7), (1, 1), (1, 2)]
 
 
+def test_request_copies_go_before_queued_prefetch_copies(store_pack):
+    """One copy thread, two lanes: a request's host-to-device copy overtakes the prefetch copies the
+    layer before queued (a through-store decode layer would otherwise wait behind the guesses)."""
+    pack = Pack.open(store_pack)
+    info = _info(pack)
+    layers, experts = info.layers, info.experts
+    with _store(pack, 4 * len(layers), 64, rebalance=False) as store:
+        store.prewarm({layer: list(range(experts)) for layer in layers})
+        settle(store)
+        host_only = [[e for e in range(experts) if store.host_slots.get((layer, e)) is not None
+                      and store.device_slots.get((layer, e)) is None] for layer in layers[1:3]]
+        guessed, asked = [(layers[1], e) for e in host_only[0][:3]], (layers[2], host_only[1][0])
+        gate, order, original = threading.Event(), [], store._copy_job
+
+        def copy_job(key, *args):
+            order.append(key)
+            if key == guessed[0]:
+                assert gate.wait(20), "gate never opened"
+            return original(key, *args)
+
+        store._copy_job = copy_job
+        assert store.prefetch(layers[1], [e for _, e in guessed]) == 3
+        deadline = time.monotonic() + 10
+        while not order:  # the first prefetch copy holds the only copy thread
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        handles = store.request(*asked[:1], [asked[1]])
+        gate.set()
+        store.wait(handles)
+        settle(store)
+        assert order == [guessed[0], asked, *guessed[1:]]
+
+
 def test_read_lanes_keep_a_thread_for_required_reads():
     lanes = ReadLanes(2)
     release, done = threading.Event(), threading.Event()

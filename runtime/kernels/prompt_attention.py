@@ -18,7 +18,8 @@ real dims, padded to 16 rows) walk the token's blocks BLOCK_N // ratio at a time
 BLOCK_N keys' rows (loads masked per key: padding and future keys are never read) into
 decode_attention's online-softmax step, then normalise and store. No split over the keys: T x
 kv_heads programs fill the GPU. The step count is a constexpr rounded up to a power of two (one build
-per power, not one per prompt length).
+per power, not one per prompt length); a step keeping no key (the padding, a query's rows of -1)
+branches around its loads and math.
 
 Precision follows decode_attention: the inputs' dtype on CUDA's tensor cores (float32 sums), IEEE
 float32 for float32 inputs and off CUDA (the interpreter's bf16 tl.dot is wrong).
@@ -33,7 +34,10 @@ import triton.language as tl
 
 from flashpack.runtime.kernels.decode_attention import LOG2E, _attend_block
 
-BLOCK_N = 32  # keys a program gathers at a time
+# keys a program gathers at a time: built offline for sm_90 at the real dims (bf16, 4 warps) 32 takes
+# 235 registers (two programs an SM), 16 takes 149 (three), neither spills; 32 halves the steps, each
+# a block-id load and then the gather that depends on it
+BLOCK_N = 32
 
 
 # do_not_specialize: `first` is a prompt chunk's start, which Triton would otherwise build again for
@@ -64,11 +68,12 @@ def _prompt_attention_kernel(
         block = tl.load(blocks_ptr + token * stride_bt + step * (BLOCK_N // RATIO) + j // RATIO)
         n = block * RATIO + j % RATIO
         kept = (block >= 0) & (n <= position)
-        n = tl.where(kept, n, 0)
-        k_rows = k_base + n[:, None] * stride_kn + d[None, :]
-        v_rows = v_base + n[:, None] * stride_vn + d[None, :]
-        m_i, l_i, acc = _attend_block(q, k_rows, v_rows, kept, kept[:, None] & d_mask[None, :],
-                                      m_i, l_i, acc, qk_scale, DOT)
+        if tl.max(kept.to(tl.int32), axis=0) > 0:  # else no load, no math: padding, or a block past the query
+            n = tl.where(kept, n, 0)
+            k_rows = k_base + n[:, None] * stride_kn + d[None, :]
+            v_rows = v_base + n[:, None] * stride_vn + d[None, :]
+            m_i, l_i, acc = _attend_block(q, k_rows, v_rows, kept, kept[:, None] & d_mask[None, :],
+                                          m_i, l_i, acc, qk_scale, DOT)
     out = acc / l_i[:, None]
     tl.store(out_ptr + token * stride_ot + heads[:, None] * stride_oh + d[None, :],
              out.to(out_ptr.dtype.element_ty), mask=g_mask[:, None] & d_mask[None, :])

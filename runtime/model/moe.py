@@ -121,9 +121,9 @@ class SparseMoE(nn.Module):
                     part = self._decode_chunk(x, weights, experts, chunk, host_experts, whole=len(chunk) == len(wanted))
                     out = part if out is None else out + part
                     continue
-                lookup = torch.full((self.num_experts,), -1, dtype=torch.int32)
+                lookup = torch.full((self.num_experts,), -1, dtype=torch.int32, pin_memory=x.is_cuda)
                 lookup[[h.expert for h in chunk]] = torch.tensor([h.slot for h in chunk], dtype=torch.int32)
-                slots = lookup.to(x.device)[experts]  # [T, k], -1: not in this chunk
+                slots = lookup.to(x.device, non_blocking=True)[experts]  # [T, k], -1: not in this chunk
                 if len(chunk) == len(wanted):
                     out = self._experts(x, self.slots.bank, slots, weights, prompt)
                     continue

@@ -34,7 +34,7 @@ set -o pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site wheels/*.whl || exit 1
 mkdir -p /tmp/pkg && ln -sfn "$PWD" /tmp/pkg/flashpack
 export PYTHONPATH=/tmp/pkg:/tmp/site PYTHONUNBUFFERED=1
-LAYERS=${LAYERS:-4} GEN=${GEN:-32} PROMPT=${PROMPT:-512} W=/tmp/fp R=/tmp/results STAGES=${STAGES:-"tests unbounded fp8 budgets long baseline profile hotset verify prefill-profile eager fp8-unbounded staging no-prefetch promote one-graph unbounded-one-graph fp8-hot sampling kernels unbounded-no-combo unbounded-unfused-mix unfused-mix unbounded-cublas ahead-programs"}
+LAYERS=${LAYERS:-4} GEN=${GEN:-32} PROMPT=${PROMPT:-512} W=/tmp/fp R=/tmp/results STAGES=${STAGES:-"tests unbounded fp8 budgets long baseline profile hotset verify prefill-profile prefill-profile-tiered eager fp8-unbounded staging no-prefetch promote one-graph unbounded-one-graph fp8-hot sampling kernels unbounded-no-combo unbounded-unfused-mix unfused-mix unbounded-cublas ahead-programs"}
 has() { [[ " $STAGES " == *" $1 "* ]]; }
 mkdir -p $R
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee $OUT/gpu.txt
@@ -116,6 +116,9 @@ for stage in $STAGES; do
     prefill-profile)  # every record resident: where a 32k prompt's compute goes
       timeout 150 python3 bench/profile_decode.py $W/full.pack --phase prefill --prompt-len 32768 \
         --name prefill-32k --trace --out $R 2>&1 | tail -30 ;;
+    prefill-profile-tiered)  # the same prompt at 24/64 (every record the tiers hold pre-warmed): the streamed experts' cost
+      timeout 150 python3 bench/profile_decode.py $W/full.pack --phase prefill --prompt-len 32768 --vram-budget 24GiB \
+        --ram-budget 64GiB --emulate-layers 48 --hot-set '*' --name prefill-32k-24g --trace --out $R 2>&1 | tail -30 ;;
     eager)
       bench unbounded-eager "" "" --prompt-len $PROMPT --gen $GEN --no-cuda-graphs
       bench 24g-64g-eager 24GiB 64GiB --prompt-len $PROMPT --gen $GEN --no-cuda-graphs ;;

@@ -22,7 +22,8 @@
 # synth corpus on the GPU (`flashpack profile`) and pre-warm 24/64 (and fp8-hot 8/32 and 24/64 on the
 # --dense-fp8 pack) from that hot set.
 # fp8 converts a --dense-fp8 pack from the same snapshot and benches 8/32 on it (BF16 dense
-# weights alone exceed an 8 GB card at 48 layers). budgets, long (a 32k prompt) and baseline (with
+# weights alone exceed an 8 GB card at 48 layers); fp8-star does so with the tiers pre-warmed ('*',
+# no profile to run first). budgets, long (a 32k prompt) and baseline (with
 # transformers + accelerate beside) run 24/64 with every record pre-warmed (--hot-set '*'). TESTS
 # overrides the GPU test list.
 # Timing on an H200 (2026-11-29, runs 14-16): build 134-139 s (LAYERS=4; the FP8 pack is converted by
@@ -34,7 +35,7 @@ set -o pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site wheels/*.whl || exit 1
 mkdir -p /tmp/pkg && ln -sfn "$PWD" /tmp/pkg/flashpack
 export PYTHONPATH=/tmp/pkg:/tmp/site PYTHONUNBUFFERED=1
-LAYERS=${LAYERS:-4} GEN=${GEN:-32} PROMPT=${PROMPT:-512} W=/tmp/fp R=/tmp/results STAGES=${STAGES:-"tests unbounded fp8 budgets long baseline profile hotset verify prefill-profile prefill-profile-tiered eager fp8-unbounded staging no-prefetch promote one-graph unbounded-one-graph fp8-hot sampling kernels unbounded-no-combo unbounded-unfused-mix unfused-mix unbounded-cublas ahead-programs"}
+LAYERS=${LAYERS:-4} GEN=${GEN:-32} PROMPT=${PROMPT:-512} W=/tmp/fp R=/tmp/results STAGES=${STAGES:-"tests unbounded fp8 fp8-star budgets long baseline profile hotset verify prefill-profile prefill-profile-tiered eager fp8-unbounded staging no-prefetch promote one-graph unbounded-one-graph fp8-hot sampling kernels unbounded-no-combo unbounded-unfused-mix unfused-mix unbounded-cublas ahead-programs"}
 has() { [[ " $STAGES " == *" $1 "* ]]; }
 mkdir -p $R
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee $OUT/gpu.txt
@@ -91,6 +92,7 @@ for stage in $STAGES; do
     unbounded-one-graph) bench unbounded-one-graph "" "" --prompt-len $PROMPT --gen $GEN --graph-layers $LAYERS ;;
     one-graph) bench 24g-64g-one-graph 24GiB 64GiB --prompt-len $PROMPT --gen $GEN --hot-set '*' --graph-layers $LAYERS ;;
     fp8) fp8_pack; PACK=full-fp8 bench 8g-32g-fp8 8GiB 32GiB --prompt-len $PROMPT --gen $GEN ;;
+    fp8-star) fp8_pack; PACK=full-fp8 bench 8g-32g-fp8-star 8GiB 32GiB --prompt-len $PROMPT --gen $GEN --hot-set '*' ;;
     budgets) bench 24g-64g 24GiB 64GiB --prompt-len $PROMPT --gen $GEN --hot-set '*' ;;
     long) bench 24g-64g-32k 24GiB 64GiB --prompt-len 32768 --gen 4 --hot-set '*' ;;
     baseline) bench 24g-64g-baseline 24GiB 64GiB --prompt-len $PROMPT --gen $GEN --hot-set '*' \

@@ -21,6 +21,9 @@ kv_heads programs fill the GPU. The step count is a constexpr rounded up to a po
 per power, not one per prompt length); a step keeping no key (the padding, a query's rows of -1)
 branches around its loads and math.
 
+An eager one-token step (`attend_cache` without decode graphs) also comes here, as kv_heads programs
+walking up to budget / ratio + 1 blocks each; decode graphs take decode_attention's split-K kernels.
+
 Precision follows decode_attention: the inputs' dtype on CUDA's tensor cores (float32 sums), IEEE
 float32 for float32 inputs and off CUDA (the interpreter's bf16 tl.dot is wrong).
 """

@@ -10,18 +10,18 @@ blocks plus the incomplete tail. Decode therefore reads at most budget + ratio -
 Attention itself: q_proj yields per head a query and a same-sized output gate (sigmoid); q/k norms
 per head (zero-centred); partial rotary; KV heads shared by groups of query heads.
 
-A prompt's queries take `select_blocks` (each query's chosen blocks and its own incomplete one) and
-the sparse prompt-attention kernel (runtime/kernels/prompt_attention.py; its reference, the masked
-SDPA call, off CUDA), a chunk of queries at a time.
+`attend_cache` (prompts, and eager decode) appends at the cache's host-side length; each query takes
+`select_blocks` (its chosen blocks and its own incomplete one) and attends to exactly those keys with
+the sparse prompt-attention kernel (runtime/kernels/prompt_attention.py; off CUDA its reference, the
+masked SDPA call), a chunk of queries at a time.
 
-Decode has two forms. `attend_cache` (eager) appends at the cache's host-side length and attends
-to exactly the picked keys. `attend_step` (replayed from a CUDA graph, so every shape is fixed
-and the position is a device tensor) writes in place at the position, re-pools the block holding
-it (complete once its last token is in; until then the stale pool is masked), and attends over
-the whole buffer with a mask of the same picked keys (on CUDA a split-K kernel that reads only the
-kept keys, runtime/kernels/decode_attention.py). They agree to rounding, and exactly in
-which keys they use, except that where the indexer's k-th and (k+1)-th block scores tie, top-k
-over the padded buffer may keep the other tied block.
+Decode graphs take `attend_step` (replayed from a CUDA graph, so every shape is fixed and the
+position is a device tensor): it writes in place at the position, re-pools the block holding it
+(complete once its last token is in; until then the stale pool is masked), and attends over the
+whole buffer with a mask of the same picked keys (on CUDA a split-K kernel that reads only the kept
+keys, runtime/kernels/decode_attention.py). The two agree to rounding, and exactly in which keys
+they use, except that where the indexer's k-th and (k+1)-th block scores tie, top-k over the padded
+buffer may keep the other tied block.
 """
 
 from __future__ import annotations
@@ -29,13 +29,10 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
-from torch.nn.attention import sdpa_kernel
 
 from flashpack.layout.model_config import TextConfig
 from flashpack.runtime.kernels import decode_attention, prompt_attention
-from flashpack.runtime.kernels.reference import ATTENTION_BACKENDS
 from flashpack.runtime.model.linear import DenseLinear, StackedLinear
 from flashpack.runtime.model.norms import RMSNorm
 from flashpack.runtime.model.rope import Rotary, apply_rotary
@@ -146,17 +143,6 @@ class BlockIndexer(nn.Module):
                 indices[row] = scores[row, : int(visible[row])].topk(k, dim=0).indices
         return indices
 
-    def select_indices(self, query: torch.Tensor, position: int, cache: AttentionCache) -> torch.Tensor | None:
-        """One query [1, heads, d] at `position`: int64 key indices to attend, or None for all 0..position."""
-        blocks = (position + 1) // self.ratio
-        if blocks <= self.block_topk:
-            return None
-        scores = self.block_scores(query, cache.block_keys[:blocks])[0]
-        top = scores.topk(self.block_topk).indices.sort().values
-        offsets = torch.arange(self.ratio, device=query.device)
-        tail = torch.arange(blocks * self.ratio, position + 1, device=query.device)
-        return torch.cat([(top[:, None] * self.ratio + offsets).flatten(), tail])
-
 
 class QSAAttention(nn.Module):
     def __init__(self, cfg: TextConfig, source: WeightSource, prefix: str, rotary: Rotary, dtype, device):
@@ -197,17 +183,12 @@ class QSAAttention(nn.Module):
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index_q: torch.Tensor, index_k: torch.Tensor,
         cache: AttentionCache,
     ) -> torch.Tensor:
-        """Append the T new keys to `cache`, attend each query to the keys its indexer picks -> [T, heads * hd]."""
+        """Append the T new keys to `cache`, attend each query to the keys its indexer picks -> [T, heads * hd]
+        (a prompt, or one eager decode step)."""
         length, start = q.shape[0], cache.length
         cache.append(k.transpose(0, 1), v.transpose(0, 1), index_k)
         self.indexer.pool_new_blocks(cache, self.rotary)
-        if length == 1:
-            picked = self.indexer.select_indices(index_q, start, cache)
-            keys, values = cache.keys, cache.values  # [kv_heads, L, hd]
-            if picked is not None:
-                keys, values = keys[:, picked], values[:, picked]
-            return self.attend(q, keys, values).transpose(0, 1).reshape(length, self.heads * self.head_dim)
-        pieces = []  # a prompt: query chunks bound the indexer's [chunk, blocks] scores
+        pieces = []  # query chunks bound the indexer's [chunk, blocks] scores
         for a in range(0, length, QUERY_CHUNK):
             b = min(a + QUERY_CHUNK, length)
             blocks = self.indexer.select_blocks(index_q[a:b], start + a, cache)
@@ -235,11 +216,3 @@ class QSAAttention(nn.Module):
     def output(self, attended: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         """attended [T, heads * hd] gated by sigmoid(gate) -> o_proj -> [T, H]."""
         return self.o_proj(attended * torch.sigmoid(gate))
-
-    def attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-        """One query q [1, heads, hd] against every one of keys/values [kv_heads, L, hd] -> [heads, 1, hd]."""
-        with sdpa_kernel(ATTENTION_BACKENDS):
-            return F.scaled_dot_product_attention(
-                q.transpose(0, 1)[None], keys[None], values[None], scale=self.head_dim ** -0.5,
-                enable_gqa=self.heads != self.kv_heads,
-            )[0]

@@ -68,8 +68,8 @@ def test_indexer_selection_equals_transformers_mask(bench, engine):
         assert torch.equal(prompt_keep_mask(chunk, start, cfg.indexer_compress_ratio, length), expected[start:])
     assert actual.sum(-1).max() <= cfg.indexer_budget + cfg.indexer_compress_ratio - 1
     for position in (15, 16, 19, 20, 40, 60):  # below, at and above the budget
-        picked = mine.indexer.select_indices(queries[position:position + 1], position, cache)
-        row = torch.arange(position + 1) if picked is None else picked.sort().values
+        picked = mine.indexer.select_blocks(queries[position:position + 1], position, cache)  # one decode query
+        row = prompt_keep_mask(picked, position, cfg.indexer_compress_ratio, length)[0].nonzero().flatten()
         assert torch.equal(row, expected[position].nonzero().flatten())
         # the decode graphs' form: a mask over the whole buffer (the blocks past the position masked)
         keep = mine.indexer.step_keep(queries[position:position + 1], torch.tensor([position]), cache)

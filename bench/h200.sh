@@ -41,7 +41,8 @@ mkdir -p $R
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee $OUT/gpu.txt
 start=$(date +%s)
 ( timeout 420 python3 -m flashpack.cli synth full $W/src --format nvfp4 --layers $LAYERS --ple-rows-per-head 2000 \
-    --text-only --force >/dev/null && timeout 150 python3 -m flashpack.cli convert $W/src $W/full.pack --force >/dev/null 2>&1 \
+    --text-only --force >/dev/null && echo "synth $(( $(date +%s) - start )) s" >> $OUT/gpu.txt \
+  && timeout 150 python3 -m flashpack.cli convert $W/src $W/full.pack --force >/dev/null 2>&1 \
   ; echo "build rc=$? $(( $(date +%s) - start )) s" >> $OUT/gpu.txt ) &
 build=$!
 if has tests; then

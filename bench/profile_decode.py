@@ -41,17 +41,17 @@ from flashpack.runtime.store.budget import parse_budget
 
 @contextmanager
 def timed_calls(targets: list[tuple[object, str]], totals: dict[str, float]):
-    """Wrap each (object, method name): its wall time adds to totals[name] while inside."""
+    """Wrap each (object, method name): its wall time adds to totals["Class.method"] while inside."""
     saved = []
     for owner, name in targets:
         method = getattr(owner, name)
 
-        def wrapper(*args, _method=method, _name=name, **kwargs):
+        def wrapper(*args, _method=method, _label=f"{type(owner).__name__}.{name}", **kwargs):
             start = time.perf_counter()
             try:
                 return _method(*args, **kwargs)
             finally:
-                totals[_name] += time.perf_counter() - start
+                totals[_label] += time.perf_counter() - start
 
         saved.append((owner, name, owner.__dict__.get(name)))
         setattr(owner, name, wrapper)
@@ -67,7 +67,9 @@ def timed_calls(targets: list[tuple[object, str]], totals: dict[str, float]):
 
 def host_targets(model, store) -> list[tuple[object, str]]:
     graphs = model.decode_graphs
-    targets = [(model, "forward")]
+    # the PLE rows are hashed and gathered on the host before the first layer, which no device work hides
+    targets = [(model, "forward"), (model, "embed")] + [(layer.ple, "embed") for layer in model.layers
+                                                         if layer.ple is not None]
     if graphs is not None:
         targets += [(graphs, name) for name in ("run", "_try_table", "_through_store") if hasattr(graphs, name)]
     targets += [(store, name) for name in ("hold_slot_table", "release_slot_table", "record_step")

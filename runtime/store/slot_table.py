@@ -9,7 +9,7 @@ codes runtime/experts.py defines (a device slot, a host slot, or on disk).
 
 The store refreshes a key's code under its lock whenever one of its entries changes (a slot
 filled, a copy landed, a slot evicted), and `publish` copies a snapshot of the table to the device
-before each such step. Only safe mistakes are possible. A device
+before each such step that follows a refresh (the device table is only read there). Only safe mistakes are possible. A device
 slot is named once its copy has landed (until then the expert is staged from the host cache, so
 a step never waits for a copy in flight); an entry cleared after the publish makes a miss, not a
 wrong read; and the store overwrites neither a device slot nor a host slot until the step that
@@ -33,6 +33,7 @@ class SlotTable:
         # state of the table, not one the store's threads edit while the copy runs
         self._snapshot = torch.empty_like(self.host, pin_memory=cuda)
         self._snapshot_read: torch.cuda.Event | None = None
+        self._stale = True  # refreshed since the last publish
 
     def refresh(self, key: tuple[int, int], device: Entry | None, host: Entry | None) -> None:
         """Set `key`'s code from its entries in the device pool and the host cache (None: none
@@ -44,9 +45,15 @@ class SlotTable:
             self.host[key] = host_code(host.slot)
         else:
             self.host[key] = ON_DISK
+        self._stale = True
 
     def publish(self) -> torch.Tensor:
-        """Copy the table to the device (on CUDA: on the current stream); returns the device table."""
+        """Copy the table to the device (on CUDA: on the current stream) if a refresh came since the
+        last copy; returns the device table. Steady decode often changes nothing between steps, and
+        each copy is host time before the step's first layer."""
+        if not self._stale:
+            return self.device
+        self._stale = False
         if not self.device.is_cuda:
             self.device.copy_(self.host)
             return self.device

@@ -43,6 +43,20 @@ def _expected_table(store, shape) -> torch.Tensor:
     return expected
 
 
+def test_publish_copies_only_after_a_refresh():
+    """The device table is written by `publish` alone, and only when a refresh came since the last
+    copy: a mark left on the device copy survives a publish with nothing new, and a refresh brings
+    the host table over again."""
+    from flashpack.runtime.store.slot_table import SlotTable
+
+    table = SlotTable(2, 8, torch.device("cpu"))
+    assert bool((table.publish() == ON_DISK).all())
+    table.device[0, 0] = 99  # stands in for a stale copy: only a publish that copies overwrites it
+    assert int(table.publish()[0, 0]) == 99
+    table.refresh((1, 3), None, None)
+    assert torch.equal(table.publish(), table.host)
+
+
 def test_table_names_device_then_host_slots_and_drops_evicted_ones(store_pack):
     pack = Pack.open(store_pack)
     layer = sorted({r.layer for r in pack.manifest.expert_records()})[0]

@@ -33,6 +33,7 @@ def median_seconds(fn: Callable[[], object], device: torch.device, repeats: int 
 
 
 BEFORE_LAYERS = "before"
+BEFORE_LAYERS_HOST = "before, host"
 
 
 class LayerClock:
@@ -45,21 +46,26 @@ class LayerClock:
 
     `step()` at the start of a step (the device idle, its last step read back) adds
     {BEFORE_LAYERS: seconds} from there to `begin()`: the host's work before it has the layers
-    issued (the token's embedding and PLE rows, binding, launching), which the device waits through."""
+    issued (the token's embedding and PLE rows, binding, launching), which the device waits through;
+    and {BEFORE_LAYERS_HOST: seconds}, the host's own clock over the same span. The two agree where
+    the host is what the device waits for; the device's longer means the work queued before the
+    first layer (copies, the embedding) ran past the host's part."""
 
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
         self._marks: list = []  # per step: [(None, first mark), (layer, mark), ...]
-        self._stepped = False  # step() was called, begin() not yet
+        self._stepped_at: float | None = None  # step()'s host time, until begin()
+        self._host_before = 0.0  # host seconds from step() to begin(), summed since the last take
 
     def step(self) -> None:
         self._marks.append([(None, self._mark())])
-        self._stepped = True
+        self._stepped_at = time.perf_counter()
 
     def begin(self) -> None:
-        if self._stepped:
+        if self._stepped_at is not None:
             self._marks[-1].append((BEFORE_LAYERS, self._mark()))
-            self._stepped = False
+            self._host_before += time.perf_counter() - self._stepped_at
+            self._stepped_at = None
         else:
             self._marks.append([(None, self._mark())])
 
@@ -76,7 +82,8 @@ class LayerClock:
         return event
 
     def take(self) -> dict[int | str, float]:
-        steps, self._marks, self._stepped = self._marks, [], False
+        steps, self._marks, self._stepped_at = self._marks, [], None
+        host_before, self._host_before = self._host_before, 0.0
         if self.cuda and steps:
             steps[-1][-1][1].synchronize()
         seconds: dict[int | str, float] = {}
@@ -84,4 +91,6 @@ class LayerClock:
             for (_, before), (layer, after) in zip(marks, marks[1:]):
                 elapsed = before.elapsed_time(after) / 1000 if self.cuda else after - before
                 seconds[layer] = seconds.get(layer, 0.0) + elapsed
+        if BEFORE_LAYERS in seconds:
+            seconds[BEFORE_LAYERS_HOST] = host_before
         return seconds

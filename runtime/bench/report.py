@@ -140,6 +140,9 @@ def table(report: dict) -> str:
                 before = 1000 * ours["decode"]["before_layers_seconds"] / ours["decode"]["tokens"]
                 rows.append(("decode ms/token before the layers", _num(before, "{:.3f}"), "",
                              "host: token -> 1st layer"))
+                if ours["decode"].get("before_layers_host_seconds") is not None:
+                    host = 1000 * ours["decode"]["before_layers_host_seconds"] / ours["decode"]["tokens"]
+                    rows.append(("  the same on the host's clock", _num(host, "{:.3f}"), "", ""))
             rows.append((f"decode tok/s ({target}, even scaling)", _num(1000 / mine["decode_ms_per_token_even"], "{:.2f}"),
                          "", ""))
             if mine["decode_scaling"] == LAYER_KIND_FORMULA:

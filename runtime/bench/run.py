@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 from tqdm import tqdm
 
-from flashpack.runtime.bench.clock import BEFORE_LAYERS, LayerClock, median_seconds, synchronize
+from flashpack.runtime.bench.clock import BEFORE_LAYERS, BEFORE_LAYERS_HOST, LayerClock, median_seconds, synchronize
 from flashpack.runtime.bench.phases import difference, phase_summary, snapshot
 
 WARMUP_DECODE = 2
@@ -56,7 +56,7 @@ class EngineResult:
         timed as a whole, under its last layer), or None where the layers were not timed: each the
         median share of the repeats, so that it belongs to the median time it is a part of."""
         shares = self._median_shares()
-        return None if shares is None else {key: seconds for key, seconds in shares.items() if key != BEFORE_LAYERS}
+        return None if shares is None else {key: seconds for key, seconds in shares.items() if isinstance(key, int)}
 
     @property
     def decode_seconds_before_layers(self) -> float | None:
@@ -64,6 +64,13 @@ class EngineResult:
         (LayerClock.step): the host's work that the device waits through."""
         shares = self._median_shares()
         return None if shares is None else shares.get(BEFORE_LAYERS)
+
+    @property
+    def decode_host_seconds_before_layers(self) -> float | None:
+        """The same span on the host's clock: where it is shorter than the device's, the device
+        waited for work queued before the first layer, not for the host."""
+        shares = self._median_shares()
+        return None if shares is None else shares.get(BEFORE_LAYERS_HOST)
 
     def _median_shares(self) -> dict[int | str, float] | None:
         if any(r.get("decode_layer_seconds") is None for r in self.repeats):
@@ -100,6 +107,7 @@ class EngineResult:
                 "layer_seconds_each": None if self.decode_seconds_by_layer is None else {
                     str(layer): seconds for layer, seconds in sorted(self.decode_seconds_by_layer.items())},
                 "before_layers_seconds": self.decode_seconds_before_layers,
+                "before_layers_host_seconds": self.decode_host_seconds_before_layers,
                 "ms_per_token": 1000 * decode / self.gen_tokens,
                 "ms_per_token_median_step": 1000 * statistics.median(step_times),
                 "ms_per_token_max_step": 1000 * max(step_times),

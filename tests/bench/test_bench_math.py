@@ -12,7 +12,7 @@ import torch
 
 from flashpack.errors import FlashpackError
 from flashpack.layout.manifest import Manifest
-from flashpack.runtime.bench.clock import BEFORE_LAYERS, LayerClock
+from flashpack.runtime.bench.clock import BEFORE_LAYERS, BEFORE_LAYERS_HOST, LayerClock
 from flashpack.runtime.bench.emulate import (
     LAYER_KIND_FORMULA,
     LAYER_TIME_FORMULA,
@@ -162,7 +162,9 @@ def test_layer_clock_times_each_layer_and_adds_up_its_laps():
     clock.begin()
     clock.lap(0)
     seconds = clock.take()
-    assert set(seconds) == {BEFORE_LAYERS, 0} and 0.02 <= seconds[BEFORE_LAYERS] < 0.3
+    assert set(seconds) == {BEFORE_LAYERS, BEFORE_LAYERS_HOST, 0} and 0.02 <= seconds[BEFORE_LAYERS] < 0.3
+    assert 0.02 <= seconds[BEFORE_LAYERS_HOST] <= seconds[BEFORE_LAYERS] + 0.01  # on a CPU one clock
+    assert clock.take() == {}
 
 
 def test_phase_summary_hit_rates_and_per_token_bytes():

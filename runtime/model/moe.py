@@ -26,6 +26,7 @@ from flashpack.layout.model_config import TextConfig
 from flashpack.runtime.experts import ExpertFetcher, ExpertSlots, ResidentSlots
 from flashpack.runtime.kernels import moe_experts, router_top_k
 from flashpack.runtime.kernels.dispatch import DECODE_MAX_TOKENS
+from flashpack.runtime.model.host_copy import to_device_async
 from flashpack.runtime.model.linear import DenseLinear, StackedLinear
 from flashpack.runtime.model.norms import activation
 from flashpack.runtime.weights import WeightSource
@@ -121,9 +122,9 @@ class SparseMoE(nn.Module):
                     part = self._decode_chunk(x, weights, experts, chunk, host_experts, whole=len(chunk) == len(wanted))
                     out = part if out is None else out + part
                     continue
-                lookup = torch.full((self.num_experts,), -1, dtype=torch.int32, pin_memory=x.is_cuda)
+                lookup = torch.full((self.num_experts,), -1, dtype=torch.int32)
                 lookup[[h.expert for h in chunk]] = torch.tensor([h.slot for h in chunk], dtype=torch.int32)
-                slots = lookup.to(x.device, non_blocking=True)[experts]  # [T, k], -1: not in this chunk
+                slots = to_device_async(lookup, x.device)[experts]  # [T, k], -1: not in this chunk
                 if len(chunk) == len(wanted):
                     out = self._experts(x, self.slots.bank, slots, weights, prompt)
                     continue
@@ -145,11 +146,10 @@ class SparseMoE(nn.Module):
         slot_of = {handle.expert: handle.slot for handle in chunk}
         held = [slot_of.get(expert, chunk[0].slot) for expert in host_experts]
         if whole:
-            codes = torch.tensor(held, dtype=torch.int32, pin_memory=x.is_cuda)
-            slots = codes.to(x.device, non_blocking=True).view(experts.shape)
+            slots = to_device_async(torch.tensor(held, dtype=torch.int32), x.device).view(experts.shape)
             return self._experts(x, self.slots.bank, slots, weights, prompt=False)
         present = [int(expert in slot_of) for expert in host_experts]
-        codes = torch.tensor([held, present], dtype=torch.int32, pin_memory=x.is_cuda).to(x.device, non_blocking=True)
+        codes = to_device_async(torch.tensor([held, present], dtype=torch.int32), x.device)
         slots, present = codes[0].view(experts.shape), codes[1].view(experts.shape)
         return self._experts(x, self.slots.bank, slots, weights * present.to(weights.dtype), prompt=False)
 

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from flashpack.layout.model_config import TextConfig
+from flashpack.runtime.model.host_copy import to_device_async
 from flashpack.runtime.model.linear import DenseLinear
 from flashpack.runtime.model.norms import RMSNorm
 from flashpack.runtime.state import PLEState
@@ -94,8 +95,6 @@ class PLELayer(nn.Module):
         self.norm_key = RMSNorm(load("norm_key.weight"), eps, group_size=cfg.hidden_size)
         self.norm_query = RMSNorm(load("norm_query.weight"), eps, group_size=cfg.hidden_size)
         self.norm_conv = RMSNorm(load("norm_conv.weight"), eps, group_size=cfg.hidden_size)
-        self._pinned: torch.Tensor | None = None  # one token's rows on their way to the GPU
-        self._copied: torch.cuda.Event | None = None
 
     def embed(self, tokens: torch.Tensor, state: PLEState) -> torch.Tensor:
         """tokens int64 [T] (on the host, or read back) -> concatenated n-gram rows [T, ple_embed_dim];
@@ -105,29 +104,14 @@ class PLELayer(nn.Module):
             history = state.context.tolist() + tokens.tolist()
             state.context = torch.tensor(history[1:], dtype=torch.int64)
             rows = torch.tensor(self.hasher.last_rows(history), dtype=torch.int64)
-            return self._to_device(self.source.ple_rows(self.ple_index, rows).reshape(1, -1))
+            rows = self.source.ple_rows(self.ple_index, rows).reshape(1, -1)
+            return to_device_async(rows.to(self.dtype), self.device)  # cast first: half the bytes to copy
         history = torch.cat([state.context, tokens])
         rows = self.hasher.rows(history, tokens.shape[0])  # [T, heads]
         state.context = history[history.shape[0] - state.context.shape[0]:].clone()
         unique, inverse = torch.unique(rows.flatten(), return_inverse=True)
         fetched = self.source.ple_rows(self.ple_index, unique).to(device=self.device, dtype=self.dtype)
         return fetched[inverse.to(self.device)].reshape(rows.shape[0], -1)
-
-    def _to_device(self, rows: torch.Tensor) -> torch.Tensor:
-        """One token's rows, cast, on the device. On a GPU they cross from a pinned buffer without
-        the host waiting: a copy from pageable memory is synchronous, the host staging it and
-        waiting for the GPU to reach and take it."""
-        rows = rows.to(self.dtype)  # cast first: half the bytes to copy
-        if torch.device(self.device).type != "cuda":
-            return rows.to(self.device)
-        if self._pinned is None or self._pinned.shape != rows.shape:
-            self._pinned = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=True)
-            self._copied = torch.cuda.Event()
-        self._copied.synchronize()  # the previous copy out of the buffer has been made
-        self._pinned.copy_(rows)
-        out = self._pinned.to(self.device, non_blocking=True)
-        self._copied.record()
-        return out
 
     def forward(self, streams: torch.Tensor, tokens: torch.Tensor, state: PLEState) -> torch.Tensor:
         """streams [T, hc*H], tokens [T] -> the addend for the streams [T, hc*H]."""

@@ -15,6 +15,7 @@ them as shares, not as unprofiled times.
 from __future__ import annotations
 
 import gzip
+from bisect import bisect_right
 import json
 import sys
 from collections import Counter, defaultdict
@@ -68,14 +69,19 @@ def gpu_gaps(events: list[dict], steps: int | None = None, top: int = 8) -> dict
     calls = _top_level([e for e in host if e["tid"] == main])
     steps = steps or sum(e["name"] == LAUNCH for e in calls) or 1
     gaps = [(end, start) for (_, end), (start, _) in zip(busy, busy[1:])]
+    # top-level calls do not overlap, so their ends ascend with their starts: each gap visits
+    # only the calls that overlap it (a prompt's trace holds tens of thousands of gaps and calls)
+    ends = [call["ts"] + call["dur"] for call in calls]
     idle_by: dict[str, float] = defaultdict(float)
     for gap in gaps:
         covered = 0.0
-        for call in calls:
-            share = _overlap(gap, (call["ts"], call["ts"] + call["dur"]))
-            if share:
-                idle_by[call["name"]] += share
-                covered += share
+        index = bisect_right(ends, gap[0])
+        while index < len(calls) and calls[index]["ts"] < gap[1]:
+            call = calls[index]
+            share = _overlap(gap, (call["ts"], ends[index]))
+            idle_by[call["name"]] += share
+            covered += share
+            index += 1
         idle_by[UNRECORDED] += (gap[1] - gap[0]) - covered
     span = busy[-1][1] - busy[0][0]
     idle = sum(end - start for start, end in gaps)

@@ -129,8 +129,10 @@ for stage in $STAGES; do
       timeout 60 python3 -m flashpack.cli synth tiny $W/tiny --force >/dev/null && \
         timeout 60 python3 -m flashpack.cli convert $W/tiny $W/tiny.pack --force >/dev/null 2>&1
       for dtype in ${VERIFY_DTYPES:-float32 bfloat16}; do
-        timeout 200 python3 -m flashpack.cli verify $W/tiny.pack --reference $W/tiny --device cuda --dtype $dtype \
-          --json $R/verify-tiny-$dtype.json 2>&1 | tail -4; done ;;
+        # cut off at VERIFY_TIMEOUT by SIGABRT, which faulthandler answers with every thread's stack
+        PYTHONFAULTHANDLER=1 timeout -s ABRT ${VERIFY_TIMEOUT:-200} python3 -m flashpack.cli verify $W/tiny.pack \
+          --reference $W/tiny --device cuda --dtype $dtype --json $R/verify-tiny-$dtype.json > $R/verify-tiny-$dtype.log 2>&1
+        echo "verify rc=$?"; tail -4 $R/verify-tiny-$dtype.log; done ;;
     fp8-unbounded) fp8_pack; PACK=full-fp8 bench unbounded-fp8 "" "" --prompt-len $PROMPT --gen $GEN ;;
   esac
   tar czf $OUT/results.tgz -C $R .  # at most 8 files come back from a device call: one archive

@@ -1,6 +1,8 @@
 """GPU kernels for the expert and dense-FP8 hot paths, each beside its plain-PyTorch reference.
 
     moe_experts(x [T, H], bank, slots [T, K], weights [T, K]) -> [T, H]   routed NVFP4 SwiGLU experts
+    moe_expert_pairs(x, bank, slots, weights, y [T*K, H]) -> y             the same per (token, pick),
+                                                                            pairs with slot -1 left as they are
     dense_linear(x [..., C], weight [R, C]) -> [..., R]                   F.linear; a matvec at one token
     fp8_linear(x [..., C], values fp8 [R, C], row_scale [R]) -> [..., R]   row-scaled FP8 linear
     stage_records(source, offsets [K], target [K, words])                  host records -> device rows
@@ -19,17 +21,17 @@ runtime/model/hyper_connection.py's GatedResidual, whose own code is its referen
 
 from flashpack.runtime.kernels.bank import ExpertBank
 from flashpack.runtime.kernels.dispatch import (
-    decode_attention, dense_linear, fp8_linear, moe_experts, prompt_attention, router_top_k, stage_records,
-    triton_available, use_triton,
+    decode_attention, dense_linear, fp8_linear, moe_expert_pairs, moe_experts, prompt_attention, router_top_k,
+    stage_records, triton_available, use_triton,
 )
 from flashpack.runtime.kernels.reference import (
-    decode_attention_reference, dequantize_expert, expert_swiglu_reference, fp8_linear_reference,
-    prompt_attention_reference, prompt_keep_mask, router_top_k_reference, stage_records_reference,
+    decode_attention_reference, dequantize_expert, expert_pairs_reference, expert_swiglu_reference,
+    fp8_linear_reference, prompt_attention_reference, prompt_keep_mask, router_top_k_reference, stage_records_reference,
 )
 
 __all__ = [
-    "ExpertBank", "moe_experts", "dense_linear", "fp8_linear", "decode_attention", "decode_attention_reference",
+    "ExpertBank", "moe_experts", "moe_expert_pairs", "dense_linear", "fp8_linear", "decode_attention", "decode_attention_reference",
     "prompt_attention", "prompt_attention_reference", "prompt_keep_mask", "stage_records", "router_top_k",
-    "triton_available", "use_triton", "dequantize_expert", "expert_swiglu_reference", "fp8_linear_reference",
-    "router_top_k_reference", "stage_records_reference",
+    "triton_available", "use_triton", "dequantize_expert", "expert_swiglu_reference", "expert_pairs_reference",
+    "fp8_linear_reference", "router_top_k_reference", "stage_records_reference",
 ]

@@ -1,4 +1,4 @@
-"""The calls the engine makes: `moe_experts`, `dense_linear`, `fp8_linear`, `stage_records`,
+"""The calls the engine makes: `moe_experts`, `moe_expert_pairs`, `dense_linear`, `fp8_linear`, `stage_records`,
 `router_top_k`, `decode_attention` and `prompt_attention`, Triton where it runs, else reference.
 
 backend="auto" takes the Triton kernels on CUDA and the plain-PyTorch reference anywhere else;
@@ -19,7 +19,8 @@ import torch.nn.functional as F
 
 from flashpack.runtime.kernels.bank import ExpertBank
 from flashpack.runtime.kernels.reference import (
-    decode_attention_reference, expert_swiglu_reference, fp8_linear_reference, prompt_attention_reference,
+    decode_attention_reference, expert_pairs_reference, expert_swiglu_reference, fp8_linear_reference,
+    prompt_attention_reference,
     router_top_k_reference, stage_records_reference,
 )
 
@@ -80,6 +81,24 @@ def moe_experts(
     block_m = 16 if slots.numel() < 16 * bank.num_experts else 64
     return nvfp4_expert_swiglu_grouped(x, bank, slots, weights, out=out, precision=tile_precision(x.device, x.dtype),
                                        block_m=block_m)
+
+
+@torch.compiler.disable
+def moe_expert_pairs(
+    x: torch.Tensor, bank: ExpertBank, slots: torch.Tensor, weights: torch.Tensor, y: torch.Tensor,
+    bound: tuple[int, int] | None = None, backend: str = "auto",
+) -> torch.Tensor:
+    """A prompt's routed experts, some of them: y float32 [T * K, H] gets row t * K + k =
+    weights[t, k] * expert_e(x[t]) for each pair whose slot e = slots[t, k] is not -1; the others
+    are left. Summing y over k, once every chunk of experts has run, gives `moe_experts`. `bound`
+    (pairs computed, distinct slots among them), where known, sizes the grouped kernels' grid.
+    Always the grouped kernels: what is computed, not how the store chunked it, picks the kernel."""
+    if not use_triton(x.device, backend):
+        return expert_pairs_reference(x, bank, slots, weights, y)
+    from flashpack.runtime.kernels.expert_grouped import nvfp4_expert_pairs_grouped
+
+    return nvfp4_expert_pairs_grouped(x, bank, slots, weights, y, bound=bound,
+                                      precision=tile_precision(x.device, x.dtype))
 
 
 def dense_linear(x: torch.Tensor, weight: torch.Tensor, backend: str = "auto") -> torch.Tensor:

@@ -28,21 +28,28 @@ from flashpack.runtime.kernels.bank import ExpertBank
 from flashpack.runtime.kernels.nvfp4_dequant import block_scale_f32, e2m1_low_high
 
 
-def plan_tiles(slots: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+def plan_tiles(
+    slots: torch.Tensor, num_experts: int, block_m: int, bound: tuple[int, int] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """slots [T, K] -> (order [P] int32: pair index of each sorted row, tiles int32 [3, max_tiles]).
 
     tiles[:, i] = (bank row, first sorted row, end sorted row) of tile i, at most block_m rows;
-    tiles past the real count have first == end and do nothing. max_tiles = P // block_m + min(E, P)
-    bounds the real count, so the grid is sized without reading counts back to the host."""
+    tiles past the real count have first == end and do nothing. Pairs with slot -1 sort last and
+    get no tile. max_tiles = P // block_m + min(E, P) bounds the real count, so the grid is sized
+    without reading counts back to the host; a caller that knows `bound` = (pairs with a slot,
+    distinct slots among them) gets the grid sized to those instead."""
     flat = slots.reshape(-1).long()
     pairs = flat.numel()
-    order = torch.argsort(flat, stable=True)
-    counts = torch.zeros(num_experts, dtype=torch.long, device=slots.device)
-    counts.scatter_add_(0, flat, torch.ones_like(flat))  # bincount would sync with the host
+    keyed = torch.where(flat >= 0, flat, num_experts)  # skipped pairs sort after every bank row
+    order = torch.argsort(keyed, stable=True)
+    counts = torch.zeros(num_experts + 1, dtype=torch.long, device=slots.device)
+    counts.scatter_add_(0, keyed, torch.ones_like(keyed))  # bincount would sync with the host
+    counts = counts[:num_experts]
     ends = torch.cumsum(counts, 0)
     tiles_per = (counts + block_m - 1) // block_m
     tile_ends = torch.cumsum(tiles_per, 0)
-    max_tiles = pairs // block_m + min(num_experts, pairs)
+    computed, rows = (pairs, min(num_experts, pairs)) if bound is None else bound
+    max_tiles = max(1, computed // block_m + rows)
     tile = torch.arange(max_tiles, device=slots.device)
     expert = torch.searchsorted(tile_ends, tile, right=True).clamp(max=num_experts - 1)
     local = tile - (tile_ends[expert] - tiles_per[expert])
@@ -167,6 +174,28 @@ def nvfp4_expert_swiglu_grouped(
     precision: "bf16" (tensor cores, CUDA only) or "fp32" (IEEE dots). Blocks: powers of two >= 16
     (block_k >= 32, so each half-K dot is at least 16 deep). The defaults were the fastest of a sweep
     at 2048 tokens on an H200 (2.6 ms for 20,480 pairs); block_m=16 suits a few tokens per expert."""
+    tokens, k = slots.shape
+    if tokens == 0:
+        return torch.zeros_like(x) if out is None else out
+    y = torch.empty(tokens * k, bank.hidden, dtype=torch.float32, device=x.device)
+    nvfp4_expert_pairs_grouped(x, bank, slots, weights, y, precision=precision, block_m=block_m, block_n=block_n,
+                               block_k=block_k, num_warps=num_warps, num_stages=num_stages)
+    result = y.view(tokens, k, bank.hidden).sum(dim=1)
+    if out is None:
+        return result.to(x.dtype)
+    out.copy_(result)
+    return out
+
+
+def nvfp4_expert_pairs_grouped(
+    x: torch.Tensor, bank: ExpertBank, slots: torch.Tensor, weights: torch.Tensor, y: torch.Tensor,
+    bound: tuple[int, int] | None = None, precision: str = "bf16",
+    block_m: int = 64, block_n: int = 64, block_k: int = 64, num_warps: int = 4, num_stages: int = 3,
+) -> torch.Tensor:
+    """Each (token, pick) pair's weighted expert output, into y float32 [T * K, H]:
+    y[t * K + k] = weights[t, k] * down_e(silu(gate_e x[t]) * up_e x[t]) for slots[t, k] >= 0; rows
+    of pairs with slot -1 are left as they are, so a prompt whose experts arrive in chunks fills y
+    chunk by chunk and sums it once. `bound`: see plan_tiles. Returns y."""
     if precision not in ("bf16", "fp32"):
         raise ValueError(f"precision must be 'bf16' or 'fp32', got {precision!r}")
     if precision == "bf16" and x.device.type != "cuda":
@@ -174,18 +203,19 @@ def nvfp4_expert_swiglu_grouped(
                          "tl.dot; use precision='fp32' there")
     tokens, hidden = x.shape
     k = slots.shape[1]
+    if hidden != bank.hidden or slots.shape != (tokens, k) or weights.shape != (tokens, k) \
+            or y.shape != (tokens * k, hidden) or y.dtype != torch.float32:
+        raise ValueError(f"x {tuple(x.shape)}, slots {tuple(slots.shape)}, weights {tuple(weights.shape)}, "
+                         f"y {tuple(y.shape)} {y.dtype} do not fit a bank with H={bank.hidden}")
     if tokens == 0:
-        return torch.zeros_like(x) if out is None else out
-    if hidden != bank.hidden or slots.shape != (tokens, k) or weights.shape != (tokens, k):
-        raise ValueError(f"x {tuple(x.shape)}, slots {tuple(slots.shape)}, weights {tuple(weights.shape)} "
-                         f"do not fit a bank with H={bank.hidden}")
+        return y
     inter, act = bank.intermediate, torch.bfloat16 if precision == "bf16" else torch.float32
     dot = tl.bfloat16 if precision == "bf16" else tl.float32
     x_act, weights = x.to(act).contiguous(), weights.contiguous()
-    order, tiles = plan_tiles(slots, bank.num_experts, block_m)
+    order, tiles = plan_tiles(slots, bank.num_experts, block_m, bound)
     max_tiles = tiles.shape[1]
-    h = torch.empty(tokens * k, inter, dtype=act, device=x.device)
-    y = torch.empty(tokens * k, hidden, dtype=torch.float32, device=x.device)
+    # h is indexed by sorted row, and the pairs computed sort first: max_tiles full tiles hold them
+    h = torch.empty(min(tokens * k, max_tiles * block_m), inter, dtype=act, device=x.device)
     gs = bank.global_scales
     scale_bytes = {p: bank.scales(p).view(torch.uint8) for p in ("gate", "up", "down")}
     _grouped_gate_up_kernel[(max_tiles, triton.cdiv(inter, block_n))](
@@ -203,8 +233,4 @@ def nvfp4_expert_swiglu_grouped(
         hidden, inter, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, DOT=dot,
         num_warps=num_warps, num_stages=num_stages,
     )
-    result = y.view(tokens, k, hidden).sum(dim=1)
-    if out is None:
-        return result.to(x.dtype)
-    out.copy_(result)
-    return out
+    return y

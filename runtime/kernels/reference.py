@@ -42,15 +42,30 @@ def expert_swiglu_reference(
         out[t] = sum_k weights[t, k] * down_e(silu(gate_e x[t]) * up_e x[t]),  e = slots[t, k]
 
     accumulated over k in order, in float32."""
+    y = torch.empty(slots.numel(), bank.hidden, dtype=torch.float32, device=x.device)
+    y = expert_pairs_reference(x, bank, slots, weights, y, act_dtype)
+    return y.view(*slots.shape, bank.hidden).sum(dim=1).to(out_dtype or x.dtype)
+
+
+def expert_pairs_reference(
+    x: torch.Tensor, bank: ExpertBank, slots: torch.Tensor, weights: torch.Tensor, y: torch.Tensor,
+    act_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """Each (token, pick) pair's weighted expert output, into y float32 [T * K, H]:
+
+        y[t * K + k] = weights[t, k] * down_e(silu(gate_e x[t]) * up_e x[t]),  e = slots[t, k] >= 0
+
+    Rows of pairs with slot -1 are left as they are (a prompt's experts arrive in chunks, each
+    call fills the pairs of the experts it holds). Returns y."""
     xf = _round(x.float(), act_dtype)
-    out = torch.zeros(x.shape[0], bank.hidden, dtype=torch.float32, device=x.device)
-    for slot in torch.unique(slots).tolist():
-        tokens, k = torch.where(slots == slot)
-        h = xf[tokens]
+    flat = slots.reshape(-1)
+    for slot in torch.unique(flat[flat >= 0]).tolist():
+        pairs = torch.where(flat == slot)[0]
+        h = xf[pairs // slots.shape[1]]
         h = F.silu(h @ dequantize_expert(bank, slot, "gate").T) * (h @ dequantize_expert(bank, slot, "up").T)
-        y = _round(h, act_dtype) @ dequantize_expert(bank, slot, "down").T
-        out.index_add_(0, tokens, y * weights[tokens, k, None].float())
-    return out.to(out_dtype or x.dtype)
+        out = _round(h, act_dtype) @ dequantize_expert(bank, slot, "down").T
+        y[pairs] = out * weights.reshape(-1)[pairs, None].float()
+    return y
 
 
 def fp8_linear_reference(

@@ -6,8 +6,10 @@ prefill: a long prompt touches most experts, so one layer-major pass moves each 
 
 With an `ExpertSlots` source the routed experts run as fused NVFP4 kernels over the source's bank:
     resident source (ResidentSlots): slots = slot_table[layer][experts] on the device, no host sync
-    tiered store:                  one host sync for the expert ids, the shared expert enqueued
-                                   while the store lands the misses, then the kernel per chunk;
+    tiered store:                  one host sync for the expert ids (a prompt: their pair
+                                   counts), the shared expert enqueued while the store lands the
+                                   misses, then the kernels per chunk (a prompt's fill one float32
+                                   buffer of (token, pick) rows, summed once: no sync a chunk);
                                    in decode the next layer's router, applied to this layer's
                                    input, names the experts to prefetch into the gap that follows
 With an `ExpertFetcher` the dequantised weights run as plain linears, expert by expert.
@@ -24,7 +26,7 @@ from torch import nn
 
 from flashpack.layout.model_config import TextConfig
 from flashpack.runtime.experts import ExpertFetcher, ExpertSlots, ResidentSlots
-from flashpack.runtime.kernels import moe_experts, router_top_k
+from flashpack.runtime.kernels import moe_expert_pairs, moe_experts, router_top_k
 from flashpack.runtime.kernels.dispatch import DECODE_MAX_TOKENS
 from flashpack.runtime.model.host_copy import to_device_async
 from flashpack.runtime.model.linear import DenseLinear, StackedLinear
@@ -95,46 +97,54 @@ class SparseMoE(nn.Module):
         """The routed experts through a tiered store: read the ids back in one transfer, run the
         kernels as the store lands the records, then prefetch the predicted next-layer experts
         into the gap that follows (the decode graphs replay everything around this)."""
-        host_experts = None
-        if x.shape[0] <= PREDICT_MAX_TOKENS:  # a few ids: one read-back, deduplicated on the host
-            ids = torch.cat([experts.flatten(), *([] if predicted is None else [predicted.flatten()])]).tolist()
-            host_experts = ids[:experts.numel()]
-            wanted, upcoming = sorted(set(host_experts)), sorted(set(ids[experts.numel():]))
-        else:
-            wanted = torch.unique(experts)  # ascending
-            ids = (wanted if predicted is None else torch.cat([wanted, torch.unique(predicted)])).tolist()
-            wanted, upcoming = ids[:wanted.numel()], ids[wanted.numel():]
+        if x.shape[0] > PREDICT_MAX_TOKENS:  # a prompt (no prediction): its pair counts, read back once
+            counts = torch.bincount(experts.flatten(), minlength=self.num_experts).tolist()
+            return self._prompt_from_slots(x, weights, experts, counts)
+        # a few ids: one read-back, deduplicated on the host
+        ids = torch.cat([experts.flatten(), *([] if predicted is None else [predicted.flatten()])]).tolist()
+        host_experts = ids[:experts.numel()]
+        wanted, upcoming = sorted(set(host_experts)), sorted(set(ids[experts.numel():]))
         routed = self._routed_from_slots(x, weights, experts, wanted, host_experts)
         if upcoming:
             self.slots.prefetch(self.next_moe.layer, upcoming)
         return routed
 
+    def _prompt_from_slots(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
+                           counts: list[int]) -> torch.Tensor:
+        """A prompt's routed experts as the store streams them, chunk by chunk, without a host
+        wait: each chunk's kernels fill the (token, pick) rows of its experts in one float32
+        buffer, summed over the picks once the last chunk has run (as moe_experts sums)."""
+        wanted = [expert for expert, count in enumerate(counts) if count]  # ascending
+        pairs = None
+        with closing(self.slots.stream(self.layer, wanted)) as chunks:  # closing releases the last chunk
+            for chunk in chunks:
+                if len(chunk) == len(wanted):  # the layer's share held them all: one call
+                    slots = self._chunk_slots(chunk, experts)
+                    return self._experts(x, self.slots.bank, slots, weights, prompt=True)
+                if pairs is None:
+                    pairs = torch.empty(experts.numel(), x.shape[1], dtype=torch.float32, device=x.device)
+                bound = (sum(counts[handle.expert] for handle in chunk), len(chunk))
+                moe_expert_pairs(x, self.slots.bank, self._chunk_slots(chunk, experts), weights, pairs, bound)
+        return pairs.view(*experts.shape, x.shape[1]).sum(dim=1).to(x.dtype)
+
+    def _chunk_slots(self, chunk, experts: torch.Tensor) -> torch.Tensor:
+        """[T, k] bank rows of a chunk's experts, -1 where a pick is not in the chunk."""
+        lookup = torch.full((self.num_experts,), -1, dtype=torch.int32)
+        lookup[[handle.expert for handle in chunk]] = torch.tensor([handle.slot for handle in chunk],
+                                                                   dtype=torch.int32)
+        return to_device_async(lookup, experts.device)[experts]
+
     def _routed_from_slots(
         self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, wanted: list[int],
-        host_experts: list[int] | None = None,
+        host_experts: list[int],
     ) -> torch.Tensor:
-        """`host_experts`: `experts` read back (decode), so the slots can be looked up on the host."""
-        prompt = x.shape[0] > PREDICT_MAX_TOKENS
+        """A decode step's routed experts; `host_experts`: `experts` read back, so the slots can be
+        looked up on the host."""
         out = None
         with closing(self.slots.stream(self.layer, wanted)) as chunks:  # closing releases the last chunk
             for chunk in chunks:
-                if host_experts is not None:
-                    part = self._decode_chunk(x, weights, experts, chunk, host_experts, whole=len(chunk) == len(wanted))
-                    out = part if out is None else out + part
-                    continue
-                lookup = torch.full((self.num_experts,), -1, dtype=torch.int32)
-                lookup[[h.expert for h in chunk]] = torch.tensor([h.slot for h in chunk], dtype=torch.int32)
-                slots = to_device_async(lookup, x.device)[experts]  # [T, k], -1: not in this chunk
-                if len(chunk) == len(wanted):
-                    out = self._experts(x, self.slots.bank, slots, weights, prompt)
-                    continue
-                # a prompt streams its experts a few at a time: run the (token, k) pairs whose
-                # expert is in this chunk, one pair per row
-                tokens, picks = torch.where(slots >= 0)
-                part = self._experts(x[tokens], self.slots.bank, slots[tokens, picks, None],
-                                     weights[tokens, picks, None], prompt)
-                out = torch.zeros_like(x) if out is None else out
-                out.index_add_(0, tokens, part)
+                part = self._decode_chunk(x, weights, experts, chunk, host_experts, whole=len(chunk) == len(wanted))
+                out = part if out is None else out + part
         return out if out is not None else torch.zeros_like(x)
 
     def _decode_chunk(self, x, weights, experts, chunk, host_experts: list[int], whole: bool) -> torch.Tensor:

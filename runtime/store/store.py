@@ -52,7 +52,7 @@ from flashpack.runtime.store.slot_table import SlotTable
 from flashpack.runtime.store.stats import StoreStats
 from flashpack.runtime.store.tiers import SlotPool
 from flashpack.runtime.store.table_steps import TableSteps
-from flashpack.runtime.store.transfers import TransferJobs
+from flashpack.runtime.store.transfers import Copy, TransferJobs
 
 HOST = 0  # the host cache's single partition
 WAIT_TIMEOUT_S = 600.0
@@ -239,6 +239,13 @@ class TieredStore(TransferJobs, TableSteps):
             return 0 if self._closed else self._prefetch_locked(layer, experts)
 
     def _prefetch_locked(self, layer: int, experts: list[int]) -> int:
+        copies: list[Copy] = []
+        try:
+            return self._place_prefetches(layer, experts, copies)
+        finally:
+            self._submit_copies(copies, low=True)
+
+    def _place_prefetches(self, layer: int, experts: list[int], copies: list[Copy]) -> int:
         started = 0
         for expert in experts:
             key = (layer, expert)
@@ -252,7 +259,7 @@ class TieredStore(TransferJobs, TableSteps):
             except NoRoom:
                 break  # the layer's share is full of pinned entries
             self._evicted_device(evicted)
-            _, source = self._start_load(key, slot, prefetch=True)
+            _, source = self._start_load(key, slot, copies, prefetch=True)
             self._prefetched.add(key)
             self.stats.bump(layer, prefetch_issued=1, prefetch_from_disk=int(source == "disk"))
             started += 1
@@ -313,40 +320,47 @@ class TieredStore(TransferJobs, TableSteps):
         if self._closed:
             raise FlashpackError("the expert store is closed")
         handles: list[ExpertHandle] = []
+        copies: list[Copy] = []  # host-cache hits, copied as one batch (transfers.py)
+        index = admitted = 0
         with self._changed:
-            index = admitted = 0
-            while index < len(experts):
-                key = (layer, experts[index])
-                miss = max_misses is not None and key not in self.device_slots
-                if miss and admitted >= max_misses:
-                    break
-                try:
-                    handles.append(self._admit(key, prewarm))
-                except NoRoom:
-                    if (handles and partial) or not block:
+            try:
+                while index < len(experts):
+                    key = (layer, experts[index])
+                    miss = max_misses is not None and key not in self.device_slots
+                    if miss and admitted >= max_misses:
                         break
-                    if partial and self._try_admit_anywhere(key, prewarm, handles):
-                        index, admitted = index + 1, admitted + miss
-                        continue
-                    if self._inflight or self._host_loads or self._landing or self._pins() > len(handles):
-                        # loads in flight or other requests hold the slots: wait for a release
-                        if not self._changed.wait(WAIT_TIMEOUT_S):
-                            self._unpin_all(handles)
-                            raise FlashpackError(f"layer {layer}: timed out waiting for a free expert slot")
-                        continue
-                    self._unpin_all(handles)
-                    raise FlashpackError(
-                        f"layer {layer}: cannot hold {len(experts)} experts at once "
-                        f"({self.device_slots.capacity[layer]} slots); use fetch()"
-                    ) from None
-                index, admitted = index + 1, admitted + miss
+                    try:
+                        handles.append(self._admit(key, prewarm, copies))
+                    except NoRoom:
+                        if (handles and partial) or not block:
+                            break
+                        if partial and self._try_admit_anywhere(key, prewarm, handles, copies):
+                            index, admitted = index + 1, admitted + miss
+                            continue
+                        if self._inflight or self._host_loads or self._landing or self._pins() > len(handles):
+                            # loads in flight or other requests hold the slots: wait for a release,
+                            # with this request's copies started (a release may wait on them)
+                            self._submit_copies(copies, prewarm=prewarm is not None)
+                            if not self._changed.wait(WAIT_TIMEOUT_S):
+                                self._unpin_all(handles)
+                                raise FlashpackError(f"layer {layer}: timed out waiting for a free expert slot")
+                            continue
+                        self._unpin_all(handles)
+                        raise FlashpackError(
+                            f"layer {layer}: cannot hold {len(experts)} experts at once "
+                            f"({self.device_slots.capacity[layer]} slots); use fetch()"
+                        ) from None
+                    index, admitted = index + 1, admitted + miss
+            finally:  # loads placed are always started: a failed request may have joiners
+                self._submit_copies(copies, prewarm=prewarm is not None)
         return handles, experts[index:]
 
-    def _try_admit_anywhere(self, key: tuple[int, int], prewarm, handles: list[ExpertHandle]) -> bool:
+    def _try_admit_anywhere(self, key: tuple[int, int], prewarm, handles: list[ExpertHandle],
+                            copies: list[Copy]) -> bool:
         """A fetch that cannot place even one expert in its layer's share (the layer's slots are
         pinned by earlier requests) takes any unpinned slot rather than wait."""
         try:
-            handles.append(self._admit(key, prewarm, limit=self.device_slots.slots))
+            handles.append(self._admit(key, prewarm, copies, limit=self.device_slots.slots))
         except NoRoom:
             return False
         return True
@@ -360,7 +374,8 @@ class TieredStore(TransferJobs, TableSteps):
             if self.device_slots.get((handle.layer, handle.expert)) is handle._entry:
                 self.device_slots.unpin((handle.layer, handle.expert))
 
-    def _admit(self, key: tuple[int, int], prewarm: dict[int, float] | None, limit: int | None = None) -> ExpertHandle:
+    def _admit(self, key: tuple[int, int], prewarm: dict[int, float] | None, copies: list[Copy],
+               limit: int | None = None) -> ExpertHandle:
         layer, expert = key
         entry = self.device_slots.get(key)
         count = (lambda **kw: self.stats.bump(layer, **kw)) if prewarm is None else (lambda **kw: None)
@@ -384,20 +399,22 @@ class TieredStore(TransferJobs, TableSteps):
         self._evicted_device(evicted)
         entry = self.device_slots.get(key)
         self.device_slots.pin(key)  # the request's pin (place's is the load's)
-        future, source = self._start_load(key, slot, seed=seed, prewarm=prewarm is not None)
+        future, source = self._start_load(key, slot, copies, seed=seed, prewarm=prewarm is not None)
         if prewarm is not None:
             self.stats.bump(layer, prewarmed_device=1, **({"prewarmed_host": 1} if source == "disk" else {}))
         count(requests=1, **{"host_hits" if source == "host" else "disk_reads": 1})
         return ExpertHandle(layer, expert, slot, source, self, entry, future)
 
     def _start_load(
-        self, key: tuple[int, int], slot: int, seed: float | None = None, prewarm: bool = False,
+        self, key: tuple[int, int], slot: int, copies: list[Copy], seed: float | None = None, prewarm: bool = False,
         prefetch: bool = False,
     ) -> tuple[Future, str]:
         """Fill device slot `slot`, just placed for `key` and pinned by this load: a copy from the
-        host cache when the record is there (or being read there), else a disk read into a new
-        host slot, then the copy. Returns the load's future and where it comes from ("host" or
-        "disk"). A prefetch neither touches nor ranks host entries as a request would."""
+        host cache when the record is there (added to `copies`, which the caller submits as one
+        batch), a copy once its read lands when the host cache is being filled with it, else a
+        disk read into a new host slot, then the copy. Returns the load's future and where it
+        comes from ("host" or "disk"). A prefetch neither touches nor ranks host entries as a
+        request would."""
         future: Future = Future()
         self._inflight[key] = future
         host_entry = self.host_slots.get(key)
@@ -406,16 +423,22 @@ class TieredStore(TransferJobs, TableSteps):
                 self.host_slots.touch(key)
             self.host_slots.pin(key)
             if host_entry.ready:
-                self._copier.submit(self._copy_job, key, host_entry, slot, future, None, prewarm, low=prefetch)
+                copies.append(Copy(key, host_entry, slot, future))
             else:  # its read is in flight (pre-warming the host tier): copy when it lands
                 copy = lambda load: self._copier.submit(  # noqa: E731
-                    self._copy_job, key, host_entry, slot, future, load, prewarm, low=prefetch)
+                    self._copy_job, [Copy(key, host_entry, slot, future)], load, prewarm, low=prefetch)
                 self._host_loads[key].add_done_callback(copy)
             return future, "host"
         self._place_host(key, seed=0.0 if prefetch else seed)
         self._host_loads[key] = Future()
         self._readers.submit(self._read_job, [key], (slot, future), prewarm, low=prefetch)
         return future, "disk"
+
+    def _submit_copies(self, copies: list[Copy], low: bool = False, prewarm: bool = False) -> None:
+        """Hand `copies` to the copy thread as one job (`low`: a prefetch's), and empty the list."""
+        if copies:
+            self._copier.submit(self._copy_job, list(copies), None, prewarm, low=low)
+            copies.clear()
 
     def _evicted_device(self, key: tuple[int, int] | None) -> None:
         """Count a device eviction (a prefetch that no request used is wasted)."""

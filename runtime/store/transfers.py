@@ -2,28 +2,44 @@
 
 A read job fills host slots from disk (one `preadv` for a run of contiguous records), checks
 each record's xxh64 the first time it is read, publishes the good ones and fails the bad ones
-by name; a copy job moves one host slot to its device slot and publishes the device entry. Jobs
+by name; a copy job moves a batch of host slots (what one request or prefetch found in the host
+cache, or one record a read just brought in) to their device slots and publishes the device
+entries together: one lock, one CUDA event and one hand-off a batch, not a record (a prompt moves
+hundreds of records a layer, and per-record Python kept the copy thread busier than the copy
+engine). Jobs
 only move bytes; every change to residency happens under the store's lock, so residency is
 published by the host side alone.
 
-On CUDA a copy is enqueued on the store's copy stream (after the compute that last read the
-device slot, by the event recorded when it was released) and the entry is published at once with
-the copy's `landed` event: whoever uses the slot makes its own stream wait on that event
-(ExpertHandle.wait), so no thread blocks per record and copies run back to back. The host slot
-the copy reads stays pinned until a "landing" thread has seen the event complete; only then may a
-disk read overwrite it. On CPU the copy is done when it returns and nothing waits.
+On CUDA a batch's copies are enqueued on the store's copy stream (each after the compute that last
+read its device slot, by the event recorded when it was released) and the entries are published at
+once with the batch's `landed` event: whoever uses a slot makes its own stream wait on that event
+(ExpertHandle.wait), so no thread blocks per record and copies run back to back. The host slots
+the copies read stay pinned until a "landing" thread has seen the event complete; only then may a
+disk read overwrite them. On CPU the copies are done when the job returns and nothing waits.
 """
 
 from __future__ import annotations
 
 import time
+from collections import Counter
 from concurrent.futures import Future
+from dataclasses import dataclass
 
 import torch
 
 from flashpack.errors import FlashpackError
 from flashpack.layout.records import record_hash
 from flashpack.runtime.store.residency import Entry
+
+
+@dataclass
+class Copy:
+    """One record a copy job moves: host slot of `host_entry` -> device slot `device_slot`."""
+
+    key: tuple[int, int]
+    host_entry: Entry
+    device_slot: int
+    future: Future  # the device load's: its result is the slot, once the copy is enqueued
 
 
 class TransferJobs:
@@ -74,7 +90,7 @@ class TransferJobs:
             good.append(key)
         self._publish_host(good, unpin=good if then is None else good[1:])
         if then is not None and good and good[0] == keys[0]:
-            self._copy_job(keys[0], host_entries[0], *then, None, prewarm)
+            self._copy_job([Copy(keys[0], host_entries[0], *then)], None, prewarm)
 
     def _check(self, key: tuple[int, int], entry, buffer: torch.Tensor) -> None:
         if not self.verify_records:
@@ -91,56 +107,62 @@ class TransferJobs:
             self._verified.add(key)
             self.stats.verified_records += 1
 
-    def _copy_job(
-        self, key: tuple[int, int], host_entry: Entry, device_slot: int, future: Future, load: Future | None = None,
-        prewarm: bool = False,
-    ) -> None:
-        """Host slot -> device slot; publish the device entry (its bytes are in place for work
-        that waits on `entry.landed`). `load` is the host read this copy waited for, if any."""
+    def _copy_job(self, copies: list[Copy], load: Future | None = None, prewarm: bool = False) -> None:
+        """Host slots -> device slots; publish the device entries (their bytes are in place for work
+        that waits on `entry.landed`). `load` is the host read these copies waited for, if any."""
         try:
             if load is not None and load.exception() is not None:
                 raise load.exception()
-            landed = self._copy_to_device(host_entry.slot, device_slot)
+            landed = self._copy_to_device([(copy.host_entry.slot, copy.device_slot) for copy in copies])
             counter = "prewarm_bytes_host_to_device" if prewarm else "bytes_host_to_device"
-            self.stats.bump(key[0], **{counter: self.stride})
+            for layer, count in Counter(copy.key[0] for copy in copies).items():
+                self.stats.bump(layer, **{counter: count * self.stride})
         except BaseException as error:
             with self._changed:
-                if self.host_slots.get(key) is host_entry:
-                    self.host_slots.unpin(key)
-            self._fail_device(key, error)
+                for copy in copies:
+                    if self.host_slots.get(copy.key) is copy.host_entry:
+                        self.host_slots.unpin(copy.key)
+            for copy in copies:
+                self._fail_device(copy.key, error)
             return
+        entries = []
         with self._changed:
-            entry = self.device_slots.get(key)  # still this load's entry: the load holds a pin on it
-            entry.ready, entry.landed = True, landed
-            self._refresh_table(key)
-            self.device_slots.unpin(key)  # the load's pin; requests hold their own
-            self._inflight.pop(key, None)
-            if landed is None:
-                if self.host_slots.get(key) is host_entry:
-                    self.host_slots.unpin(key)
-            else:
-                self._landing += 1
+            for copy in copies:
+                entry = self.device_slots.get(copy.key)  # still this load's entry: the load holds a pin on it
+                entry.ready, entry.landed = True, landed
+                entries.append(entry)
+                self._refresh_table(copy.key)
+                self.device_slots.unpin(copy.key)  # the load's pin; requests hold their own
+                self._inflight.pop(copy.key, None)
+                if landed is None and self.host_slots.get(copy.key) is copy.host_entry:
+                    self.host_slots.unpin(copy.key)
+            if landed is not None:
+                self._landing += len(copies)
             self._changed.notify_all()
-        future.set_result(device_slot)
+        for copy in copies:
+            copy.future.set_result(copy.device_slot)
         if landed is not None:
-            self._lander.submit(self._copy_landed, key, host_entry, entry, landed)
+            self._lander.submit(self._copy_landed, copies, entries, landed)
 
-    def _copy_to_device(self, host_slot: int, device_slot: int):
-        """Copy a host slot into a device slot. CPU: done on return, returns None. CUDA: enqueued
-        on the copy stream behind the last release of the device slot; returns the event that
-        completes when the bytes have landed."""
-        source, target = self.host_pool.slot(host_slot), self.device_pool.slot(device_slot)
+    def _copy_to_device(self, slots: list[tuple[int, int]]):
+        """Copy (host slot, device slot) pairs. CPU: done on return, returns None. CUDA: enqueued
+        on the copy stream, each behind the last release of its device slot; returns the event
+        that completes when every copy has landed."""
         table_read = self._after_table_readers(host=False)
         if self._copy_stream is None:
-            target.copy_(source)
+            for host_slot, device_slot in slots:
+                self.device_pool.slot(device_slot).copy_(self.host_pool.slot(host_slot))
             return None
         with torch.cuda.stream(self._copy_stream):
-            freed = self._slot_free_events.pop(device_slot, None)
-            if freed is not None:  # the compute that last read this slot must finish first
-                self._copy_stream.wait_event(freed)
-            if table_read is not None:  # and so must the last step that looked slots up
+            if table_read is not None:  # the last step that looked slots up must finish first
                 self._copy_stream.wait_event(table_read)
-            target.copy_(source, non_blocking=True)
+            waited: dict[int, torch.cuda.Event] = {}  # a release's one event frees many slots
+            for host_slot, device_slot in slots:
+                freed = self._slot_free_events.pop(device_slot, None)
+                if freed is not None and id(freed) not in waited:  # the compute that last read the slot
+                    self._copy_stream.wait_event(freed)
+                    waited[id(freed)] = freed
+                self.device_pool.slot(device_slot).copy_(self.host_pool.slot(host_slot), non_blocking=True)
             landed = torch.cuda.Event()
             landed.record(self._copy_stream)
         return landed
@@ -157,18 +179,19 @@ class TransferJobs:
             table_read.synchronize()
         return table_read
 
-    def _copy_landed(self, key: tuple[int, int], host_entry: Entry, entry: Entry, landed) -> None:
-        """(landing thread, CUDA) Once the copy has read its host slot, free that slot for reuse."""
+    def _copy_landed(self, copies: list[Copy], entries: list[Entry], landed) -> None:
+        """(landing thread, CUDA) Once the copies have read their host slots, free those for reuse."""
         try:
             landed.synchronize()
         finally:
             with self._changed:
-                if self.host_slots.get(key) is host_entry:
-                    self.host_slots.unpin(key)
-                if entry.landed is landed:
-                    entry.landed = None  # users of the slot need not wait on it any more
-                    self._refresh_table(key)  # decode steps may read the slot from now on
-                self._landing -= 1
+                for copy, entry in zip(copies, entries):
+                    if self.host_slots.get(copy.key) is copy.host_entry:
+                        self.host_slots.unpin(copy.key)
+                    if entry.landed is landed:
+                        entry.landed = None  # users of the slot need not wait on it any more
+                        self._refresh_table(copy.key)  # decode steps may read the slot from now on
+                self._landing -= len(copies)
                 self._changed.notify_all()
 
     def _publish_host(self, keys: list[tuple[int, int]], unpin: list[tuple[int, int]]) -> None:

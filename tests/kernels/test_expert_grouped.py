@@ -52,6 +52,44 @@ def test_plan_tiles_covers_every_pair_once():
     assert sorted(seen) == list(range(flat.numel()))
 
 
+def test_plan_tiles_skips_unslotted_pairs_and_sizes_the_grid_to_a_bound():
+    from flashpack.runtime.kernels.expert_grouped import plan_tiles
+
+    slots, _ = routing(13, 6, 3, seed=1, device="cpu")
+    slots = torch.where(slots % 2 == 0, slots, -1)  # a chunk holding the even bank rows only
+    flat = slots.reshape(-1).long()
+    kept = (flat >= 0).nonzero().flatten().tolist()
+    bound = (len(kept), len(set(flat[kept].tolist())))
+    order, tiles = plan_tiles(slots, 6, block_m=4, bound=bound)
+    assert tiles.shape[1] == bound[0] // 4 + bound[1]
+    seen = []
+    for expert, first, end in tiles.T.tolist():
+        rows = list(range(first, end))
+        assert all(flat[order[r]] == expert for r in rows)
+        seen += [order[r].item() for r in rows]
+    assert sorted(seen) == kept
+
+
+@pytest.mark.parametrize("hidden,inter,experts,tokens,top_k", CASES[:2])
+def test_pairs_filled_chunk_by_chunk_sum_to_the_reference(triton_device, make_bank, hidden, inter, experts, tokens,
+                                                          top_k):
+    """A prompt streamed in chunks: each call fills the pairs of its bank rows (the rest stay NaN
+    until their chunk runs), with the grid sized by the chunk's bound; the sum over picks is the
+    one-call result. The control: leaving out a chunk leaves NaN."""
+    from flashpack.runtime.kernels.expert_grouped import nvfp4_expert_pairs_grouped
+
+    bank, slots, weights, x = _case(make_bank, triton_device, hidden, inter, experts, tokens, top_k)
+    pairs = nan_like((tokens * top_k, hidden), torch.float32, triton_device)
+    for chunk in ([0], list(range(1, experts))):
+        member = torch.isin(slots, torch.tensor(chunk, device=triton_device, dtype=slots.dtype))
+        part = torch.where(member, slots, -1)
+        bound = (int(member.sum()), len(set(slots[member].tolist())))
+        nvfp4_expert_pairs_grouped(x, bank, part, weights, pairs, bound=bound, precision="fp32", **BLOCKS)
+        assert torch.isnan(pairs[~member.flatten()]).all() == (chunk == [0])
+    out = pairs.view(tokens, top_k, hidden).sum(1)
+    assert relative_error(out, expert_swiglu_reference(x, bank, slots, weights)) <= 1e-5
+
+
 @pytest.mark.parametrize("hidden,inter,experts,tokens,top_k", CASES)
 def test_fp32_matches_reference(triton_device, make_bank, hidden, inter, experts, tokens, top_k):
     bank, slots, weights, x = _case(make_bank, triton_device, hidden, inter, experts, tokens, top_k)

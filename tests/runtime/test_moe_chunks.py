@@ -1,15 +1,19 @@
 """A decode step whose experts the store lands in several chunks (a slot share held by prefetches
 still loading) runs every chunk at the step's full [T, k] shape, the picks a chunk lacks at zero
 weight: the kernels keep their one build (a [n, 1] call would build again mid-decode) and the result
-equals the one-chunk step's. `_experts` is replaced by a stand-in whose output depends on every
-slot and weight, so a lost, doubled or misplaced pick shows."""
+equals the one-chunk step's. A prompt streamed in chunks fills one buffer of (token, pick) rows,
+chunk by chunk, and sums it once: equal to the one-call result. `_experts` and `moe_expert_pairs`
+are replaced by stand-ins whose output depends on every slot and weight, so a lost, doubled or
+misplaced pick shows."""
 
 from __future__ import annotations
 
 from types import SimpleNamespace
 
+import pytest
 import torch
 
+from flashpack.runtime.model import moe as moe_module
 from flashpack.runtime.model.moe import SparseMoE
 
 K, H, E = 10, 8, 64
@@ -60,3 +64,57 @@ def test_a_lost_chunk_shows():
     whole = _step([2 * K], [])
     partial = _step([7, 9], [])
     assert (partial - whole).abs().max() > 1e-3
+
+
+def _expert_stand_in(x, slots, weights):
+    """[T, K, H]: each pick's contribution, from its slot and weight."""
+    return (weights * (slots + 1).to(weights.dtype))[..., None] * x[:, None, :]
+
+
+def _prompt(sizes: list[int], monkeypatch, filled: list) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the prompt's routed output from chunks of `sizes`, the one-call output of every slot)."""
+    def pairs_stand_in(x, bank, slots, weights, pairs, bound):
+        chosen = (slots >= 0).flatten()
+        assert bound == (int(chosen.sum()), len(set(slots[slots >= 0].tolist())))
+        pairs[chosen] = _expert_stand_in(x, slots, weights).flatten(0, 1)[chosen]
+        filled.extend(torch.nonzero(chosen).flatten().tolist())
+
+    monkeypatch.setattr(moe_module, "moe_expert_pairs", pairs_stand_in)
+    generator = torch.Generator().manual_seed(1)
+    tokens = 9
+    x = torch.randn(tokens, H, generator=generator)
+    experts = torch.stack([torch.randperm(E, generator=generator)[:K] for _ in range(tokens)])
+    weights = torch.rand(tokens, K, generator=generator)
+    whole_slots = []
+    moe = SimpleNamespace(slots=ChunkedSlots(sizes), layer=1, num_experts=E,
+                          _experts=lambda x, bank, slots, weights, prompt: whole_slots.append(slots) or
+                          _expert_stand_in(x, slots, weights).sum(1))
+    moe._chunk_slots = lambda chunk, ids: SparseMoE._chunk_slots(moe, chunk, ids)
+    counts = torch.bincount(experts.flatten(), minlength=E).tolist()
+    out = SparseMoE._prompt_from_slots(moe, x, weights, experts, counts)
+    wanted = sorted(set(experts.flatten().tolist()))
+    slot_of = {expert: 3 * i + 1 for i, expert in enumerate(wanted)}  # as ChunkedSlots places them
+    expected = _expert_stand_in(x, experts.apply_(lambda e: slot_of[e]), weights).sum(1)
+    return out, expected
+
+
+def test_prompt_streamed_in_chunks_fills_each_pair_once(monkeypatch):
+    filled = []
+    out, expected = _prompt([7, 9, 30, E], monkeypatch, filled)
+    assert sorted(filled) == list(range(9 * K))
+    torch.testing.assert_close(out, expected, rtol=1e-6, atol=1e-6)
+
+
+def test_prompt_held_whole_is_one_call(monkeypatch):
+    filled = []
+    out, expected = _prompt([E], monkeypatch, filled)
+    assert filled == []
+    torch.testing.assert_close(out, expected, rtol=1e-6, atol=1e-6)
+
+
+def test_a_prompts_lost_chunk_shows(monkeypatch):
+    """The control: a stream that drops its last chunk leaves pairs unfilled."""
+    filled = []
+    with pytest.raises(AssertionError):
+        _prompt([7, 9], monkeypatch, filled)
+        assert sorted(filled) == list(range(9 * K))

@@ -343,7 +343,7 @@ def test_required_reads_go_before_queued_prefetch_reads(store_pack):
 
 
 def test_request_copies_go_before_queued_prefetch_copies(store_pack):
-    """One copy thread, two lanes: a request's host-to-device copy overtakes the prefetch copies the
+    """One copy thread, two lanes: a request's host-to-device copies overtake the prefetch copies the
     layer before queued (a through-store decode layer would otherwise wait behind the guesses)."""
     pack = Pack.open(store_pack)
     info = _info(pack)
@@ -356,23 +356,50 @@ def test_request_copies_go_before_queued_prefetch_copies(store_pack):
         guessed, asked = [(layers[1], e) for e in host_only[0][:3]], (layers[2], host_only[1][0])
         gate, order, original = threading.Event(), [], store._copy_job
 
-        def copy_job(key, *args):
-            order.append(key)
-            if key == guessed[0]:
+        def copy_job(copies, *args):
+            order.append([copy.key for copy in copies])
+            if copies[0].key == guessed[0]:
                 assert gate.wait(20), "gate never opened"
-            return original(key, *args)
+            return original(copies, *args)
 
         store._copy_job = copy_job
-        assert store.prefetch(layers[1], [e for _, e in guessed]) == 3
+        assert store.prefetch(layers[1], [guessed[0][1]]) == 1
         deadline = time.monotonic() + 10
-        while not order:  # the first prefetch copy holds the only copy thread
+        while not order:  # the first prefetch's copy holds the only copy thread
             assert time.monotonic() < deadline
             time.sleep(0.01)
+        assert store.prefetch(layers[1], [e for _, e in guessed[1:]]) == 2
         handles = store.request(*asked[:1], [asked[1]])
         gate.set()
         store.wait(handles)
         settle(store)
-        assert order == [guessed[0], asked, *guessed[1:]]
+        assert order == [[guessed[0]], [asked], guessed[1:]]
+
+
+def test_a_requests_host_hits_cross_as_one_copy_job(store_pack):
+    """A request's records found in the host cache go to the copy thread as one batch (one lock,
+    one event), not one job a record: a prompt moves hundreds a layer."""
+    pack = Pack.open(store_pack)
+    info = _info(pack)
+    layer, experts = info.layers[0], info.experts
+    with _store(pack, 4 * len(info.layers), 64, rebalance=False) as store:
+        store.prewarm({layer: list(range(experts))})
+        settle(store)
+        host_only = [e for e in range(experts) if store.host_slots.get((layer, e)) is not None
+                     and store.device_slots.get((layer, e)) is None][:3]
+        assert len(host_only) == 3
+        jobs, original = [], store._copy_job
+        store._copy_job = lambda copies, *args: (jobs.append([c.key[1] for c in copies]), original(copies, *args))
+        handles = store.request(layer, host_only)
+        assert all(handle.source == "host" for handle in handles)
+        for handle in handles:  # each record lands in its own slot
+            handle.wait()
+            length = pack.record_entry(layer, handle.expert).length
+            assert _slot_bytes(store, handle.slot, length) == bytes(pack.record_bytes(layer, handle.expert))
+        store.wait(handles)
+        settle(store)
+        assert jobs == [host_only]
+        assert _nothing_pinned(store)
 
 
 def test_read_lanes_keep_a_thread_for_required_reads():

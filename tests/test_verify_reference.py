@@ -8,15 +8,16 @@ PLE row gather must change nothing: every layer's output and the logits are iden
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 from transformers import Qwen4ExpForCausalLM
+from transformers.models.qwen4_exp import modeling_qwen4_exp as hf
 
 from flashpack.convert.source import SourceCheckpoint
 from flashpack.verify.expected import ExpectedWeights
 from flashpack.verify.inputs import default_sequences
-from flashpack.verify.reference import LayerwiseReference, transformers_config
-
-
+from flashpack.verify.reference import DELTA_RULE_FUNCTIONS, LayerwiseReference, transformers_config
 
 def _full_model(weights: ExpectedWeights) -> Qwen4ExpForCausalLM:
     cfg = weights.config
@@ -69,3 +70,21 @@ def test_layerwise_reference_equals_full_transformers_model(tiny_nvfp4_snapshot)
         for layer, expected in enumerate(full_layers):
             assert torch.equal(layers[layer][index], expected), f"{sequence.name} layer {layer}"
         assert torch.equal(logits[index], full_logits), sequence.name
+
+
+def test_reference_runs_transformers_own_delta_rule_where_a_kernel_is_bound(tiny_nvfp4_snapshot, monkeypatch):
+    """Where fla is installed, transformers binds its kernels to the delta-rule names at import; the
+    reference runs the PyTorch functions they wrap instead, and puts the bound ones back after."""
+    stand_ins = {}
+    for name in DELTA_RULE_FUNCTIONS:
+        def kernel(*args, **kwargs):
+            raise AssertionError("the reference called the bound kernel")
+
+        kernel.__wrapped__ = inspect.unwrap(getattr(hf, name))
+        monkeypatch.setattr(hf, name, kernel)
+        stand_ins[name] = kernel
+    weights = ExpectedWeights(SourceCheckpoint.open(tiny_nvfp4_snapshot), dense_fp8_rows=False)
+    sequences = default_sequences(weights.config, decode_tokens=2)
+    logits = LayerwiseReference(weights).run(sequences)
+    assert all(torch.isfinite(value).all() for value in logits)
+    assert all(getattr(hf, name) is kernel for name, kernel in stand_ins.items())

@@ -7,6 +7,11 @@ run is layer-major: for each layer, each sequence's prefill chunk and then its d
 at a time, go through that layer with a fresh transformers cache, exactly as the full model's
 forward would feed them (same rotary positions, causal mask and cache calls).
 
+The gated delta rule runs as transformers' own PyTorch code (`plain_delta_rule`) even where
+flash-linear-attention is installed and transformers would call it: the oracle stays independent of
+the kernels our engine calls on a GPU, and builds no Triton kernels (fla autotunes every new shape,
+which took a float32 verify past three minutes on an H200).
+
 Two parts of the layer are fed lazily, which is mathematically identical to loading them whole:
 - routed experts: a forward pre-hook on `mlp.experts` loads only the experts the router picked and
   renumbers them in ascending order, so transformers accumulates them in the same order;
@@ -16,7 +21,9 @@ Two parts of the layer are fed lazily, which is mathematically identical to load
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import inspect
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
@@ -38,6 +45,23 @@ def transformers_config(raw_text_config: dict) -> Qwen4ExpTextConfig:
     return config
 
 
+DELTA_RULE_FUNCTIONS = ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule")
+
+
+@contextmanager
+def plain_delta_rule() -> Iterator[None]:
+    """While inside, transformers' qwen4_exp calls its PyTorch delta rule, not the kernel its
+    hub-kernel decorator bound at import (the layer's forward looks the names up in the module)."""
+    bound = {name: getattr(hf, name) for name in DELTA_RULE_FUNCTIONS}
+    for name, function in bound.items():
+        setattr(hf, name, inspect.unwrap(function))
+    try:
+        yield
+    finally:
+        for name, function in bound.items():
+            setattr(hf, name, function)
+
+
 class LayerwiseReference:
     def __init__(self, weights: ExpectedWeights, dtype: torch.dtype = torch.float32, device: str = "cpu"):
         self.weights, self.dtype, self.device = weights, dtype, torch.device(device)
@@ -48,6 +72,10 @@ class LayerwiseReference:
     def run(self, sequences: list[Sequence], on_layer: LayerCallback | None = None) -> list[torch.Tensor]:
         """Logits [T, vocab] (float32, CPU) per sequence; `on_layer(layer, outputs)` gets each
         decoder layer's hc streams [T, hc * H] per sequence (T = prefill + decode tokens)."""
+        with plain_delta_rule():
+            return self._run(sequences, on_layer)
+
+    def _run(self, sequences: list[Sequence], on_layer: LayerCallback | None) -> list[torch.Tensor]:
         embed = self._dense("embed_tokens.weight")
         hc = self.hf_config.hc_count
         streams = [[F.embedding(self._ids(step), embed).repeat(1, 1, hc) for step in seq.steps] for seq in sequences]

@@ -97,7 +97,8 @@ def verify_pack(
 def ieee_fp32() -> Iterator[None]:
     """FP32 means FP32 on CUDA too: no TF32 in matmuls, cuDNN convolutions or Triton dots while verify
     runs. Triton's dots default to TF32 for float32 operands, and flash-linear-attention's chunked
-    DeltaNet kernels (which both our engine and transformers call on a GPU) leave that default;
+    DeltaNet kernels (which our engine calls on a GPU; the reference runs transformers' PyTorch
+    delta rule, reference.py) leave that default;
     TRITON_F32_DEFAULT is read as a kernel is compiled, so kernels built inside the block are IEEE."""
     flags = torch.backends.cuda.matmul, torch.backends.cudnn
     saved = [flag.allow_tf32 for flag in flags]

@@ -179,7 +179,7 @@ class TieredStore(TransferJobs, TableSteps):
         if streaming:
             remaining.sort(key=lambda e: (layer, e) not in self.device_slots)  # resident first (a hint)
         # half the layer's share a chunk: the chunk computed and the one loading fit side by side,
-        # and a prompt makes few round trips (each a sync and thread hand-offs)
+        # and a prompt makes few round trips (each a lock, a copy job and thread hand-offs)
         misses = max(1, self.device_slots.capacity[layer] // 2) if streaming else None
         hits_before = self.stats.layer(layer).device_hits
         current: list[ExpertHandle] = []

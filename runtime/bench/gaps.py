@@ -15,9 +15,9 @@ them as shares, not as unprofiled times.
 from __future__ import annotations
 
 import gzip
-from bisect import bisect_right
 import json
 import sys
+from bisect import bisect_right
 from collections import Counter, defaultdict
 from pathlib import Path
 

@@ -14,7 +14,8 @@
 `ExpertBank.from_pool(pool, geometry)` views a device slot pool of records (uint8 [S, stride]) in
 place. The dispatcher (dispatch.py) picks Triton on CUDA and the references in reference.py
 elsewhere; the Triton modules (expert_decode, expert_grouped, matvec, fp8_linear, stage_records,
-router_top_k, decode_attention, prompt_attention) import triton and are loaded only when used, so this package imports without it.
+router_top_k, decode_attention, prompt_attention) import triton and are loaded only when used, so
+this package imports without it.
 hc_mix.py (a hyper-connection mix in two kernels) is called by the module it replaces,
 runtime/model/hyper_connection.py's GatedResidual, whose own code is its reference.
 """
@@ -26,12 +27,13 @@ from flashpack.runtime.kernels.dispatch import (
 )
 from flashpack.runtime.kernels.reference import (
     decode_attention_reference, dequantize_expert, expert_pairs_reference, expert_swiglu_reference,
-    fp8_linear_reference, prompt_attention_reference, prompt_keep_mask, router_top_k_reference, stage_records_reference,
+    fp8_linear_reference, prompt_attention_reference, prompt_keep_mask, router_top_k_reference,
+    stage_records_reference,
 )
 
 __all__ = [
-    "ExpertBank", "moe_experts", "moe_expert_pairs", "dense_linear", "fp8_linear", "decode_attention", "decode_attention_reference",
-    "prompt_attention", "prompt_attention_reference", "prompt_keep_mask", "stage_records", "router_top_k",
-    "triton_available", "use_triton", "dequantize_expert", "expert_swiglu_reference", "expert_pairs_reference",
+    "ExpertBank", "moe_experts", "moe_expert_pairs", "dense_linear", "fp8_linear", "decode_attention",
+    "decode_attention_reference", "prompt_attention", "prompt_attention_reference", "prompt_keep_mask",
+    "stage_records", "router_top_k", "triton_available", "use_triton", "dequantize_expert", "expert_swiglu_reference", "expert_pairs_reference",
     "fp8_linear_reference", "router_top_k_reference", "stage_records_reference",
 ]

@@ -1,5 +1,6 @@
-"""The calls the engine makes: `moe_experts`, `moe_expert_pairs`, `dense_linear`, `fp8_linear`, `stage_records`,
-`router_top_k`, `decode_attention` and `prompt_attention`, Triton where it runs, else reference.
+"""The calls the engine makes: `moe_experts`, `moe_expert_pairs`, `dense_linear`, `fp8_linear`,
+`stage_records`, `router_top_k`, `decode_attention` and `prompt_attention`, Triton where it runs,
+else reference.
 
 backend="auto" takes the Triton kernels on CUDA and the plain-PyTorch reference anywhere else;
 "triton" and "reference" force one side. The tests force "triton" on a CPU, where the kernels run
@@ -20,8 +21,7 @@ import torch.nn.functional as F
 from flashpack.runtime.kernels.bank import ExpertBank
 from flashpack.runtime.kernels.reference import (
     decode_attention_reference, expert_pairs_reference, expert_swiglu_reference, fp8_linear_reference,
-    prompt_attention_reference,
-    router_top_k_reference, stage_records_reference,
+    prompt_attention_reference, router_top_k_reference, stage_records_reference,
 )
 
 BACKENDS = ("auto", "triton", "reference")

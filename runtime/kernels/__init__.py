@@ -34,6 +34,7 @@ from flashpack.runtime.kernels.reference import (
 __all__ = [
     "ExpertBank", "moe_experts", "moe_expert_pairs", "dense_linear", "fp8_linear", "decode_attention",
     "decode_attention_reference", "prompt_attention", "prompt_attention_reference", "prompt_keep_mask",
-    "stage_records", "router_top_k", "triton_available", "use_triton", "dequantize_expert", "expert_swiglu_reference", "expert_pairs_reference",
-    "fp8_linear_reference", "router_top_k_reference", "stage_records_reference",
+    "stage_records", "router_top_k", "triton_available", "use_triton", "dequantize_expert",
+    "expert_swiglu_reference", "expert_pairs_reference", "fp8_linear_reference", "router_top_k_reference",
+    "stage_records_reference",
 ]

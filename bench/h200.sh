@@ -20,13 +20,14 @@
 # promotions; one-graph and unbounded-one-graph as budgets and unbounded do, with the whole step in
 # one CUDA graph (--graph-layers $LAYERS) instead of one graph a layer. hotset and fp8-hot profile the
 # synth corpus on the GPU (`flashpack profile`) and pre-warm 24/64 (and fp8-hot 8/32 and 24/64 on the
-# --dense-fp8 pack) from that hot set.
+# --dense-fp8 pack) from that hot set; profile-8g profiles 8/32 decode on that pack from the same hot set
+# (baked once a call).
 # fp8 converts a --dense-fp8 pack from the same snapshot and benches 8/32 on it (BF16 dense
 # weights alone exceed an 8 GB card at 48 layers); fp8-star does so with the tiers pre-warmed ('*',
 # no profile to run first). budgets, long (a 32k prompt) and baseline (with
 # transformers + accelerate beside) run 24/64 with every record pre-warmed (--hot-set '*'). TESTS
 # overrides the GPU test list.
-# Timing on an H200 (2026-11-29, runs 14-16): build 134-139 s (LAYERS=4; the FP8 pack is converted by
+# Timing on an H200 (2026-11-29, runs 14-16; session 10's runs 21-23 took 111-183 s to synth): build 134-139 s (LAYERS=4; the FP8 pack is converted by
 # the first stage that needs it), tests 178-204 s beside it, the first bench of a call ~100-120 s
 # (Inductor compiles), later ones 40-50 s, hotset ~90 s, the resident profile ~35 s, long ~55 s; all
 # stages exceed one call's 600 s, and a machine keeps nothing between calls, so split STAGES over
@@ -35,7 +36,7 @@ set -o pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site wheels/*.whl || exit 1
 mkdir -p /tmp/pkg && ln -sfn "$PWD" /tmp/pkg/flashpack
 export PYTHONPATH=/tmp/pkg:/tmp/site PYTHONUNBUFFERED=1
-LAYERS=${LAYERS:-4} GEN=${GEN:-32} PROMPT=${PROMPT:-512} W=/tmp/fp R=/tmp/results STAGES=${STAGES:-"tests unbounded fp8 fp8-star budgets long baseline profile hotset verify prefill-profile prefill-profile-tiered eager fp8-unbounded staging no-prefetch promote one-graph unbounded-one-graph fp8-hot sampling kernels unbounded-no-combo unbounded-unfused-mix unfused-mix unbounded-cublas ahead-programs"}
+LAYERS=${LAYERS:-4} GEN=${GEN:-32} PROMPT=${PROMPT:-512} W=/tmp/fp R=/tmp/results STAGES=${STAGES:-"tests unbounded fp8 fp8-star budgets long baseline profile hotset verify prefill-profile prefill-profile-tiered profile-8g eager fp8-unbounded staging no-prefetch promote one-graph unbounded-one-graph fp8-hot sampling kernels unbounded-no-combo unbounded-unfused-mix unfused-mix unbounded-cublas ahead-programs"}
 has() { [[ " $STAGES " == *" $1 "* ]]; }
 mkdir -p $R
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee $OUT/gpu.txt
@@ -57,11 +58,12 @@ fp8_pack() {  # the --dense-fp8 pack from the same snapshot, converted when a st
   [ -f $W/full-fp8.pack/manifest.json ] || timeout 150 python3 -m flashpack.cli convert $W/src $W/full-fp8.pack \
     --dense-fp8 --force >/dev/null 2>&1
 }
-hot_set() {  # bake the hot set `corpus` into $W/$1.pack: the synth corpus's prompts, 32 tokens each
+hot_set() {  # bake the hot set `corpus` into $W/$1.pack (once): the synth corpus's prompts, 32 tokens each
+  [ -f $W/$1.corpus ] && return
   python3 -c "import json; [print(json.dumps({'prompt': t})) for t in json.load(open('convert/synth/corpus.json'))['texts']]" \
     > $W/workload.jsonl
   timeout 200 python3 -m flashpack.cli profile $W/$1.pack --workload $W/workload.jsonl --name corpus \
-    --device cuda --max-tokens 32 2>&1 | tail -1
+    --device cuda --max-tokens 32 2>&1 | tail -1 && touch $W/$1.corpus
 }
 bench() {  # name, vram, ram, extra args (PACK=full-fp8 for the --dense-fp8 pack)
   local name=$1 vram=$2 ram=$3; shift 3
@@ -116,6 +118,10 @@ for stage in $STAGES; do
       PACK=full-fp8 bench 8g-32g-fp8-hot 8GiB 32GiB --prompt-len $PROMPT --gen $GEN --hot-set corpus
       # FP8 dense weights leave a 24 GB card some 3.5 GB more for experts at 48 layers
       PACK=full-fp8 bench 24g-64g-fp8-hot 24GiB 64GiB --prompt-len $PROMPT --gen $GEN --hot-set corpus ;;
+    profile-8g)  # 8/32 on the --dense-fp8 pack with the hot set: where a through-store decode layer's time goes
+      fp8_pack; hot_set full-fp8
+      timeout 150 python3 bench/profile_decode.py $W/full-fp8.pack --name tiered-8g-32g-hot --vram-budget 8GiB \
+        --ram-budget 32GiB --emulate-layers 48 --hot-set corpus --trace --out $R 2>&1 | tail -12 ;;
     prefill-profile)  # every record resident: where a 32k prompt's compute goes
       timeout 150 python3 bench/profile_decode.py $W/full.pack --phase prefill --prompt-len 32768 \
         --name prefill-32k --trace --out $R 2>&1 | tail -30 ;;

@@ -74,6 +74,12 @@ def host_targets(model, store) -> list[tuple[object, str]]:
         targets += [(graphs, name) for name in ("run", "_try_table", "_through_store") if hasattr(graphs, name)]
     targets += [(store, name) for name in ("hold_slot_table", "release_slot_table", "record_step")
                 if store is not None and hasattr(store, name)]
+    # a layer through the store: the MoE's whole call, and inside it the store's placing of a request,
+    # its wait for the loads, and the next layer's prefetch (timed per layer and summed)
+    targets += [(layer.moe, "routed_from_store") for layer in model.layers if layer.moe.slots is not None
+                and layer.moe.resident is None]
+    targets += [(store, name) for name in ("_request", "_await", "prefetch")
+                if store is not None and hasattr(store, name)]
     return targets
 
 

@@ -29,8 +29,8 @@ class SlotTable:
         cuda = device.type == "cuda"
         self.host = torch.full((layers, experts), ON_DISK, dtype=torch.int32)
         # refreshes write through a NumPy view of the same memory: 0.2 us an element where a tensor's
-        # __setitem__ takes 5, and a prompt refreshes each of its hundreds of records a layer a few
-        # times, under the store's lock
+        # __setitem__ takes 5 (the 2-core development VM), and a prompt refreshes each of its hundreds
+        # of records a layer a few times, under the store's lock
         self._codes = self.host.numpy()
         self.device = torch.full((layers, experts), ON_DISK, dtype=torch.int32, device=device)
         # the copy to the device reads a snapshot taken under the store's lock: a step sees one

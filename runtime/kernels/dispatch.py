@@ -77,10 +77,13 @@ def moe_experts(
         return nvfp4_expert_swiglu(x, bank, slots, weights, out=out)
     from flashpack.runtime.kernels.expert_grouped import nvfp4_expert_swiglu_grouped
 
-    # Tiles of 16 rows when experts get few tokens each (batched decode), 64 for prompts.
-    block_m = 16 if slots.numel() < 16 * bank.num_experts else 64
     return nvfp4_expert_swiglu_grouped(x, bank, slots, weights, out=out, precision=tile_precision(x.device, x.dtype),
-                                       block_m=block_m)
+                                       block_m=_grouped_block_m(slots, bank))
+
+
+def _grouped_block_m(slots: torch.Tensor, bank: ExpertBank) -> int:
+    """Tiles of 16 rows when experts get few tokens each (batched decode), 64 for prompts."""
+    return 16 if slots.numel() < 16 * bank.num_experts else 64
 
 
 @torch.compiler.disable
@@ -98,7 +101,7 @@ def moe_expert_pairs(
     from flashpack.runtime.kernels.expert_grouped import nvfp4_expert_pairs_grouped
 
     return nvfp4_expert_pairs_grouped(x, bank, slots, weights, y, bound=bound,
-                                      precision=tile_precision(x.device, x.dtype))
+                                      precision=tile_precision(x.device, x.dtype), block_m=_grouped_block_m(slots, bank))
 
 
 def dense_linear(x: torch.Tensor, weight: torch.Tensor, backend: str = "auto") -> torch.Tensor:

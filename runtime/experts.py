@@ -47,15 +47,22 @@ def host_slot_of(code):
     return -code - 2
 
 
-LATE_ROWS, AHEAD_ROWS = 0, 1  # HostRecords' staging row sets
+LATE_ROWS = 0  # HostRecords' staging row sets: this one, then the two of `ahead_rows` (3 in all:
+# runtime/store/budget.py's STAGING_ROW_SETS)
+
+
+def ahead_rows(layer: int) -> int:
+    """The staging row set a layer's predicted experts are staged into: even and odd layers take
+    turns, so the next layer's records may cross while this layer's experts still read its own."""
+    return 1 + layer % 2
 
 
 @dataclass(frozen=True)
 class HostRecords:
     """What a decode step needs to stage host-cache records into device rows itself. The staging
     rows come in sets of top_k: LATE_ROWS takes a layer's host experts once its router has picked
-    them, AHEAD_ROWS those the layer before predicted, staged while the layer computes up to its
-    experts."""
+    them, `ahead_rows(layer)` those the layer before predicted, staged while the layer computes up
+    to its experts (or, inside a graph of several layers, from the layer before's route on)."""
 
     source: torch.Tensor  # int32 view of the host pool's lowest chunk: the base every address counts from
     offsets: torch.Tensor  # int64 [host slots] on the device: each host slot's offset from `source`, in words

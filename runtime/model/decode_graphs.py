@@ -20,7 +20,11 @@ host launches layer L + 1, where a whole step's graph would idle the GPU through
                             to its MoE input (the prediction); the next layer's graph starts by
                             staging the predicted host experts on a side stream, beside its
                             sequence mixer, router and shared expert, and after its own router
-                            stages only what the prediction missed. One read-back after the
+                            stages only what the prediction missed. Inside a graph of several
+                            layers the staging starts earlier, right after the layer before's
+                            router, beside that layer's experts too (even and odd layers stage
+                            into two row sets; a graph must join what it forks, so only a
+                            graph's first layer waits for its own start). One read-back after the
                             step, of the report every layer wrote: nothing on disk, the step
                             stands and the store counts what it used (and may promote staged
                             experts to device slots in the background), once the next step's
@@ -61,7 +65,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from flashpack.runtime.experts import AHEAD_ROWS, HostRecords, TabledSlots
+from flashpack.runtime.experts import HostRecords, TabledSlots, ahead_rows
 from flashpack.runtime.kernels import moe_experts, stage_records
 from flashpack.runtime.model import graph_pieces as pieces
 from flashpack.runtime.model.captured_call import CapturedCall
@@ -250,23 +254,27 @@ class DecodeGraphs:
                     saved.copy_(live)
             rest = list(rest)
             ple_rows = {layer.layer: rest.pop(0) for layer in self.layers[first:first + count] if layer.ple is not None}
-            carried = tuple(rest)
+            carried, staged = tuple(rest), False
             for index in range(first, first + count):
-                streams, carried = self._table_layer(index, table, position, streams, ple_rows, carried, bank, host)
+                streams, carried, staged = self._table_layer(index, table, position, streams, ple_rows, carried,
+                                                             staged, bank, host, last=index == first + count - 1)
             return (streams, *carried)
 
         return piece
 
-    def _table_layer(self, index: int, table, position, streams, ple_rows, carried, bank, host):
-        """One layer of a table piece: (streams, what it hands the next layer)."""
+    def _table_layer(self, index: int, table, position, streams, ple_rows, carried, staged: bool, bank, host,
+                     last: bool):
+        """One layer of a table piece: (streams, what it hands the next layer, whether its records
+        are already staging). `carried`: the layer before's prediction of this layer's experts, with
+        staging rows the offsets of those in the host cache and their bank rows; `staged`: the layer
+        before, in the same graph, started staging them already."""
         layer = self.layers[index]
         guess, ahead = (carried[0] if carried else None), None  # the layer before's prediction
-        if len(carried) == 3:  # stage the predicted host experts beside this layer's work up to its experts
-            # `offsets` stays referenced until after the join below, so the allocator cannot hand its
-            # memory to other work while the side stream reads it
-            offsets, ahead_rows = carried[1:]
-            self._beside(lambda: stage_records(host.source, offsets, host.rows(AHEAD_ROWS), programs=AHEAD_PROGRAMS))
-            ahead = (guess, ahead_rows)
+        if len(carried) == 3:  # the predicted host experts cross beside this layer's work up to its experts
+            offsets, rows = carried[1:]
+            if not staged:
+                self._stage_ahead(host, offsets, index)
+            ahead = (guess, rows)
         streams = self._layer_front(layer, streams, position, ple_rows.get(layer.layer))
         x, inject, weights, experts, shared, predicted = self.route(layer, streams)
         if self.resident:  # every expert in a device slot: nothing to stage, nothing missing, no report
@@ -276,12 +284,25 @@ class DecodeGraphs:
             self._report[index].copy_(report_row(experts, codes, missing, early, guess, ahead))
         if ahead is not None:
             self._join_side()  # the records staged ahead for this layer have landed
+        if predicted is None or host is None:
+            handed, staging = (() if predicted is None else (predicted,)), False
+        else:
+            handed = (predicted, *self.ahead_offsets(predicted, table[layer.moe.next_moe.layer], host,
+                                                     ahead_rows(index + 1)))
+            # the next layer in this graph: its records start crossing now, beside this layer's
+            # experts and the next one's work up to its own (they land in the other ahead row set);
+            # a graph must join what it forks, so the last layer of a graph leaves them to the next
+            staging = not last
+            if staging:
+                self._stage_ahead(host, handed[1], index + 1)
         streams = self.combine(layer, streams, moe_experts(x, bank, slots, weights), shared, inject)
-        if predicted is None:
-            return streams, ()
-        if host is None:
-            return streams, (predicted,)
-        return streams, (predicted, *self.ahead_offsets(predicted, table[layer.moe.next_moe.layer], host))
+        return streams, handed, staging
+
+    def _stage_ahead(self, host: HostRecords, offsets: torch.Tensor, index: int) -> None:
+        """Stage layer `index`'s predicted host records (`offsets`, -1: none) into its ahead rows on
+        the side stream. `offsets` stays referenced (carried) until the layer's join, so the
+        allocator cannot hand its memory to other work while the side stream reads it."""
+        self._beside(lambda: stage_records(host.source, offsets, host.rows(ahead_rows(index)), programs=AHEAD_PROGRAMS))
 
     def _beside(self, work: Callable[[], object]) -> None:
         """Enqueue `work` on the side stream, after what the current stream has enqueued (inline

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from flashpack.runtime.experts import AHEAD_ROWS, LATE_ROWS, ON_DISK, HostRecords, host_code, host_slot_of
+from flashpack.runtime.experts import LATE_ROWS, ON_DISK, HostRecords, host_code, host_slot_of
 from flashpack.runtime.kernels import stage_records
 from flashpack.runtime.model.decoder_layer import DecoderLayer
 
@@ -59,13 +59,13 @@ def table_slots(experts, weights, code_row, host: HostRecords | None,
     return slots.clamp(min=0), weights.masked_fill(missing, 0), codes, missing, early
 
 
-def ahead_offsets(predicted, code_row, host: HostRecords):
+def ahead_offsets(predicted, code_row, host: HostRecords, row_set: int):
     """The next layer's predicted experts [1, k] that are in the host cache, against its slot-table
-    row: (offsets [k] for staging them into the AHEAD_ROWS staging rows, -1 elsewhere; their bank
+    row: (offsets [k] for staging them into staging row set `row_set`, -1 elsewhere; their bank
     rows [1, k], -1 where not staged)."""
     codes = code_row[predicted]
     in_host = codes <= host_code(0)
-    rows = host.first_slot(AHEAD_ROWS) + torch.arange(codes.shape[-1], device=codes.device, dtype=codes.dtype)
+    rows = host.first_slot(row_set) + torch.arange(codes.shape[-1], device=codes.device, dtype=codes.dtype)
     return _host_offsets(codes, in_host, host), torch.where(in_host, rows, -1)
 
 

@@ -63,7 +63,9 @@ class StorePlan:
         return self.host_slots * self.record_stride
 
 
-STAGING_ROW_SETS = 2  # top_k rows each: a layer's late staging, and its experts predicted by the layer before
+# top_k rows each: a layer's late staging, and its experts predicted by the layer before, in two sets
+# that even and odd layers take turns with (runtime/experts.py, LATE_ROWS and ahead_rows)
+STAGING_ROW_SETS = 3
 
 
 def plan_store(

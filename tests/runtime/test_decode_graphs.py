@@ -210,12 +210,13 @@ def test_tiered_pieces_compose_to_the_layers_on_cpu(tiny_pack, device_slots, hos
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU test above covers the captured pieces")
-@pytest.mark.parametrize("broken", ["misses-ignored", "state-not-restored", "ahead-not-staged"])
+@pytest.mark.parametrize("broken", ["misses-ignored", "state-not-restored", "ahead-not-staged", "ahead-rows-shared"])
 def test_control_a_tiered_step_must_see_its_misses_and_restore_its_state(tiny_pack, monkeypatch, broken):
     """Controls: a step that took a missing expert as found, that was redone without restoring the
-    state it had advanced, or whose predicted experts' rows were named but never staged, must give
-    other logits."""
-    from flashpack.runtime.model import graph_pieces
+    state it had advanced, whose predicted experts' rows were named but never staged, or (graphs of
+    two layers) whose next layer's records were staged into the rows this layer's experts still
+    read, must give other logits."""
+    from flashpack.runtime.model import decode_graphs, graph_pieces
 
     if broken == "misses-ignored":
         found = graph_pieces.table_slots
@@ -226,8 +227,11 @@ def test_control_a_tiered_step_must_see_its_misses_and_restore_its_state(tiny_pa
         ahead = graph_pieces.ahead_offsets
         monkeypatch.setattr(graph_pieces, "ahead_offsets", lambda *args: (
             lambda offsets, rows: (torch.full_like(offsets, -1), rows))(*ahead(*args)))
+    if broken == "ahead-rows-shared":
+        monkeypatch.setattr(decode_graphs, "ahead_rows", lambda layer: 1)
     # 40 host slots: most steps meet a disk miss; 300: every step stands, staging host records
-    stores, models = _tiered_pair(tiny_pack, 60, host_slots=300 if broken == "ahead-not-staged" else 40)
+    stores, models = _tiered_pair(tiny_pack, 60, host_slots=40 if broken in ("misses-ignored", "state-not-restored")
+                                  else 300, layers_per_graph=2 if broken == "ahead-rows-shared" else 1)
     if broken == "state-not-restored":
         bind = models[1].decode_graphs._bind
         monkeypatch.setattr(models[1].decode_graphs, "_bind",

@@ -13,7 +13,7 @@ import torch
 
 from flashpack.errors import FlashpackError
 from flashpack.layout.pack import Pack
-from flashpack.runtime.experts import AHEAD_ROWS, ExpertFetcher
+from flashpack.runtime.experts import ExpertFetcher, ahead_rows
 from flashpack.runtime.pack_source import PackExperts
 from flashpack.runtime.store import build_store
 from flashpack.runtime.store.hotset import hot_set_from_trace, save_hot_set
@@ -131,8 +131,9 @@ def test_staging_rows_come_out_of_the_device_budget(store_pack):
         assert store.device_pool.nbytes == store.plan.device_pool_bytes == (10 + staging) * stride
         records = store.host_records
         assert records.first_staging_slot == 10 and records.staging.shape[0] == staging
-        assert records.first_slot(AHEAD_ROWS) == 10 + top_k
-        assert records.rows(AHEAD_ROWS).data_ptr() == records.staging[top_k].data_ptr()
+        for layer in (0, 1):  # even and odd layers stage ahead into the two sets after the late rows
+            assert records.first_slot(ahead_rows(layer)) == 10 + (1 + layer) * top_k
+            assert records.rows(ahead_rows(layer)).data_ptr() == records.staging[(1 + layer) * top_k].data_ptr()
     with pytest.raises(FlashpackError, match=rf"{top_k} expert slots \(top_k of one layer\) and {staging} staging"):
         build_store(pack, vram_budget=(top_k + staging - 1) * stride, device_reserved=0, staging=True)
 

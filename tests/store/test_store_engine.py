@@ -69,6 +69,29 @@ def test_greedy_output_identical_to_all_in_memory(greedy, all_in_memory, device_
             assert store.stats.total().disk_reads > 0
 
 
+def test_a_streamed_prompt_gives_the_one_chunk_logits_bit_for_bit(greedy, monkeypatch):
+    """A prompt whose experts the store streams in chunks fills each (token, pick) row once and sums
+    them as the one-call path does: its logits equal a whole-budget store's exactly, however the
+    chunks fell."""
+    from flashpack.runtime.model import moe as moe_module
+
+    pack = greedy.pack
+    stride = pack.manifest.document["experts"]["record_stride"]
+    top_k = pack.manifest.config.num_experts_per_tok
+    prompt = torch.tensor(greedy.prompts[1])
+    calls, pairs = [], moe_module.moe_expert_pairs
+    monkeypatch.setattr(moe_module, "moe_expert_pairs", lambda *args: (calls.append(1), pairs(*args))[1])
+    logits = []
+    for slots in (top_k + 1, None):
+        calls.clear()
+        with build_store(pack, vram_budget=slots and slots * stride, ram_budget=None, device_reserved=0,
+                         poison=True) as store:
+            model = Qwen4ExpModel(PackWeights(pack), store, dtype=torch.float32)
+            logits.append(model(prompt, model.new_state()).logits)
+        assert (len(calls) > len(pack.manifest.config.layer_types)) == (slots is not None)  # chunks, or one call
+    assert torch.equal(logits[0], logits[1])
+
+
 def _workload(path, prompts=PROMPTS, max_tokens=4):
     path.write_text("\n".join(json.dumps({"prompt": p, "max_tokens": max_tokens}) for p in prompts) + "\n")
     return path

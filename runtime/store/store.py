@@ -321,39 +321,48 @@ class TieredStore(TransferJobs, TableSteps):
             raise FlashpackError("the expert store is closed")
         handles: list[ExpertHandle] = []
         copies: list[Copy] = []  # host-cache hits, copied as one batch (transfers.py)
-        index = admitted = 0
         with self._changed:
             try:
-                while index < len(experts):
-                    key = (layer, experts[index])
-                    miss = max_misses is not None and key not in self.device_slots
-                    if miss and admitted >= max_misses:
-                        break
-                    try:
-                        handles.append(self._admit(key, prewarm, copies))
-                    except NoRoom:
-                        if (handles and partial) or not block:
-                            break
-                        if partial and self._try_admit_anywhere(key, prewarm, handles, copies):
-                            index, admitted = index + 1, admitted + miss
-                            continue
-                        if self._inflight or self._host_loads or self._landing or self._pins() > len(handles):
-                            # loads in flight or other requests hold the slots: wait for a release,
-                            # with this request's copies started (a release may wait on them)
-                            self._submit_copies(copies, prewarm=prewarm is not None)
-                            if not self._changed.wait(WAIT_TIMEOUT_S):
-                                self._unpin_all(handles)
-                                raise FlashpackError(f"layer {layer}: timed out waiting for a free expert slot")
-                            continue
-                        self._unpin_all(handles)
-                        raise FlashpackError(
-                            f"layer {layer}: cannot hold {len(experts)} experts at once "
-                            f"({self.device_slots.capacity[layer]} slots); use fetch()"
-                        ) from None
-                    index, admitted = index + 1, admitted + miss
+                admitted = self._admit_prefix(layer, experts, partial, prewarm, max_misses, block, handles, copies)
             finally:  # loads placed are always started: a failed request may have joiners
                 self._submit_copies(copies, prewarm=prewarm is not None)
-        return handles, experts[index:]
+        return handles, experts[admitted:]
+
+    def _admit_prefix(
+        self, layer: int, experts: list[int], partial: bool, prewarm: dict[int, float] | None,
+        max_misses: int | None, block: bool, handles: list[ExpertHandle], copies: list[Copy],
+    ) -> int:
+        """(under the lock) `_request`'s placing: handles for `experts` in order into `handles`, their
+        host-cache copies into `copies`; returns how many experts were taken."""
+        index = misses = 0
+        while index < len(experts):
+            key = (layer, experts[index])
+            miss = max_misses is not None and key not in self.device_slots
+            if miss and misses >= max_misses:
+                break
+            try:
+                handles.append(self._admit(key, prewarm, copies))
+            except NoRoom:
+                if (handles and partial) or not block:
+                    break
+                if partial and self._try_admit_anywhere(key, prewarm, handles, copies):
+                    index, misses = index + 1, misses + miss
+                    continue
+                if not (self._inflight or self._host_loads or self._landing or self._pins() > len(handles)):
+                    self._unpin_all(handles)
+                    raise FlashpackError(
+                        f"layer {layer}: cannot hold {len(experts)} experts at once "
+                        f"({self.device_slots.capacity[layer]} slots); use fetch()"
+                    ) from None
+                # loads in flight or other requests hold the slots: wait for a release, with this
+                # request's copies started (a release may wait on them)
+                self._submit_copies(copies, prewarm=prewarm is not None)
+                if not self._changed.wait(WAIT_TIMEOUT_S):
+                    self._unpin_all(handles)
+                    raise FlashpackError(f"layer {layer}: timed out waiting for a free expert slot")
+                continue
+            index, misses = index + 1, misses + miss
+        return index
 
     def _try_admit_anywhere(self, key: tuple[int, int], prewarm, handles: list[ExpertHandle],
                             copies: list[Copy]) -> bool:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-import pytest
 import torch
 
 from flashpack.runtime.model import moe as moe_module
@@ -113,8 +112,7 @@ def test_prompt_held_whole_is_one_call(monkeypatch):
 
 
 def test_a_prompts_lost_chunk_shows(monkeypatch):
-    """The control: a stream that drops its last chunk leaves pairs unfilled."""
+    """The control: a stream that drops its last chunks leaves pairs unfilled."""
     filled = []
-    with pytest.raises(AssertionError):
-        _prompt([7, 9], monkeypatch, filled)
-        assert sorted(filled) == list(range(9 * K))
+    _prompt([7, 9], monkeypatch, filled)
+    assert filled and sorted(filled) != list(range(9 * K))

@@ -100,8 +100,8 @@ def moe_expert_pairs(
         return expert_pairs_reference(x, bank, slots, weights, y)
     from flashpack.runtime.kernels.expert_grouped import nvfp4_expert_pairs_grouped
 
-    return nvfp4_expert_pairs_grouped(x, bank, slots, weights, y, bound=bound,
-                                      precision=tile_precision(x.device, x.dtype), block_m=_grouped_block_m(slots, bank))
+    return nvfp4_expert_pairs_grouped(x, bank, slots, weights, y, bound=bound, block_m=_grouped_block_m(slots, bank),
+                                      precision=tile_precision(x.device, x.dtype))
 
 
 def dense_linear(x: torch.Tensor, weight: torch.Tensor, backend: str = "auto") -> torch.Tensor:

@@ -13,14 +13,17 @@
 # --no-fused-mix (hyper-connection mixes as the module's code); ahead-programs benches 24/64 with the
 # next layer's staging kernel on AHEAD programs (the engine's AHEAD_PROGRAMS, 32) to see whether it
 # starves beside the layers' kernels;
-# verify checks the tiny preset layer by layer on the GPU at VERIFY_DTYPES (default float32 bfloat16; ~250 s
-# for both: Triton autotunes);
-# sampling times a token's choice on the GPU against copying the logits to the host first;
+# verify checks the tiny preset layer by layer on the GPU at VERIFY_DTYPES (default float32 bfloat16), beside
+# the build (~2 min a dtype: Triton autotunes), and takes the stacks of a process that does not exit;
+# reads times record reads from the pack's disk (bench/store.py --only-io): whole, and split as the store's
+# reader splits them; sampling times a token's choice on the GPU against copying the logits to the host first;
 # no-prefetch and promote bench 24/64 as budgets does, but without next-layer prefetch, or with
 # promotions; one-graph and unbounded-one-graph as budgets and unbounded do, with the whole step in
 # one CUDA graph (--graph-layers $LAYERS) instead of one graph a layer. hotset and fp8-hot profile the
 # synth corpus on the GPU (`flashpack profile`) and pre-warm 24/64 (and fp8-hot 8/32 and 24/64 on the
-# --dense-fp8 pack) from that hot set; profile-8g profiles 8/32 decode on that pack from the same hot set
+# --dense-fp8 pack) from that hot set, and late-prefetch and whole-reads bench its 8/32 without two of
+# session 11's changes (the next layer's prefetch during a layer's loads, a record read in parts);
+# profile-8g profiles 8/32 decode on that pack from the same hot set
 # (baked once a call).
 # fp8 converts a --dense-fp8 pack from the same snapshot and benches 8/32 on it (BF16 dense
 # weights alone exceed an 8 GB card at 48 layers); fp8-star does so with the tiers pre-warmed ('*',
@@ -36,7 +39,7 @@ set -o pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site wheels/*.whl || exit 1
 mkdir -p /tmp/pkg && ln -sfn "$PWD" /tmp/pkg/flashpack
 export PYTHONPATH=/tmp/pkg:/tmp/site PYTHONUNBUFFERED=1
-LAYERS=${LAYERS:-4} GEN=${GEN:-32} PROMPT=${PROMPT:-512} W=/tmp/fp R=/tmp/results STAGES=${STAGES:-"tests unbounded fp8 fp8-star budgets long baseline profile hotset verify prefill-profile prefill-profile-tiered profile-8g eager fp8-unbounded staging no-prefetch promote one-graph unbounded-one-graph fp8-hot sampling kernels unbounded-no-combo unbounded-unfused-mix unfused-mix unbounded-cublas ahead-programs"}
+LAYERS=${LAYERS:-4} GEN=${GEN:-32} PROMPT=${PROMPT:-512} W=/tmp/fp R=/tmp/results STAGES=${STAGES:-"tests reads unbounded fp8 fp8-star budgets long baseline profile hotset verify prefill-profile prefill-profile-tiered profile-8g eager fp8-unbounded staging no-prefetch promote one-graph unbounded-one-graph fp8-hot late-prefetch whole-reads sampling kernels unbounded-no-combo unbounded-unfused-mix unfused-mix unbounded-cublas ahead-programs"}
 has() { [[ " $STAGES " == *" $1 "* ]]; }
 mkdir -p $R
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee $OUT/gpu.txt
@@ -46,6 +49,30 @@ start=$(date +%s)
   && timeout 150 python3 -m flashpack.cli convert $W/src $W/full.pack --force >/dev/null 2>&1 \
   ; echo "build rc=$? $(( $(date +%s) - start )) s" >> $OUT/gpu.txt ) &
 build=$!
+verify_tiny() {  # the tiny preset verified on the GPU at each of VERIFY_DTYPES (FP32 must match the reference to 1e-4);
+  # a process still alive 20 s after writing its report, or at VERIFY_TIMEOUT, is stuck: its native stacks
+  # (cuda-gdb, the machine has no gdb) go to verify-tiny-DTYPE.stacks, then SIGABRT has faulthandler print the Python ones
+  timeout 60 python3 -m flashpack.cli synth tiny $W/tiny --force >/dev/null && \
+    timeout 60 python3 -m flashpack.cli convert $W/tiny $W/tiny.pack --force >/dev/null 2>&1
+  for dtype in ${VERIFY_DTYPES:-float32 bfloat16}; do
+    local report=$R/verify-tiny-$dtype.json waited=0 reported=""
+    PYTHONFAULTHANDLER=1 python3 -m flashpack.cli verify $W/tiny.pack --reference $W/tiny --device cuda --dtype $dtype \
+      --json $report > $R/verify-tiny-$dtype.log 2>&1 &
+    local pid=$!
+    while kill -0 $pid 2>/dev/null && (( waited < ${VERIFY_TIMEOUT:-200} )); do
+      sleep 1; waited=$((waited + 1))
+      [ -z "$reported" ] && [ -f $report ] && reported=$waited
+      [ -n "$reported" ] && (( waited - reported >= 20 )) && break
+    done
+    if kill -0 $pid 2>/dev/null; then
+      echo "verify $dtype still running at $waited s (report written at ${reported:-never} s)"
+      timeout 90 cuda-gdb -p $pid -batch -ex "info threads" -ex "thread apply all bt 30" > $R/verify-tiny-$dtype.stacks 2>&1
+      kill -ABRT $pid; sleep 3; kill -KILL $pid 2>/dev/null
+    fi
+    wait $pid; echo "verify $dtype rc=$? after $waited s"; tail -3 $R/verify-tiny-$dtype.log
+  done
+}
+if has verify; then verify_tiny > $OUT/verify.log 2>&1 & verifying=$!; fi  # beside the build too: it needs only the tiny preset
 if has tests; then
   timeout 420 python3 -m pytest ${TESTS:-tests/kernels tests/runtime/test_engine_slots.py tests/runtime/test_decode_graphs.py tests/runtime/test_captured_call.py \
     tests/runtime/test_delta_rule.py tests/runtime/test_dense_fp8.py tests/store/test_store_stream.py \
@@ -53,7 +80,7 @@ if has tests; then
     -p no:cacheprovider -p no:logging > $OUT/tests.log 2>&1; echo "tests rc=$? $(( $(date +%s) - start )) s" >> $OUT/tests.log
   tail -40 $OUT/tests.log
 fi
-wait $build; cat $OUT/gpu.txt; [ -f $W/full.pack/manifest.json ] || exit 1
+wait $build; cat $OUT/gpu.txt; [ -n "$verifying" ] && wait $verifying && cat $OUT/verify.log; [ -f $W/full.pack/manifest.json ] || exit 1
 fp8_pack() {  # the --dense-fp8 pack from the same snapshot, converted when a stage first needs it
   [ -f $W/full-fp8.pack/manifest.json ] || timeout 150 python3 -m flashpack.cli convert $W/src $W/full-fp8.pack \
     --dense-fp8 --force >/dev/null 2>&1
@@ -74,6 +101,9 @@ bench() {  # name, vram, ram, extra args (PACK=full-fp8 for the --dense-fp8 pack
 for stage in $STAGES; do
   echo "== $stage at $(( $(date +%s) - start )) s"
   case $stage in
+    reads)  # the pack's records read from disk at 1, 4 and 16 threads, whole and in the reader's parts
+      timeout 120 python3 bench/store.py $W/full.pack --device cuda --only-io --io-records 256 --io-file-mb 0 \
+        --json $R/store-reads-h200.json 2>&1 | tail -12 ;;
     sampling) timeout 60 python3 bench/sampling.py --device cuda --json $R/sampling.json 2>&1 | tail -5 ;;
     kernels) sweep=${SWEEP-40}  # KERNELS picks bench/kernels.py's sections, SWEEP their sweeps' seconds (empty: none)
       timeout 180 python3 bench/kernels.py --only ${KERNELS:-router,hc-mix,dense,decode,crossover} ${sweep:+--sweep --sweep-seconds $sweep} \
@@ -114,10 +144,20 @@ for stage in $STAGES; do
     hotset)  # a hot set profiled on the synth corpus, then 24/64 pre-warmed from it (not '*': id order)
       hot_set full
       bench 24g-64g-hot 24GiB 64GiB --prompt-len $PROMPT --gen $GEN --hot-set corpus ;;
-    fp8-hot) fp8_pack; hot_set full-fp8
-      PACK=full-fp8 bench 8g-32g-fp8-hot 8GiB 32GiB --prompt-len $PROMPT --gen $GEN --hot-set corpus
+    fp8-hot) fp8_pack; hot_set full-fp8  # HOT_BUDGETS picks: 8g 24g (default both)
+      if [[ " ${HOT_BUDGETS:-8g 24g} " == *" 8g "* ]]; then
+        PACK=full-fp8 bench 8g-32g-fp8-hot 8GiB 32GiB --prompt-len $PROMPT --gen $GEN --hot-set corpus; fi
       # FP8 dense weights leave a 24 GB card some 3.5 GB more for experts at 48 layers
-      PACK=full-fp8 bench 24g-64g-fp8-hot 24GiB 64GiB --prompt-len $PROMPT --gen $GEN --hot-set corpus ;;
+      if [[ " ${HOT_BUDGETS:-8g 24g} " == *" 24g "* ]]; then
+        PACK=full-fp8 bench 24g-64g-fp8-hot 24GiB 64GiB --prompt-len $PROMPT --gen $GEN --hot-set corpus; fi ;;
+    late-prefetch)  # the control for fp8-hot's 8/32: a through-store layer prefetches once its own loads landed
+      fp8_pack; hot_set full-fp8
+      BENCH_PY="import sys; from flashpack.runtime.model import moe; moe.PREFETCH_DURING_LOADS = False; from flashpack.cli import main; main()" \
+        PACK=full-fp8 bench 8g-32g-fp8-hot-late-prefetch 8GiB 32GiB --prompt-len $PROMPT --gen $GEN --hot-set corpus ;;
+    whole-reads)  # the control for fp8-hot's 8/32: each record read as one part
+      fp8_pack; hot_set full-fp8
+      BENCH_PY="import sys; from flashpack.runtime.store import reader; reader.READ_PIECES = 1; from flashpack.cli import main; main()" \
+        PACK=full-fp8 bench 8g-32g-fp8-hot-whole-reads 8GiB 32GiB --prompt-len $PROMPT --gen $GEN --hot-set corpus ;;
     profile-8g)  # 8/32 on the --dense-fp8 pack with the hot set: where a through-store decode layer's time goes
       fp8_pack; hot_set full-fp8
       timeout 150 python3 bench/profile_decode.py $W/full-fp8.pack --name tiered-8g-32g-hot --vram-budget 8GiB \
@@ -131,14 +171,6 @@ for stage in $STAGES; do
     eager)
       bench unbounded-eager "" "" --prompt-len $PROMPT --gen $GEN --no-cuda-graphs
       bench 24g-64g-eager 24GiB 64GiB --prompt-len $PROMPT --gen $GEN --no-cuda-graphs ;;
-    verify)  # the tiny preset verified on the GPU at both dtypes (FP32 must match the reference to 1e-4)
-      timeout 60 python3 -m flashpack.cli synth tiny $W/tiny --force >/dev/null && \
-        timeout 60 python3 -m flashpack.cli convert $W/tiny $W/tiny.pack --force >/dev/null 2>&1
-      for dtype in ${VERIFY_DTYPES:-float32 bfloat16}; do
-        # cut off at VERIFY_TIMEOUT by SIGABRT, which faulthandler answers with every thread's stack
-        PYTHONFAULTHANDLER=1 timeout -s ABRT ${VERIFY_TIMEOUT:-200} python3 -m flashpack.cli verify $W/tiny.pack \
-          --reference $W/tiny --device cuda --dtype $dtype --json $R/verify-tiny-$dtype.json > $R/verify-tiny-$dtype.log 2>&1
-        echo "verify rc=$?"; tail -4 $R/verify-tiny-$dtype.log; done ;;
     fp8-unbounded) fp8_pack; PACK=full-fp8 bench unbounded-fp8 "" "" --prompt-len $PROMPT --gen $GEN ;;
   esac
   tar czf $OUT/results.tgz -C $R .  # at most 8 files come back from a device call: one archive

@@ -107,9 +107,13 @@ class ExpertSlots(Protocol):
         """Every slot of the source as one bank on the engine's device."""
         ...
 
-    def stream(self, layer: int, experts: list[int]) -> Iterator[list[SlotHandle]]:
+    def stream(
+        self, layer: int, experts: list[int], prefetch_after: tuple[int, list[int]] | None = None,
+    ) -> Iterator[list[SlotHandle]]:
         """Ready handles covering `experts` of `layer` once each, in one or more chunks; a chunk's
-        slots stay valid until the consumer asks for the next chunk (kernels enqueued by then)."""
+        slots stay valid until the consumer asks for the next chunk (kernels enqueued by then).
+        `prefetch_after`: (layer, experts) to prefetch once this request's loads have started,
+        before the first chunk is waited for."""
         ...
 
     def prefetch(self, layer: int, experts: list[int]) -> int:

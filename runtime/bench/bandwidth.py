@@ -100,7 +100,7 @@ def disk_read(root: Path, files: list[str], limit: int = DEFAULT_DISK_BYTES, chu
             jobs.append((file, offset, length))
             offsets[file] += length
             planned += length
-    reader = RecordReader(root, files, direct=direct)
+    reader = RecordReader(root, files, direct=direct, pieces=1)  # the disk at `threads` reads in flight, unsplit
     threads = max(1, min(threads, len(jobs)))
     buffers = [aligned_empty(chunk) for _ in range(threads)]
 

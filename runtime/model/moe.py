@@ -11,7 +11,9 @@ With an `ExpertSlots` source the routed experts run as fused NVFP4 kernels over 
                                    misses, then the kernels per chunk (a prompt's fill one float32
                                    buffer of (token, pick) rows, summed once: no sync a chunk);
                                    in decode the next layer's router, applied to this layer's
-                                   input, names the experts to prefetch into the gap that follows
+                                   input, names the experts to prefetch, started once this
+                                   layer's own loads are queued (behind them in the store's
+                                   lanes), so a guess's disk read runs while they land
 With an `ExpertFetcher` the dequantised weights run as plain linears, expert by expert.
 """
 
@@ -34,6 +36,11 @@ from flashpack.runtime.model.norms import activation
 from flashpack.runtime.weights import WeightSource
 
 PREDICT_MAX_TOKENS = 4  # decode and speculative verification; a prompt fetches every expert anyway
+
+# When a through-store decode layer starts prefetching the next layer's predicted experts: while its
+# own loads land (True), or once they have (False, the order before session 11: the control that
+# bench/h200.sh's `late-prefetch` stage benches)
+PREFETCH_DURING_LOADS = True
 
 
 class SparseMoE(nn.Module):
@@ -94,9 +101,9 @@ class SparseMoE(nn.Module):
     def routed_from_store(
         self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, predicted: torch.Tensor | None,
     ) -> torch.Tensor:
-        """The routed experts through a tiered store: read the ids back in one transfer, run the
-        kernels as the store lands the records, then prefetch the predicted next-layer experts
-        into the gap that follows (the decode graphs replay everything around this)."""
+        """The routed experts through a tiered store: read the ids back in one transfer, start
+        the loads, prefetch the predicted next-layer experts behind them, and run the kernels as
+        the store lands the records (the decode graphs replay everything around this)."""
         if x.shape[0] > PREDICT_MAX_TOKENS:  # a prompt (no prediction): its pair counts, read back once
             counts = torch.bincount(experts.flatten(), minlength=self.num_experts).tolist()
             return self._prompt_from_slots(x, weights, experts, counts)
@@ -104,9 +111,12 @@ class SparseMoE(nn.Module):
         ids = torch.cat([experts.flatten(), *([] if predicted is None else [predicted.flatten()])]).tolist()
         host_experts = ids[:experts.numel()]
         wanted, upcoming = sorted(set(host_experts)), sorted(set(ids[experts.numel():]))
+        ahead = (self.next_moe.layer, upcoming) if upcoming else None
+        if PREFETCH_DURING_LOADS:
+            return self._routed_from_slots(x, weights, experts, wanted, host_experts, prefetch_after=ahead)
         routed = self._routed_from_slots(x, weights, experts, wanted, host_experts)
-        if upcoming:
-            self.slots.prefetch(self.next_moe.layer, upcoming)
+        if ahead is not None:
+            self.slots.prefetch(*ahead)
         return routed
 
     def _prompt_from_slots(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
@@ -136,12 +146,12 @@ class SparseMoE(nn.Module):
 
     def _routed_from_slots(
         self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, wanted: list[int],
-        host_experts: list[int],
+        host_experts: list[int], prefetch_after: tuple[int, list[int]] | None = None,
     ) -> torch.Tensor:
         """A decode step's routed experts; `host_experts`: `experts` read back, so the slots can be
-        looked up on the host."""
+        looked up on the host; `prefetch_after`: the next layer's guess, for the store."""
         out = None
-        with closing(self.slots.stream(self.layer, wanted)) as chunks:  # closing releases the last chunk
+        with closing(self.slots.stream(self.layer, wanted, prefetch_after)) as chunks:  # closing releases the last chunk
             for chunk in chunks:
                 part = self._decode_chunk(x, weights, experts, chunk, host_experts, whole=len(chunk) == len(wanted))
                 out = part if out is None else out + part

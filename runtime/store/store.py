@@ -129,7 +129,8 @@ class TieredStore(TransferJobs, TableSteps):
                                     lambda: make_policy(host_policy or policy))
         floor = min(self.top_k, plan.device_slots // len(self.layers))
         self.rebalancer = Rebalancer(floor=floor, window=REBALANCE_WINDOW * len(self.layers)) if rebalance else None
-        self.reader = RecordReader(pack.root, sorted({r.file for r in records}), direct=direct_io)
+        self.reader = RecordReader(pack.root, sorted({r.file for r in records}), direct=direct_io,
+                                   callers=reader_threads)
         self._readers = ReadLanes(reader_threads)
         # one copy thread, its own two lanes: a request's copies go ahead of prefetch copies queued
         # by the layer before (a through-store decode layer otherwise waits behind the guesses)
@@ -161,7 +162,9 @@ class TieredStore(TransferJobs, TableSteps):
             self._bank = ExpertBank.from_pool(self.device_pool.tensor, self.geometry)
         return self._bank
 
-    def stream(self, layer: int, experts: list[int]) -> Iterator[list[ExpertHandle]]:
+    def stream(
+        self, layer: int, experts: list[int], prefetch_after: tuple[int, list[int]] | None = None,
+    ) -> Iterator[list[ExpertHandle]]:
         """Ready handles for `experts` of `layer`, chunk by chunk, each expert once.
 
         A request that fits the layer's share is one chunk. A larger one (a prefill) yields its
@@ -171,8 +174,13 @@ class TieredStore(TransferJobs, TableSteps):
         the generator (use `contextlib.closing`, or let an exception end the loop): kernels
         reading them must be enqueued by then (on CUDA the release records an event on the
         current stream).
+        `prefetch_after` (layer, experts): a prefetch started once the first chunk's loads are
+        queued, before waiting for them, so a guess's disk reads and copies run while this layer's
+        land, behind them in the lanes.
         Counted like requests; raises FlashpackError naming layer and expert on a failed load."""
         if not experts:
+            if prefetch_after is not None:
+                self.prefetch(*prefetch_after)
             return
         streaming = len(experts) > max(self.top_k, self.device_slots.capacity[layer])
         remaining = list(experts)
@@ -192,6 +200,9 @@ class TieredStore(TransferJobs, TableSteps):
                     break
                 if remaining:  # start the next chunk's loads, without waiting for room, first
                     staged, remaining = self._request(layer, remaining, partial=True, max_misses=misses, block=False)
+                if prefetch_after is not None:
+                    self.prefetch(*prefetch_after)
+                    prefetch_after = None
                 self._await(current)
                 yield current
                 self._release(current)

@@ -26,7 +26,7 @@ class ChunkedSlots:
     def __init__(self, sizes: list[int]):
         self.sizes = sizes
 
-    def stream(self, layer, experts):
+    def stream(self, layer, experts, prefetch_after=None):
         handles = [SimpleNamespace(expert=e, slot=3 * i + 1) for i, e in enumerate(experts)]
         start = 0
         for size in self.sizes:

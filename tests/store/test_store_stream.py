@@ -342,6 +342,31 @@ def test_required_reads_go_before_queued_prefetch_reads(store_pack):
         assert order == [(1, 0), (2, 7), (1, 1), (1, 2)]
 
 
+def test_a_prefetch_after_a_request_starts_while_its_loads_are_in_flight(store_pack):
+    """A through-store decode layer hands the next layer's guess to stream(): it is issued once the
+    layer's own reads are queued, before the layer waits for them, and read behind them."""
+    pack = Pack.open(store_pack)
+    layers = _info(pack).layers
+    with _store(pack, 8 * len(layers), 32, reader_threads=1, rebalance=False) as store:
+        gate, asked, guessed = threading.Event(), (layers[1], 5), [(layers[2], 0), (layers[2], 1)]
+        order = _gate_reads(store, pack, {asked}, gate)
+        stream = store.stream(asked[0], [asked[1]], prefetch_after=(layers[2], [e for _, e in guessed]))
+        first = threading.Thread(target=lambda: next(stream))
+        first.start()
+        deadline = time.monotonic() + 10
+        while store.stats.layer(layers[2]).prefetch_issued < 2 or not order:  # issued while the read is held
+            assert time.monotonic() < deadline, "the prefetch waited for the request's loads"
+            time.sleep(0.01)
+        assert first.is_alive() and store._readers.pending() == (0, 2)
+        gate.set()
+        first.join(10)
+        stream.close()
+        settle(store)
+        assert order == [asked, *guessed]
+        assert all((layer, expert) in store.device_slots for layer, expert in guessed)
+        assert _nothing_pinned(store)
+
+
 def test_request_copies_go_before_queued_prefetch_copies(store_pack):
     """One copy thread, two lanes: a request's host-to-device copies overtake the prefetch copies the
     layer before queued (a through-store decode layer would otherwise wait behind the guesses)."""

@@ -30,10 +30,11 @@
 # no profile to run first). budgets, long (a 32k prompt) and baseline (with
 # transformers + accelerate beside) run 24/64 with every record pre-warmed (--hot-set '*'). TESTS
 # overrides the GPU test list.
-# Timing on an H200 (2026-11-29, runs 14-16; session 10's runs 21-23 took 111-183 s to synth): build 134-139 s (LAYERS=4; the FP8 pack is converted by
-# the first stage that needs it), tests 178-204 s beside it, the first bench of a call ~100-120 s
-# (Inductor compiles), later ones 40-50 s, hotset ~90 s, the resident profile ~35 s, long ~55 s; all
-# stages exceed one call's 600 s, and a machine keeps nothing between calls, so split STAGES over
+# Timing on an H200 (runs 14-26): build 124-204 s (LAYERS=4; synth alone 107-183 s; the FP8 pack is
+# converted by the first stage that needs it), tests 154-204 s beside it, a float32 verify 150-195 s
+# beside it, the first bench of a call ~100-120 s (Inductor compiles), later ones 40-60 s, hotset ~90 s,
+# fp8-hot with its FP8 convert and hot set ~265 s, reads ~35 s, the resident profile ~35 s, long ~55 s;
+# all stages exceed one call's 600 s, and a machine keeps nothing between calls, so split STAGES over
 # calls (each rebuilds).
 set -o pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site wheels/*.whl || exit 1

@@ -147,7 +147,8 @@ def read_speed(root: Path, records: list[tuple[str, int]], stride: int, threads:
 
 def io_table(label: str, root: Path, records: list[tuple[str, int]], stride: int, results: list) -> None:
     print(f"\n## {label}: {len(records)} records of {stride} bytes, each read once, random order, cold cache\n")
-    print(f"| threads | O_DIRECT GB/s (ms a record) | O_DIRECT in {READ_PIECES} parts GB/s (ms a record) | buffered GB/s |")
+    print(f"| threads | O_DIRECT GB/s (ms a record) | O_DIRECT in {READ_PIECES} parts GB/s (ms a record) "
+          "| buffered GB/s |")
     print("| --- | --- | --- | --- |")
     for threads in (1, 4, 16):
         direct = read_speed(root, records, stride, threads, True)

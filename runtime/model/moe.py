@@ -151,7 +151,8 @@ class SparseMoE(nn.Module):
         """A decode step's routed experts; `host_experts`: `experts` read back, so the slots can be
         looked up on the host; `prefetch_after`: the next layer's guess, for the store."""
         out = None
-        with closing(self.slots.stream(self.layer, wanted, prefetch_after)) as chunks:  # closing releases the last chunk
+        # closing releases the last chunk
+        with closing(self.slots.stream(self.layer, wanted, prefetch_after)) as chunks:
             for chunk in chunks:
                 part = self._decode_chunk(x, weights, experts, chunk, host_experts, whole=len(chunk) == len(wanted))
                 out = part if out is None else out + part

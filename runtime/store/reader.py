@@ -9,10 +9,9 @@ network filesystems) the reader falls back to ordinary reads and says why in `fa
 The reader threads are the store's; `preadv` releases the GIL, so they overlap.
 
 A single record is read as `pieces` page-aligned parts at once (the caller's thread takes one,
-helper threads the rest): on the H200 machine's NVMe one thread's 2.7 MB read ran at 0.91 GB/s
-where eight threads together moved 1.63 GB/s (bench/results/bench-8g-32g-fp8-hot-h200.json), and
-a decode step that misses waits for its record's read, so the read's latency, not only the disk's
-throughput, sets the pace.
+helper threads the rest): a decode step that misses waits for its record's read, so the read's
+latency, not only the disk's throughput, sets the pace. On the H200 machine's NVMe one thread read
+a 2.7 MB record in 5.42 ms whole and 2.26 ms in four parts (bench/results/store-reads-h200.json).
 """
 
 from __future__ import annotations

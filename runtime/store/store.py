@@ -412,6 +412,7 @@ class TieredStore(TransferJobs, TableSteps):
                 count(requests=1, device_hits=1)
                 return ExpertHandle(layer, expert, entry.slot, "device", self, entry)
             count(requests=1, joined=1)
+            self._readers.promote(key)  # a guess still queued for the disk: the request waits for it now
             return ExpertHandle(layer, expert, entry.slot, "joined", self, entry, self._inflight[key])
         if key not in self.host_slots and self.host_slots.free_slots == 0 and self.host_slots.unpinned(HOST) == 0:
             raise NoRoom("every host buffer is in use")  # checked before the device slot is taken
@@ -451,7 +452,7 @@ class TieredStore(TransferJobs, TableSteps):
             return future, "host"
         self._place_host(key, seed=0.0 if prefetch else seed)
         self._host_loads[key] = Future()
-        self._readers.submit(self._read_job, [key], (slot, future), prewarm, low=prefetch)
+        self._readers.submit(self._read_job, [key], (slot, future), prewarm, low=prefetch, key=key)
         return future, "disk"
 
     def _submit_copies(self, copies: list[Copy], low: bool = False, prewarm: bool = False) -> None:

@@ -442,3 +442,59 @@ def test_read_lanes_keep_a_thread_for_required_reads():
     assert len(running) == 3
     with pytest.raises(RuntimeError):
         lanes.submit(done.set)
+
+
+def _running_while_required_reads(beside: bool, monkeypatch) -> tuple[bool, bool]:
+    """(a prefetch job ran while a required job ran, a queued one was promoted and then ran while
+    it ran): three threads, one required job held until the end."""
+    from flashpack.runtime.store import lanes as lanes_module
+
+    monkeypatch.setattr(lanes_module, "GUESSES_BESIDE_REQUIRED", beside)
+    lanes = ReadLanes(3)
+    hold, started, guessed, promoted = threading.Event(), threading.Event(), threading.Event(), threading.Event()
+    lanes.submit(lambda: (started.set(), hold.wait(10)))
+    assert started.wait(5)
+    lanes.submit(guessed.set, low=True, key="guess")
+    lanes.submit(promoted.set, low=True, key="joined")
+    beside_ran = guessed.wait(0.3)
+    moved = lanes.promote("joined")  # only a job still queued moves
+    promoted_ran = promoted.wait(5)
+    hold.set()
+    assert guessed.wait(5)  # once the required job is done the guess runs
+    lanes.shutdown()
+    return beside_ran, moved and promoted_ran
+
+
+def test_prefetch_reads_wait_while_a_required_read_runs_unless_a_request_joins_them(monkeypatch):
+    beside, promoted = _running_while_required_reads(False, monkeypatch)
+    assert not beside and promoted
+    # the control, the rule before session 11: a guess starts beside a running required read
+    beside, _ = _running_while_required_reads(True, monkeypatch)
+    assert beside
+
+
+def test_a_request_joining_a_queued_prefetch_read_promotes_it(store_pack):
+    pack = Pack.open(store_pack)
+    layers = _info(pack).layers
+    with _store(pack, 8 * len(layers), 32, reader_threads=3, rebalance=False) as store:
+        gate, held, guess = threading.Event(), (layers[1], 5), (layers[2], 1)
+        order = _gate_reads(store, pack, {held}, gate)
+        first = threading.Thread(target=lambda: store.fetch(*held[:1], [held[1]]))
+        first.start()
+        deadline = time.monotonic() + 10
+        while not order:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert store.prefetch(guess[0], [guess[1]]) == 1
+        time.sleep(0.2)
+        assert order == [held] and store._readers.pending() == (0, 1)  # the guess waits for the gap
+        handles = store.request(guess[0], [guess[1]])  # joins the queued guess, which starts now
+        assert handles[0].source == "joined"
+        while len(order) < 2:
+            assert time.monotonic() < deadline, "the joined guess still waits behind the required read"
+            time.sleep(0.01)
+        assert order == [held, guess] and first.is_alive()
+        gate.set()
+        store.wait(handles)
+        first.join(10)
+        assert _nothing_pinned(store)

@@ -187,3 +187,27 @@ def test_fp32_verify_runs_without_tf32_anywhere(monkeypatch):
     with ieee_fp32():
         pass
     assert TRITON_F32_DEFAULT not in os.environ
+
+
+def test_the_engine_and_reference_runs_show_their_progress(tiny_pack, tiny_snapshot, capsys):
+    """A GPU verify spends minutes in its first engine calls (Triton builds kernels): bars say where it is."""
+    from flashpack.layout.pack import Pack
+    from flashpack.verify.expected import ExpectedWeights
+    from flashpack.verify.inputs import Sequence
+    from flashpack.verify.match import open_reference
+    from flashpack.verify.ours import run_engine
+    from flashpack.verify.reference import LayerwiseReference
+
+    pack = Pack.open(tiny_pack)
+    try:
+        sequences = [Sequence("short", (1, 2, 3), (4, 5))]
+        traces = run_engine(pack, sequences, torch.float32, "cpu", progress=True)
+        weights = ExpectedWeights(open_reference(pack.manifest, tiny_snapshot), dense_fp8_rows=False)
+        logits = LayerwiseReference(weights).run(sequences, progress=True)
+    finally:
+        pack.close()
+    bars = capsys.readouterr().err
+    layers = pack.manifest.config.num_hidden_layers
+    assert "engine: 100%" in bars and "3/3" in bars
+    assert "reference (torch.float32): 100%" in bars and f"{layers}/{layers}" in bars
+    torch.testing.assert_close(traces[0].logits, logits[0], rtol=1e-4, atol=1e-4)

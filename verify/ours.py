@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from tqdm import tqdm
 
 from flashpack.layout.pack import Pack
 from flashpack.runtime.model import Qwen4ExpModel
@@ -25,14 +26,19 @@ class Trace:
     logits: torch.Tensor  # [T, vocab]
 
 
-def run_engine(pack: Pack, sequences: list[Sequence], dtype: torch.dtype, device: str) -> list[Trace]:
+def run_engine(
+    pack: Pack, sequences: list[Sequence], dtype: torch.dtype, device: str, progress: bool = False,
+) -> list[Trace]:
+    """`progress`: a bar over the engine's calls (on a GPU the first ones compile and autotune
+    Triton kernels for each new shape, minutes for the tiny preset)."""
     model = Qwen4ExpModel(PackWeights(pack), PackExperts(pack), dtype=dtype, device=device)
-    traces = [_trace(model, seq) for seq in sequences]
+    with tqdm(total=sum(len(seq.steps) for seq in sequences), unit="call", desc="engine", disable=not progress) as bar:
+        traces = [_trace(model, seq, bar) for seq in sequences]
     del model
     return traces
 
 
-def _trace(model: Qwen4ExpModel, seq: Sequence) -> Trace:
+def _trace(model: Qwen4ExpModel, seq: Sequence, bar: tqdm) -> Trace:
     captured: list[list[torch.Tensor]] = [[] for _ in model.layers]
     hooks = [
         layer.register_forward_hook(lambda _module, _args, out, chunks=chunks: chunks.append(out.float().cpu()))
@@ -42,6 +48,7 @@ def _trace(model: Qwen4ExpModel, seq: Sequence) -> Trace:
         state, logits = model.new_state(), []
         for step in seq.steps:
             logits.append(model(torch.tensor(step, dtype=torch.long), state).logits.float().cpu())
+            bar.update()
     finally:
         for hook in hooks:
             hook.remove()

@@ -28,6 +28,7 @@ from contextlib import contextmanager
 import torch
 import torch.nn.functional as F
 from torch import nn
+from tqdm import tqdm
 from transformers import DynamicCache, Qwen4ExpTextConfig
 from transformers.masking_utils import create_causal_mask
 from transformers.models.qwen4_exp import modeling_qwen4_exp as hf
@@ -69,18 +70,22 @@ class LayerwiseReference:
         self.rotary = hf.Qwen4ExpTextRotaryEmbedding(self.hf_config).to(self.device)
 
     @torch.inference_mode()
-    def run(self, sequences: list[Sequence], on_layer: LayerCallback | None = None) -> list[torch.Tensor]:
+    def run(
+        self, sequences: list[Sequence], on_layer: LayerCallback | None = None, progress: bool = False,
+    ) -> list[torch.Tensor]:
         """Logits [T, vocab] (float32, CPU) per sequence; `on_layer(layer, outputs)` gets each
-        decoder layer's hc streams [T, hc * H] per sequence (T = prefill + decode tokens)."""
+        decoder layer's hc streams [T, hc * H] per sequence (T = prefill + decode tokens);
+        `progress`: a bar over the layers."""
         with plain_delta_rule():
-            return self._run(sequences, on_layer)
+            return self._run(sequences, on_layer, progress)
 
-    def _run(self, sequences: list[Sequence], on_layer: LayerCallback | None) -> list[torch.Tensor]:
+    def _run(self, sequences: list[Sequence], on_layer: LayerCallback | None, progress: bool) -> list[torch.Tensor]:
         embed = self._dense("embed_tokens.weight")
         hc = self.hf_config.hc_count
         streams = [[F.embedding(self._ids(step), embed).repeat(1, 1, hc) for step in seq.steps] for seq in sequences]
         del embed
-        for layer in range(self.hf_config.num_hidden_layers):
+        layers = range(self.hf_config.num_hidden_layers)
+        for layer in tqdm(layers, unit="layer", desc=f"reference ({self.dtype})", disable=not progress):
             module = self._build_layer(layer)
             for seq, chunks in zip(sequences, streams):
                 cache, start = DynamicCache(config=self.hf_config), 0

@@ -58,7 +58,7 @@ def verify_pack(
     prompts: texts for the pack's tokenizer (each one's last `decode_tokens` tokens are decoded
     teacher-forced); None: random sequences sized to exercise the indexer and PLE (inputs.py).
     control: one of controls.CONTROLS: verify a broken copy instead, which must fail.
-    progress: a progress bar while hashing the reference snapshot.
+    progress: progress bars while hashing the reference snapshot, running the engine and the reference.
     """
     if dtype not in DTYPES:
         raise FlashpackError(f"unsupported dtype {dtype!r}: use float32 or bfloat16")
@@ -76,12 +76,12 @@ def verify_pack(
         )
         check_sequences(cfg, sequences)
         if control is None:
-            report = _verify(opened, snapshot, sequences, dtype, device)
+            report = _verify(opened, snapshot, sequences, dtype, device, progress)
         else:
             with tempfile.TemporaryDirectory(prefix=f".{opened.root.name}.control-", dir=opened.root.parent) as work:
                 broken = Pack.open(make_control(opened, control, Path(work)))
                 try:
-                    report = _verify(broken, snapshot, sequences, dtype, device)
+                    report = _verify(broken, snapshot, sequences, dtype, device, progress)
                 finally:
                     broken.close()
             report.control = control
@@ -117,16 +117,18 @@ def ieee_fp32() -> Iterator[None]:
             os.environ[TRITON_F32_DEFAULT] = saved_env
 
 
-def _verify(pack: Pack, snapshot, sequences: list[Sequence], dtype: str, device: str) -> VerifyReport:
+def _verify(pack: Pack, snapshot, sequences: list[Sequence], dtype: str, device: str, progress: bool) -> VerifyReport:
     with ieee_fp32():
-        return _run_and_compare(pack, snapshot, sequences, dtype, device)
+        return _run_and_compare(pack, snapshot, sequences, dtype, device, progress)
 
 
-def _run_and_compare(pack: Pack, snapshot, sequences: list[Sequence], dtype: str, device: str) -> VerifyReport:
+def _run_and_compare(
+    pack: Pack, snapshot, sequences: list[Sequence], dtype: str, device: str, progress: bool,
+) -> VerifyReport:
     cfg = pack.manifest.config
     seconds: dict[str, float] = {}
     started = time.perf_counter()
-    ours = run_engine(pack, sequences, DTYPES[dtype], device)
+    ours = run_engine(pack, sequences, DTYPES[dtype], device, progress)
     seconds["engine"] = time.perf_counter() - started
 
     expected = ExpectedWeights(snapshot, dense_fp8_rows=bool(pack.manifest.document["dense"]["fp8_rows"]))
@@ -141,7 +143,7 @@ def _run_and_compare(pack: Pack, snapshot, sequences: list[Sequence], dtype: str
             truth[layer] = refs  # kept for the floor pass
 
     started = time.perf_counter()
-    ref_logits = LayerwiseReference(expected, torch.float32, device).run(sequences, compare_layer)
+    ref_logits = LayerwiseReference(expected, torch.float32, device).run(sequences, compare_layer, progress)
     seconds["reference"] = time.perf_counter() - started
     rows.append(Row("logits", "logits", _phases(sequences, [t.logits for t in ours], ref_logits), FP32.rel))
     stats = merge_logit_stats([logit_stats(t.logits, ref) for t, ref in zip(ours, ref_logits)])
@@ -153,7 +155,7 @@ def _run_and_compare(pack: Pack, snapshot, sequences: list[Sequence], dtype: str
             rows[layer].floor, rows[layer].tolerance = floor, bf16_rel_gate(floor)
 
         started = time.perf_counter()
-        floor_logits = LayerwiseReference(expected, torch.bfloat16, device).run(sequences, floor_layer)
+        floor_logits = LayerwiseReference(expected, torch.bfloat16, device).run(sequences, floor_layer, progress)
         seconds["bf16_floor"] = time.perf_counter() - started
         phases = _phases(sequences, floor_logits, ref_logits)
         rows[-1].floor = worst(*(e for p in phases.values() for e in p.values())).rel

@@ -20,11 +20,16 @@ from flashpack.convert.pipeline import convert
 from flashpack.convert.synth import synthesize
 from flashpack.errors import FlashpackError
 from flashpack.layout.manifest import Manifest
+from flashpack.layout.pack import Pack
 from flashpack.runtime.tokenizer import PackTokenizer
 from flashpack.verify import verify_pack
 from flashpack.verify.compare import BF16_FLOOR_FACTOR, FP32, Errors, errors, worst
 from flashpack.verify.controls import CONTROLS
-from flashpack.verify.inputs import prompt_sequences
+from flashpack.verify.expected import ExpectedWeights
+from flashpack.verify.inputs import Sequence, prompt_sequences
+from flashpack.verify.match import open_reference
+from flashpack.verify.ours import run_engine
+from flashpack.verify.reference import LayerwiseReference
 from flashpack.verify.report import Row
 
 
@@ -191,13 +196,6 @@ def test_fp32_verify_runs_without_tf32_anywhere(monkeypatch):
 
 def test_the_engine_and_reference_runs_show_their_progress(tiny_pack, tiny_snapshot, capsys):
     """A GPU verify spends minutes in its first engine calls (Triton builds kernels): bars say where it is."""
-    from flashpack.layout.pack import Pack
-    from flashpack.verify.expected import ExpectedWeights
-    from flashpack.verify.inputs import Sequence
-    from flashpack.verify.match import open_reference
-    from flashpack.verify.ours import run_engine
-    from flashpack.verify.reference import LayerwiseReference
-
     pack = Pack.open(tiny_pack)
     try:
         sequences = [Sequence("short", (1, 2, 3), (4, 5))]
@@ -209,5 +207,5 @@ def test_the_engine_and_reference_runs_show_their_progress(tiny_pack, tiny_snaps
     bars = capsys.readouterr().err
     layers = pack.manifest.config.num_hidden_layers
     assert "engine: 100%" in bars and "3/3" in bars
-    assert "reference (torch.float32): 100%" in bars and f"{layers}/{layers}" in bars
+    assert "reference (float32): 100%" in bars and f"{layers}/{layers}" in bars
     torch.testing.assert_close(traces[0].logits, logits[0], rtol=1e-4, atol=1e-4)

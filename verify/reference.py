@@ -85,7 +85,7 @@ class LayerwiseReference:
         streams = [[F.embedding(self._ids(step), embed).repeat(1, 1, hc) for step in seq.steps] for seq in sequences]
         del embed
         layers = range(self.hf_config.num_hidden_layers)
-        for layer in tqdm(layers, unit="layer", desc=f"reference ({self.dtype})", disable=not progress):
+        for layer in tqdm(layers, unit="layer", desc=f"reference ({str(self.dtype).removeprefix('torch.')})", disable=not progress):
             module = self._build_layer(layer)
             for seq, chunks in zip(sequences, streams):
                 cache, start = DynamicCache(config=self.hf_config), 0

@@ -63,6 +63,8 @@ def test_a_record_cut_short_is_an_error_not_a_partial_record(record_file):
 
 def test_parts_refused_o_direct_fall_back_once_and_read_right(record_file, monkeypatch):
     """The filesystem took the O_DIRECT open but refuses the reads: every part hits EINVAL at once."""
+    if not reader_module.O_DIRECT:
+        pytest.skip("no O_DIRECT on this platform")
     root, data = record_file
     real_preadv, direct_fds = os.preadv, set()
     real_open = os.open
@@ -80,8 +82,6 @@ def test_parts_refused_o_direct_fall_back_once_and_read_right(record_file, monke
 
     monkeypatch.setattr(reader_module.os, "open", tracking_open)
     monkeypatch.setattr(reader_module.os, "preadv", refusing_preadv)
-    if not reader_module.O_DIRECT:
-        pytest.skip("no O_DIRECT on this platform")
     reader = RecordReader(root, ["experts.bin"], direct=True, pieces=4)
     try:
         buffer = aligned_empty(RECORD)

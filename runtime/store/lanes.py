@@ -5,11 +5,11 @@ A read a request waits for goes in the required lane; a prefetch (a guess at wha
 will ask for) goes in the low lane. A free thread always takes the oldest required read; it takes
 a prefetch read only when no required read is waiting or running: a guess goes into the gaps and
 never shares the disk with a read a request waits for (with a record read in parts one read nearly
-fills the disk). At most `threads - 1` threads run prefetch reads at once, so a required read
-arriving behind a burst of prefetches finds a thread (or the next one to free up) instead of
-queueing behind them. A prefetch that a request comes to wait for is moved to the required lane
-(`promote`). The store's host-to-device copies run on one thread of their own lanes the same way.
-Plain Python.
+fills the disk). At most `low_at_once` (default `threads - 1`) threads run prefetch reads at once,
+so a required read arriving behind a burst of prefetches finds a thread (or the next one to free
+up) instead of queueing behind them, and shares the disk with few of them. A prefetch that a
+request comes to wait for is moved to the required lane (`promote`). The store's host-to-device
+copies run on one thread of their own lanes the same way. Plain Python.
 """
 
 from __future__ import annotations
@@ -28,11 +28,11 @@ GUESSES_BESIDE_REQUIRED = False
 
 
 class ReadLanes:
-    def __init__(self, threads: int, name: str = "flashpack-read"):
+    def __init__(self, threads: int, name: str = "flashpack-read", low_at_once: int | None = None):
         self._cond = threading.Condition()
         self._required: deque = deque()
         self._low: deque = deque()
-        self._low_limit = max(1, threads - 1)
+        self._low_limit = max(1, min(threads - 1, low_at_once or threads))
         self._running = {False: 0, True: 0}  # jobs running, by lane (True: the low lane)
         self._beside_required = GUESSES_BESIDE_REQUIRED
         self._closed = False

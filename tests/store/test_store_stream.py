@@ -444,6 +444,30 @@ def test_read_lanes_keep_a_thread_for_required_reads():
         lanes.submit(done.set)
 
 
+def test_read_lanes_run_at_most_low_at_once_prefetch_jobs():
+    def most_at_once(low_at_once: int | None) -> int:
+        lanes = ReadLanes(4, low_at_once=low_at_once)
+        release, lock, running, most = threading.Event(), threading.Lock(), [0], [0]
+
+        def guess():
+            with lock:
+                running[0] += 1
+                most[0] = max(most[0], running[0])
+            release.wait(10)
+            with lock:
+                running[0] -= 1
+
+        for _ in range(4):
+            lanes.submit(guess, low=True)
+        time.sleep(0.3)
+        release.set()
+        lanes.shutdown()
+        return most[0]
+
+    assert most_at_once(1) == 1  # the store's setting: one guess at a time
+    assert most_at_once(None) == 3  # the control: threads - 1
+
+
 def _running_while_required_reads(beside: bool, monkeypatch) -> tuple[bool, bool]:
     """(a prefetch job ran while a required job ran, a queued one was promoted and then ran while
     it ran): three threads, one required job held until the end."""

@@ -21,10 +21,10 @@
 # promotions; one-graph and unbounded-one-graph as budgets and unbounded do, with the whole step in
 # one CUDA graph (--graph-layers $LAYERS) instead of one graph a layer. hotset and fp8-hot profile the
 # synth corpus on the GPU (`flashpack profile`) and pre-warm 24/64 (and fp8-hot 8/32 and 24/64 on the
-# --dense-fp8 pack) from that hot set, and late-prefetch, guesses-beside, guesses-at-once and whole-reads
-# bench its 8/32 without one of session 11's and 12's changes each (the next layer's prefetch during a
-# layer's loads, no prefetch read beside a running required read, one prefetch read at a time, a
-# record read in parts);
+# --dense-fp8 pack) from that hot set, and late-prefetch, guesses-wait, guesses-at-once, copy-thread and
+# whole-reads bench its 8/32 with one setting of the store changed each (the next layer's prefetch once
+# a layer's loads landed; no prefetch read beside a running required read; up to 7 prefetch reads at
+# once; a decode layer's copies handed to the copy thread; each record read whole);
 # profile-8g profiles 8/32 decode on that pack from the same hot set
 # (baked once a call).
 # fp8 converts a --dense-fp8 pack from the same snapshot and benches 8/32 on it (BF16 dense
@@ -42,7 +42,7 @@ set -o pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site wheels/*.whl || exit 1
 mkdir -p /tmp/pkg && ln -sfn "$PWD" /tmp/pkg/flashpack
 export PYTHONPATH=/tmp/pkg:/tmp/site PYTHONUNBUFFERED=1
-LAYERS=${LAYERS:-4} GEN=${GEN:-32} PROMPT=${PROMPT:-512} W=/tmp/fp R=/tmp/results STAGES=${STAGES:-"tests reads unbounded fp8 fp8-star budgets long baseline profile hotset verify prefill-profile prefill-profile-tiered profile-8g eager fp8-unbounded staging no-prefetch promote one-graph unbounded-one-graph fp8-hot late-prefetch guesses-beside guesses-at-once whole-reads sampling kernels unbounded-no-combo unbounded-unfused-mix unfused-mix unbounded-cublas ahead-programs"}
+LAYERS=${LAYERS:-4} GEN=${GEN:-32} PROMPT=${PROMPT:-512} W=/tmp/fp R=/tmp/results STAGES=${STAGES:-"tests reads unbounded fp8 fp8-star budgets long baseline profile hotset verify prefill-profile prefill-profile-tiered profile-8g eager fp8-unbounded staging no-prefetch promote one-graph unbounded-one-graph fp8-hot late-prefetch guesses-wait guesses-at-once copy-thread whole-reads sampling kernels unbounded-no-combo unbounded-unfused-mix unfused-mix unbounded-cublas ahead-programs"}
 has() { [[ " $STAGES " == *" $1 "* ]]; }
 mkdir -p $R
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee $OUT/gpu.txt
@@ -78,7 +78,7 @@ verify_tiny() {  # the tiny preset verified on the GPU at each of VERIFY_DTYPES 
 if has verify; then verify_tiny > $OUT/verify.log 2>&1 & verifying=$!; fi  # beside the build too: it needs only the tiny preset
 if has tests; then
   timeout 420 python3 -m pytest ${TESTS:-tests/kernels tests/runtime/test_engine_slots.py tests/runtime/test_decode_graphs.py tests/runtime/test_captured_call.py \
-    tests/runtime/test_delta_rule.py tests/runtime/test_dense_fp8.py tests/store/test_store_stream.py \
+    tests/runtime/test_delta_rule.py tests/runtime/test_dense_fp8.py tests/runtime/test_host_copy.py tests/store/test_store_stream.py \
     tests/store/test_store_fetch.py tests/store/test_store_slot_table.py tests/test_sampling.py} -q --tb=short \
     -p no:cacheprovider -p no:logging > $OUT/tests.log 2>&1; echo "tests rc=$? $(( $(date +%s) - start )) s" >> $OUT/tests.log
   tail -40 $OUT/tests.log
@@ -157,10 +157,14 @@ for stage in $STAGES; do
       fp8_pack; hot_set full-fp8
       BENCH_PY="import sys; from flashpack.runtime.model import moe; moe.PREFETCH_DURING_LOADS = False; from flashpack.cli import main; main()" \
         PACK=full-fp8 bench 8g-32g-fp8-hot-late-prefetch 8GiB 32GiB --prompt-len $PROMPT --gen $GEN --hot-set corpus ;;
-    guesses-beside)  # the control for fp8-hot's 8/32: a prefetch read may start beside a running required read
+    guesses-wait)  # the control for fp8-hot's 8/32: a prefetch read waits while a required read runs (session 11)
       fp8_pack; hot_set full-fp8
-      BENCH_PY="import sys; from flashpack.runtime.store import lanes; lanes.GUESSES_BESIDE_REQUIRED = True; from flashpack.cli import main; main()" \
-        PACK=full-fp8 bench 8g-32g-fp8-hot-guesses-beside 8GiB 32GiB --prompt-len $PROMPT --gen $GEN --hot-set corpus ;;
+      BENCH_PY="import sys; from flashpack.runtime.store import lanes; lanes.GUESSES_BESIDE_REQUIRED = False; from flashpack.cli import main; main()" \
+        PACK=full-fp8 bench 8g-32g-fp8-hot-guesses-wait 8GiB 32GiB --prompt-len $PROMPT --gen $GEN --hot-set corpus ;;
+    copy-thread)  # the control for fp8-hot's 8/32: a decode layer's host-cache copies handed to the copy thread (before session 12)
+      fp8_pack; hot_set full-fp8
+      BENCH_PY="import sys; import flashpack.runtime.store.store as tiered; tiered.COPY_ON_REQUESTING_THREAD = False; from flashpack.cli import main; main()" \
+        PACK=full-fp8 bench 8g-32g-fp8-hot-copy-thread 8GiB 32GiB --prompt-len $PROMPT --gen $GEN --hot-set corpus ;;
     guesses-at-once)  # the control for fp8-hot's 8/32: up to reader_threads - 1 prefetch reads at once (before session 12)
       fp8_pack; hot_set full-fp8
       BENCH_PY="import sys; import flashpack.runtime.store.store as tiered; tiered.PREFETCH_READS_AT_ONCE = 7; from flashpack.cli import main; main()" \

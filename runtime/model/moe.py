@@ -30,7 +30,7 @@ from flashpack.layout.model_config import TextConfig
 from flashpack.runtime.experts import ExpertFetcher, ExpertSlots, ResidentSlots
 from flashpack.runtime.kernels import moe_expert_pairs, moe_experts, router_top_k
 from flashpack.runtime.kernels.dispatch import DECODE_MAX_TOKENS
-from flashpack.runtime.model.host_copy import to_device_async
+from flashpack.runtime.model.host_copy import PinnedStaging
 from flashpack.runtime.model.linear import DenseLinear, StackedLinear
 from flashpack.runtime.model.norms import activation
 from flashpack.runtime.weights import WeightSource
@@ -52,6 +52,7 @@ class SparseMoE(nn.Module):
         self.layer, self.fetcher, self.dtype, self.device = layer, fetcher, dtype, device
         self.slots = fetcher if isinstance(fetcher, ExpertSlots) else None
         self.resident = fetcher if isinstance(fetcher, ResidentSlots) else None
+        self.staging = PinnedStaging()  # a step's slot codes cross from pinned buffers it reuses
         self.next_moe: SparseMoE | None = None  # whose experts to prefetch (set by the model)
         self.routing_observer: Callable[[int, torch.Tensor], None] | None = None  # (layer, ids [T, k])
         self.num_experts, self.top_k, self.renormalise = cfg.num_experts, cfg.num_experts_per_tok, cfg.norm_topk_prob
@@ -142,7 +143,7 @@ class SparseMoE(nn.Module):
         lookup = torch.full((self.num_experts,), -1, dtype=torch.int32)
         lookup[[handle.expert for handle in chunk]] = torch.tensor([handle.slot for handle in chunk],
                                                                    dtype=torch.int32)
-        return to_device_async(lookup, experts.device)[experts]
+        return self.staging.to_device(lookup, experts.device)[experts]
 
     def _routed_from_slots(
         self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, wanted: list[int],
@@ -167,10 +168,10 @@ class SparseMoE(nn.Module):
         slot_of = {handle.expert: handle.slot for handle in chunk}
         held = [slot_of.get(expert, chunk[0].slot) for expert in host_experts]
         if whole:
-            slots = to_device_async(torch.tensor(held, dtype=torch.int32), x.device).view(experts.shape)
+            slots = self.staging.to_device(torch.tensor(held, dtype=torch.int32), x.device).view(experts.shape)
             return self._experts(x, self.slots.bank, slots, weights, prompt=False)
         present = [int(expert in slot_of) for expert in host_experts]
-        codes = to_device_async(torch.tensor([held, present], dtype=torch.int32), x.device)
+        codes = self.staging.to_device(torch.tensor([held, present], dtype=torch.int32), x.device)
         slots, present = codes[0].view(experts.shape), codes[1].view(experts.shape)
         return self._experts(x, self.slots.bank, slots, weights * present.to(weights.dtype), prompt=False)
 

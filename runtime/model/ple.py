@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from flashpack.layout.model_config import TextConfig
-from flashpack.runtime.model.host_copy import to_device_async
+from flashpack.runtime.model.host_copy import PinnedStaging
 from flashpack.runtime.model.linear import DenseLinear
 from flashpack.runtime.model.norms import RMSNorm
 from flashpack.runtime.state import PLEState
@@ -87,6 +87,7 @@ class PLELayer(nn.Module):
         self.source, self.ple_index, self.hasher = source, ple_index, NGramHasher(cfg, ple_index)
         self.hc, self.hidden, self.dilation = cfg.hc_count, cfg.hidden_size, cfg.ngram_size
         self.dtype, self.device = dtype, device
+        self.staging = PinnedStaging()  # a token's rows cross from pinned buffers it reuses
         load = lambda name: load_dense(source, prefix + name, dtype, device)  # noqa: E731
         self.key_proj = DenseLinear(source, prefix + "key_proj.weight", dtype, device)  # [hc*H, E]
         self.value_proj = DenseLinear(source, prefix + "value_proj.weight", dtype, device)  # [H, E]
@@ -105,7 +106,7 @@ class PLELayer(nn.Module):
             state.context = torch.tensor(history[1:], dtype=torch.int64)
             rows = torch.tensor(self.hasher.last_rows(history), dtype=torch.int64)
             rows = self.source.ple_rows(self.ple_index, rows).reshape(1, -1)
-            return to_device_async(rows.to(self.dtype), self.device)  # cast first: half the bytes to copy
+            return self.staging.to_device(rows.to(self.dtype), self.device)  # cast first: half the bytes to copy
         history = torch.cat([state.context, tokens])
         rows = self.hasher.rows(history, tokens.shape[0])  # [T, heads]
         state.context = history[history.shape[0] - state.context.shape[0]:].clone()

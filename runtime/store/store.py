@@ -64,6 +64,11 @@ WAIT_TIMEOUT_S = 600.0
 # session 12) as the control.
 PREFETCH_READS_AT_ONCE = 1
 
+# Whether a decode layer's host-cache copies are enqueued by the requesting thread (_start_copies);
+# False hands them to the copy thread as before session 12: the control bench/h200.sh's
+# `copy-thread` stage benches.
+COPY_ON_REQUESTING_THREAD = True
+
 
 @dataclass
 class ExpertHandle:
@@ -339,12 +344,25 @@ class TieredStore(TransferJobs, TableSteps):
             raise FlashpackError("the expert store is closed")
         handles: list[ExpertHandle] = []
         copies: list[Copy] = []  # host-cache hits, copied as one batch (transfers.py)
-        with self._changed:
-            try:
+        try:
+            with self._changed:
                 admitted = self._admit_prefix(layer, experts, partial, prewarm, max_misses, block, handles, copies)
-            finally:  # loads placed are always started: a failed request may have joiners
-                self._submit_copies(copies, prewarm=prewarm is not None)
+        finally:  # loads placed are always started: a failed request may have joiners
+            self._start_copies(copies, prewarm=prewarm is not None)
         return handles, experts[admitted:]
+
+    def _start_copies(self, copies: list[Copy], prewarm: bool) -> None:
+        """(not under the lock) A request's host-cache copies. A decode layer's few (up to top_k) are
+        enqueued by the requesting thread at once: handed to the copy thread, they waited for the GIL
+        while this thread went on in Python (0.9-2.4 ms between a layer's expert ids and its first copy
+        in run 27's 8/32 profile), where enqueueing them takes some 10 us each. A prompt's chunks go to
+        the copy thread, which enqueues them while this thread launches the chunk before's kernels."""
+        if copies and len(copies) <= self.top_k and not prewarm and COPY_ON_REQUESTING_THREAD:
+            batch = list(copies)
+            copies.clear()
+            self._copy_job(batch)
+        else:
+            self._submit_copies(copies, prewarm=prewarm)
 
     def _admit_prefix(
         self, layer: int, experts: list[int], partial: bool, prewarm: dict[int, float] | None,

@@ -13,6 +13,7 @@ from types import SimpleNamespace
 import torch
 
 from flashpack.runtime.model import moe as moe_module
+from flashpack.runtime.model.host_copy import PinnedStaging
 from flashpack.runtime.model.moe import SparseMoE
 
 K, H, E = 10, 8, 64
@@ -39,7 +40,8 @@ def _step(sizes: list[int], calls: list) -> torch.Tensor:
         calls.append((tuple(slots.shape), prompt))
         return (weights * (slots + 1).to(weights.dtype)).sum(-1, keepdim=True) * x
 
-    moe = SimpleNamespace(slots=ChunkedSlots(sizes), layer=1, num_experts=E, _experts=experts_stand_in)
+    moe = SimpleNamespace(slots=ChunkedSlots(sizes), layer=1, num_experts=E, _experts=experts_stand_in,
+                          staging=PinnedStaging())
     moe._decode_chunk = lambda *args, **kwargs: SparseMoE._decode_chunk(moe, *args, **kwargs)
     generator = torch.Generator().manual_seed(0)
     x = torch.randn(2, H, generator=generator)
@@ -85,7 +87,7 @@ def _prompt(sizes: list[int], monkeypatch, filled: list) -> tuple[torch.Tensor, 
     experts = torch.stack([torch.randperm(E, generator=generator)[:K] for _ in range(tokens)])
     weights = torch.rand(tokens, K, generator=generator)
     whole_slots = []
-    moe = SimpleNamespace(slots=ChunkedSlots(sizes), layer=1, num_experts=E,
+    moe = SimpleNamespace(slots=ChunkedSlots(sizes), layer=1, num_experts=E, staging=PinnedStaging(),
                           _experts=lambda x, bank, slots, weights, prompt: whole_slots.append(slots) or
                           _expert_stand_in(x, slots, weights).sum(1))
     moe._chunk_slots = lambda chunk, ids: SparseMoE._chunk_slots(moe, chunk, ids)

@@ -427,6 +427,38 @@ def test_a_requests_host_hits_cross_as_one_copy_job(store_pack):
         assert _nothing_pinned(store)
 
 
+def test_a_decode_layers_host_hits_are_copied_by_the_requesting_thread_a_prompts_by_the_copy_thread(
+        store_pack, monkeypatch):
+    """A handed-off copy waits for the GIL while the requester runs Python; a decode layer's few
+    copies are enqueued where they are asked for, a prompt's many on the copy thread."""
+    from flashpack.runtime.store import store as tiered
+
+    pack = Pack.open(store_pack)
+    info = _info(pack)
+    layer, experts = info.layers[0], info.experts
+
+    def copying_threads(inline: bool, count: int) -> set[str]:
+        monkeypatch.setattr(tiered, "COPY_ON_REQUESTING_THREAD", inline)
+        with _store(pack, 4 * len(info.layers) + experts, 64, rebalance=False) as store:
+            store.prewarm({layer: list(range(experts))})
+            settle(store)
+            host_only = [e for e in range(experts) if store.host_slots.get((layer, e)) is not None
+                         and store.device_slots.get((layer, e)) is None][:count]
+            assert len(host_only) == count
+            threads, original = set(), store._copy_job
+            store._copy_job = lambda copies, *args: (threads.add(threading.current_thread().name),
+                                                     original(copies, *args))
+            store.wait(store.request(layer, host_only))
+            settle(store)
+            assert _nothing_pinned(store)
+            return threads
+
+    top_k = pack.manifest.config.num_experts_per_tok
+    assert copying_threads(True, top_k) == {threading.current_thread().name}
+    assert copying_threads(True, top_k + 1) != {threading.current_thread().name}  # a prompt's chunk
+    assert copying_threads(False, top_k) != {threading.current_thread().name}  # the control
+
+
 def test_read_lanes_keep_a_thread_for_required_reads():
     lanes = ReadLanes(2)
     release, done = threading.Event(), threading.Event()
@@ -489,36 +521,38 @@ def _running_while_required_reads(beside: bool, monkeypatch) -> tuple[bool, bool
     return beside_ran, moved and promoted_ran
 
 
-def test_prefetch_reads_wait_while_a_required_read_runs_unless_a_request_joins_them(monkeypatch):
+def test_a_guess_starts_beside_a_running_required_read_unless_guesses_wait(monkeypatch):
+    beside, _ = _running_while_required_reads(True, monkeypatch)  # the store's rule (run 27)
+    assert beside
+    # the stricter rule of session 11: a guess waits while a required read runs, unless a request
+    # comes to wait for it (promoted)
     beside, promoted = _running_while_required_reads(False, monkeypatch)
     assert not beside and promoted
-    # the control, the rule before session 11: a guess starts beside a running required read
-    beside, _ = _running_while_required_reads(True, monkeypatch)
-    assert beside
 
 
 def test_a_request_joining_a_queued_prefetch_read_promotes_it(store_pack):
+    """One prefetch read at a time: a second guess queues behind the one running; a request that
+    comes to wait for the queued guess moves it to the required lane, where it starts at once."""
     pack = Pack.open(store_pack)
     layers = _info(pack).layers
     with _store(pack, 8 * len(layers), 32, reader_threads=3, rebalance=False) as store:
-        gate, held, guess = threading.Event(), (layers[1], 5), (layers[2], 1)
-        order = _gate_reads(store, pack, {held}, gate)
-        first = threading.Thread(target=lambda: store.fetch(*held[:1], [held[1]]))
-        first.start()
+        gate, running, queued = threading.Event(), (layers[1], 5), (layers[2], 1)
+        order = _gate_reads(store, pack, {running}, gate)
+        assert store.prefetch(running[0], [running[1]]) == 1
         deadline = time.monotonic() + 10
         while not order:
             assert time.monotonic() < deadline
             time.sleep(0.01)
-        assert store.prefetch(guess[0], [guess[1]]) == 1
+        assert store.prefetch(queued[0], [queued[1]]) == 1
         time.sleep(0.2)
-        assert order == [held] and store._readers.pending() == (0, 1)  # the guess waits for the gap
-        handles = store.request(guess[0], [guess[1]])  # joins the queued guess, which starts now
+        assert order == [running] and store._readers.pending() == (0, 1)  # one guess at a time
+        handles = store.request(queued[0], [queued[1]])  # joins the queued guess, which starts now
         assert handles[0].source == "joined"
         while len(order) < 2:
-            assert time.monotonic() < deadline, "the joined guess still waits behind the required read"
+            assert time.monotonic() < deadline, "the joined guess still waits behind the running one"
             time.sleep(0.01)
-        assert order == [held, guess] and first.is_alive()
-        gate.set()
+        assert order == [running, queued]
         store.wait(handles)
-        first.join(10)
+        gate.set()
+        settle(store)
         assert _nothing_pinned(store)

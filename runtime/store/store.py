@@ -20,8 +20,8 @@ Residency (which key is where, pins, policies, per-layer capacity) lives in `Res
 guarded by one lock; reader and copy threads only move bytes and then publish, under that lock,
 that a slot is ready. A slot being loaded is pinned by its load, so it cannot be evicted before
 it lands even when every request for it has gone. A request for an expert already in flight
-joins it. Disk reads for requests go ahead of prefetch reads, which run one at a time (lanes.py).
-Copies to the device run on their own CUDA stream; a slot is reused only after the compute that read it has finished (an
+joins it. Disk reads for requests go ahead of prefetch reads (lanes.py). Copies to the device run
+on their own CUDA stream; a slot is reused only after the compute that read it has finished (an
 event recorded at release). A failed read or a corrupt record fails the requests waiting on it
 with a FlashpackError naming layer and expert, and frees its slots; everything else goes on.
 """
@@ -56,13 +56,6 @@ from flashpack.runtime.store.transfers import Copy, TransferJobs
 
 HOST = 0  # the host cache's single partition
 WAIT_TIMEOUT_S = 600.0
-
-# Prefetch reads running at once. One record read in parts nearly fills the disk (1.23 of 1.37 GB/s
-# on the H200 machine, bench/results/store-reads-h200.json), so a second guess buys little, and a
-# required read that arrives while guesses run shares the disk with every one of them.
-# bench/h200.sh's `guesses-at-once` stage benches 8/32 with reader_threads - 1 (the rule before
-# session 12) as the control.
-PREFETCH_READS_AT_ONCE = 1
 
 # Whether a decode layer's host-cache copies are enqueued by the requesting thread (_start_copies);
 # False hands them to the copy thread as before session 12: the control bench/h200.sh's
@@ -143,7 +136,7 @@ class TieredStore(TransferJobs, TableSteps):
         self.rebalancer = Rebalancer(floor=floor, window=REBALANCE_WINDOW * len(self.layers)) if rebalance else None
         self.reader = RecordReader(pack.root, sorted({r.file for r in records}), direct=direct_io,
                                    callers=reader_threads)
-        self._readers = ReadLanes(reader_threads, low_at_once=PREFETCH_READS_AT_ONCE)
+        self._readers = ReadLanes(reader_threads)
         # one copy thread, its own two lanes: a request's copies go ahead of prefetch copies queued
         # by the layer before (a through-store decode layer otherwise waits behind the guesses)
         self._copier = ReadLanes(1, name="flashpack-copy")

@@ -109,11 +109,13 @@ class ExpertSlots(Protocol):
 
     def stream(
         self, layer: int, experts: list[int], prefetch_after: tuple[int, list[int]] | None = None,
+        read_ahead: tuple[int, list[int]] | None = None,
     ) -> Iterator[list[SlotHandle]]:
         """Ready handles covering `experts` of `layer` once each, in one or more chunks; a chunk's
         slots stay valid until the consumer asks for the next chunk (kernels enqueued by then).
         `prefetch_after`: (layer, experts) to prefetch once this request's loads have started,
-        before the first chunk is waited for."""
+        before the first chunk is waited for; `read_ahead`: (layer, experts) a layer further on is
+        expected to ask for, whose records on disk to start reading then too."""
         ...
 
     def prefetch(self, layer: int, experts: list[int]) -> int:

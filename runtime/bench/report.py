@@ -172,6 +172,9 @@ def table(report: dict) -> str:
     if counters.get("prefetch_issued"):
         rows.append(("decode prefetches used", _num(counters.get("prefetch_used", 0) / counters["prefetch_issued"]),
                      "", f"of {counters['prefetch_issued']}"))
+    if counters.get("read_ahead_issued"):
+        used = counters.get("read_ahead_used", 0) / counters["read_ahead_issued"]
+        rows.append(("decode read-aheads used", _num(used), "", f"of {counters['read_ahead_issued']}"))
     rows.append(("decode disk bytes / token", _bytes(store["per_token"]["bytes_disk_to_host"]), "", ""))
     rows.append(("decode host->device bytes / token", _bytes(store["per_token"]["bytes_host_to_device"]), "", ""))
     lines.append(head)

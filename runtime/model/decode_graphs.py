@@ -33,7 +33,8 @@ host launches layer L + 1, where a whole step's graph would idle the GPU through
                             the store from a copy of the state the first graph took. That redo
                             is one graph per layer too, cut at the routed experts:
                                 graph(combine previous layer's experts, [PLE addend,] mix, mixer,
-                                combine, mix, router, shared expert, next layer's prediction) ->
+                                combine, mix, router, shared expert, the next two layers'
+                                predictions) ->
                                 eager(expert ids to the host, the store, the expert kernels) -> ...
                             A failed try waits 2, 4, ... 64 steps before the next (`Speculation`),
                             so a budget that misses every step pays for few of them.
@@ -222,9 +223,9 @@ class DecodeGraphs:
         self._begin_laps()
         carried = ()  # the previous layer's (routed and shared experts' outputs, inject), combined next
         for layer, call in self._store_pieces:
-            streams, x, inject, weights, experts, shared, predicted = call(
+            streams, x, inject, weights, experts, shared, predicted, *far = call(
                 streams, self._position, *carried, *self._rows_of([layer], rows))
-            carried = (layer.moe.routed_from_store(x, weights, experts, predicted), shared, inject)
+            carried = (layer.moe.routed_from_store(x, weights, experts, predicted, *far), shared, inject)
             self._lap(layer)
         streams = self.combine(self.layers[-1], streams, *carried)
         self._lap(self.layers[-1])  # its experts' combine, which no next piece does
@@ -320,13 +321,16 @@ class DecodeGraphs:
 
     def _store_layer(self, layer: DecoderLayer, previous: DecoderLayer | None) -> Callable:
         """(streams, MoE input, its inject, routing weights, expert ids, shared expert output,
-        next layer's predicted ids or None), the previous layer's experts combined first."""
+        next layer's predicted ids or None[, the layer after's]), the previous layer's experts
+        combined first."""
         def step(streams, position, *rest):
             if previous is not None:
                 routed, shared, inject, *rest = rest
                 streams = self.combine(previous, streams, routed, shared, inject)
             streams = self._layer_front(layer, streams, position, rest[0] if rest else None)
-            return (streams, *self.route(layer, streams))
+            routed_inputs = self.route(layer, streams)
+            far = layer.moe.predict_far(routed_inputs[0])
+            return (streams, *routed_inputs, *([] if far is None else [far]))
 
         return step
 

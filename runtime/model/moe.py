@@ -13,7 +13,9 @@ With an `ExpertSlots` source the routed experts run as fused NVFP4 kernels over 
                                    in decode the next layer's router, applied to this layer's
                                    input, names the experts to prefetch, started once this
                                    layer's own loads are queued (behind them in the store's
-                                   lanes), so a guess's disk read runs while they land
+                                   lanes), so a guess's disk read runs while they land; the
+                                   router of the layer after that names the records to read
+                                   from disk into the host cache (a disk read outlasts a layer)
 With an `ExpertFetcher` the dequantised weights run as plain linears, expert by expert.
 """
 
@@ -41,6 +43,12 @@ PREDICT_MAX_TOKENS = 4  # decode and speculative verification; a prompt fetches 
 # own loads land (True), or once they have (False, the order before session 11: the control that
 # bench/h200.sh's `late-prefetch` stage benches)
 PREFETCH_DURING_LOADS = True
+
+# Whether a through-store decode layer also reads the disk-only records the layer after next is
+# predicted to pick into the host cache (TieredStore.read_ahead); False is the control bench/h200.sh's
+# `no-read-ahead` stage benches. On the small preset the routers of the next layer and the one after
+# it pick, from a layer's input, 0.91 and 0.87 of the experts those layers then pick.
+READ_AHEAD = True
 
 
 class SparseMoE(nn.Module):
@@ -91,7 +99,7 @@ class SparseMoE(nn.Module):
             self.resident.record_use(self.layer, experts)
             slots = self.resident.slot_table[self.layer][experts]
             return self._experts(x, self.resident.bank, slots, weights, prompt=x.shape[0] > PREDICT_MAX_TOKENS) + shared
-        return self.routed_from_store(x, weights, experts, self.predict_next(x)) + shared
+        return self.routed_from_store(x, weights, experts, self.predict_next(x), self.predict_far(x)) + shared
 
     def predict_next(self, x: torch.Tensor) -> torch.Tensor | None:
         """In decode, the experts the next layer's router picks from this layer's input [T, k]."""
@@ -99,23 +107,35 @@ class SparseMoE(nn.Module):
             return None
         return self.next_moe.route(x)[1]
 
+    def predict_far(self, x: torch.Tensor) -> torch.Tensor | None:
+        """In decode through a store, the experts the layer after the next picks from this layer's
+        input [T, k]: whose records to start reading from disk now."""
+        if not READ_AHEAD or self.next_moe is None:
+            return None
+        return self.next_moe.predict_next(x)
+
     def routed_from_store(
         self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, predicted: torch.Tensor | None,
+        far: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The routed experts through a tiered store: read the ids back in one transfer, start
-        the loads, prefetch the predicted next-layer experts behind them, and run the kernels as
-        the store lands the records (the decode graphs replay everything around this)."""
+        the loads, prefetch the predicted next-layer experts behind them (and read the layer after
+        that's predicted `far` experts from disk), and run the kernels as the store lands the
+        records (the decode graphs replay everything around this)."""
         if x.shape[0] > PREDICT_MAX_TOKENS:  # a prompt (no prediction): its pair counts, read back once
             counts = torch.bincount(experts.flatten(), minlength=self.num_experts).tolist()
             return self._prompt_from_slots(x, weights, experts, counts)
         # a few ids: one read-back, deduplicated on the host
-        ids = torch.cat([experts.flatten(), *([] if predicted is None else [predicted.flatten()])]).tolist()
-        host_experts = ids[:experts.numel()]
-        wanted, upcoming = sorted(set(host_experts)), sorted(set(ids[experts.numel():]))
+        parts = [ids for ids in (experts, predicted, far) if ids is not None]
+        ids = torch.cat([part.flatten() for part in parts]).tolist()
+        ends = [sum(part.numel() for part in parts[:i + 1]) for i in range(3)]
+        host_experts = ids[:ends[0]]
+        wanted, upcoming, farther = sorted(set(host_experts)), sorted(set(ids[ends[0]:ends[1]])), ids[ends[1]:]
         ahead = (self.next_moe.layer, upcoming) if upcoming else None
+        read_ahead = (self.next_moe.next_moe.layer, sorted(set(farther))) if farther else None
         if PREFETCH_DURING_LOADS:
-            return self._routed_from_slots(x, weights, experts, wanted, host_experts, prefetch_after=ahead)
-        routed = self._routed_from_slots(x, weights, experts, wanted, host_experts)
+            return self._routed_from_slots(x, weights, experts, wanted, host_experts, ahead, read_ahead)
+        routed = self._routed_from_slots(x, weights, experts, wanted, host_experts, read_ahead=read_ahead)
         if ahead is not None:
             self.slots.prefetch(*ahead)
         return routed
@@ -148,12 +168,14 @@ class SparseMoE(nn.Module):
     def _routed_from_slots(
         self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, wanted: list[int],
         host_experts: list[int], prefetch_after: tuple[int, list[int]] | None = None,
+        read_ahead: tuple[int, list[int]] | None = None,
     ) -> torch.Tensor:
         """A decode step's routed experts; `host_experts`: `experts` read back, so the slots can be
-        looked up on the host; `prefetch_after`: the next layer's guess, for the store."""
+        looked up on the host; `prefetch_after` and `read_ahead`: the next layer's and the one
+        after's guesses, for the store."""
         out = None
         # closing releases the last chunk
-        with closing(self.slots.stream(self.layer, wanted, prefetch_after)) as chunks:
+        with closing(self.slots.stream(self.layer, wanted, prefetch_after, read_ahead)) as chunks:
             for chunk in chunks:
                 part = self._decode_chunk(x, weights, experts, chunk, host_experts, whole=len(chunk) == len(wanted))
                 out = part if out is None else out + part

@@ -97,8 +97,9 @@ class ResidentExperts:
         """One decode token's requests of `layer`, for a MoE block replayed from a CUDA graph."""
         self.stats.bump(layer, requests=self.top_k, device_hits=self.top_k)
 
-    def stream(self, layer: int, experts: list[int], prefetch_after=None) -> Iterator[list[ResidentHandle]]:
-        """Every expert at once; `prefetch_after` has nothing to load."""
+    def stream(self, layer: int, experts: list[int], prefetch_after=None,
+               read_ahead=None) -> Iterator[list[ResidentHandle]]:
+        """Every expert at once; `prefetch_after` and `read_ahead` have nothing to load."""
         try:
             yield [ResidentHandle(expert, self._slots[(layer, expert)]) for expert in experts]
         except KeyError as missing:

@@ -7,7 +7,8 @@ buys show up as hits and the bytes it moved are not charged to decoding. Prefetc
 for a layer the engine expects to ask for next) are no requests either: they are counted as
 issued, used (a later request found the entry resident or in flight) and wasted (evicted before
 any request used it), so used / issued is the accuracy of the prediction; the bytes they move are
-real traffic and count in the bytes_* totals. Plain Python.
+real traffic and count in the bytes_* totals. Read-aheads (disk reads into the host cache for a
+layer two ahead) are counted the same way. Plain Python.
 """
 
 from __future__ import annotations
@@ -36,6 +37,9 @@ class LayerCounters:
     prefetch_from_disk: int = 0  # of those, read from disk (the rest were host-cache copies)
     prefetch_used: int = 0  # a request found the prefetched entry resident or in flight
     prefetch_wasted: int = 0  # evicted before any request used it
+    read_ahead_issued: int = 0  # disk reads into the host cache for a layer expected later
+    read_ahead_used: int = 0  # a load took the record from the host cache
+    read_ahead_wasted: int = 0  # evicted from the host cache before any load took it
 
     def add(self, other: "LayerCounters") -> None:
         for f in fields(self):
@@ -105,6 +109,10 @@ class StoreStats:
                 "issued": total.prefetch_issued, "from_disk": total.prefetch_from_disk,
                 "used": total.prefetch_used, "wasted": total.prefetch_wasted,
                 "accuracy": total.prefetch_used / total.prefetch_issued if total.prefetch_issued else None,
+            },
+            "read_ahead": {
+                "issued": total.read_ahead_issued, "used": total.read_ahead_used, "wasted": total.read_ahead_wasted,
+                "accuracy": total.read_ahead_used / total.read_ahead_issued if total.read_ahead_issued else None,
             },
             "tokens": self.tokens,
             "per_token": {

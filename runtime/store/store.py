@@ -4,6 +4,8 @@
     stream(layer, experts) -> chunks       lists of ready handles (.expert, .slot) covering every
                                            expert once; the kernels read the bank rows in place
     prefetch(layer, experts) -> loads      start loading a layer expected next; never blocks
+    read_ahead(layer, experts) -> reads    start reading disk-only records of a layer expected later
+                                           into the host cache; never blocks
     fetch(layer, experts) -> {expert: ExpertWeights}   stream, dequantised (the plain path)
     request(layer, experts) -> handles     device hit: ready now; host hit: one copy in flight;
                                            miss: O_DIRECT read (reader threads) then a copy
@@ -149,6 +151,7 @@ class TieredStore(TransferJobs, TableSteps):
         self._host_loads: dict[tuple[int, int], Future] = {}  # host loads not yet ready
         self._verified: set[tuple[int, int]] = set()
         self._prefetched: set[tuple[int, int]] = set()  # placed by prefetch, no request used them yet
+        self._read_ahead: set[tuple[int, int]] = set()  # host entries read ahead, no load took them yet
         self._landing = 0  # CUDA copies published whose host slot is not free yet
         self._slot_table = SlotTable(max(self.layers) + 1, pack.manifest.config.num_experts, self.device)
         self._table_held = False  # a step reading the published table is being enqueued
@@ -169,6 +172,7 @@ class TieredStore(TransferJobs, TableSteps):
 
     def stream(
         self, layer: int, experts: list[int], prefetch_after: tuple[int, list[int]] | None = None,
+        read_ahead: tuple[int, list[int]] | None = None,
     ) -> Iterator[list[ExpertHandle]]:
         """Ready handles for `experts` of `layer`, chunk by chunk, each expert once.
 
@@ -181,11 +185,10 @@ class TieredStore(TransferJobs, TableSteps):
         current stream).
         `prefetch_after` (layer, experts): a prefetch started once the first chunk's loads are
         queued, before waiting for them, so a guess's disk reads and copies run while this layer's
-        land, behind them in the lanes.
+        land, behind them in the lanes; `read_ahead` (layer, experts): `read_ahead` called then too.
         Counted like requests; raises FlashpackError naming layer and expert on a failed load."""
         if not experts:
-            if prefetch_after is not None:
-                self.prefetch(*prefetch_after)
+            self._look_ahead(prefetch_after, read_ahead)
             return
         streaming = len(experts) > max(self.top_k, self.device_slots.capacity[layer])
         remaining = list(experts)
@@ -205,9 +208,8 @@ class TieredStore(TransferJobs, TableSteps):
                     break
                 if remaining:  # start the next chunk's loads, without waiting for room, first
                     staged, remaining = self._request(layer, remaining, partial=True, max_misses=misses, block=False)
-                if prefetch_after is not None:
-                    self.prefetch(*prefetch_after)
-                    prefetch_after = None
+                self._look_ahead(prefetch_after, read_ahead)
+                prefetch_after = read_ahead = None
                 self._await(current)
                 yield current
                 self._release(current)
@@ -285,6 +287,40 @@ class TieredStore(TransferJobs, TableSteps):
         """A prefetch disk read takes a host buffer only while `top_k` more stay available."""
         available = self.host_slots.free_slots + self.host_slots.unpinned(HOST)
         return available > min(self.top_k, self.host_slots.slots)
+
+    def read_ahead(self, layer: int, experts: list[int]) -> int:
+        """Start reading the records of `experts` of `layer` that are only on disk into the host
+        cache, for a layer expected after the next one; returns the reads started. A disk read takes
+        longer than a decode layer, so a guess one layer ahead lands late; this one has two. Low
+        priority, like prefetch: never blocks, takes no device slot, leaves the host-cache reserve,
+        reads in the prefetch lane (a request that comes to wait for one moves it to the required
+        lane). Counted as read_ahead_issued; a later load (a request or a prefetch) that takes the
+        record from the host cache counts read_ahead_used, an eviction before that read_ahead_wasted."""
+        with self._changed:
+            if self._closed:
+                return 0
+            started = 0
+            for expert in experts:
+                key = (layer, expert)
+                if key in self.host_slots or key in self.device_slots:
+                    continue
+                if not self._host_room_for_prefetch():
+                    break
+                self._place_host(key, seed=0.0)
+                self._host_loads[key] = Future()
+                self._readers.submit(self._read_job, [key], low=True, key=key)
+                self._read_ahead.add(key)
+                started += 1
+            if started:
+                self.stats.bump(layer, read_ahead_issued=started)
+            return started
+
+    def _look_ahead(self, prefetch_after: tuple[int, list[int]] | None,
+                    read_ahead: tuple[int, list[int]] | None) -> None:
+        if prefetch_after is not None:
+            self.prefetch(*prefetch_after)
+        if read_ahead is not None:
+            self.read_ahead(*read_ahead)
 
     def _await(self, handles: list[ExpertHandle]) -> None:
         """Wait for every handle's load; raise the first failure (after waiting for the rest)."""
@@ -461,12 +497,17 @@ class TieredStore(TransferJobs, TableSteps):
             if not prefetch:
                 self.host_slots.touch(key)
             self.host_slots.pin(key)
+            if key in self._read_ahead:
+                self._read_ahead.discard(key)
+                self.stats.bump(key[0], read_ahead_used=1)
             if host_entry.ready:
                 copies.append(Copy(key, host_entry, slot, future))
-            else:  # its read is in flight (pre-warming the host tier): copy when it lands
+            else:  # its read is in flight (pre-warming the host tier, or read ahead): copy when it lands
                 copy = lambda load: self._copier.submit(  # noqa: E731
                     self._copy_job, [Copy(key, host_entry, slot, future)], load, prewarm, low=prefetch)
                 self._host_loads[key].add_done_callback(copy)
+                if not prefetch:
+                    self._readers.promote(key)  # a read still queued as a guess: a request waits for it now
             return future, "host"
         self._place_host(key, seed=0.0 if prefetch else seed)
         self._host_loads[key] = Future()
@@ -494,6 +535,9 @@ class TieredStore(TransferJobs, TableSteps):
         if evicted is not None:
             self._refresh_table(evicted)
             self.stats.bump(evicted[0], evictions_host=1)
+            if evicted in self._read_ahead:
+                self._read_ahead.discard(evicted)
+                self.stats.bump(evicted[0], read_ahead_wasted=1)
         return host_slot
 
     def _release(self, handles: list[ExpertHandle]) -> None:

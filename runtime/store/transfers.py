@@ -211,6 +211,7 @@ class TransferJobs:
     def _fail_host(self, keys: list[tuple[int, int]], error: BaseException) -> None:
         with self._changed:
             for key in keys:
+                self._read_ahead.discard(key)
                 if self.host_slots.get(key) is not None:
                     self.host_slots.drop(key)
                     self._refresh_table(key)

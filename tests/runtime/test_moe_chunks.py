@@ -4,7 +4,8 @@ weight: the kernels keep their one build (a [n, 1] call would build again mid-de
 equals the one-chunk step's. A prompt streamed in chunks fills one buffer of (token, pick) rows,
 chunk by chunk, and sums it once: equal to the one-call result. `_experts` and `moe_expert_pairs`
 are replaced by stand-ins whose output depends on every slot and weight, so a lost, doubled or
-misplaced pick shows."""
+misplaced pick shows. A decode step hands the store the next layer's guess to prefetch and the one
+after's to read ahead, with its own request."""
 
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ class ChunkedSlots:
     def __init__(self, sizes: list[int]):
         self.sizes = sizes
 
-    def stream(self, layer, experts, prefetch_after=None):
+    def stream(self, layer, experts, prefetch_after=None, read_ahead=None):
         handles = [SimpleNamespace(expert=e, slot=3 * i + 1) for i, e in enumerate(experts)]
         start = 0
         for size in self.sizes:
@@ -118,3 +119,53 @@ def test_a_prompts_lost_chunk_shows(monkeypatch):
     filled = []
     _prompt([7, 9], monkeypatch, filled)
     assert filled and sorted(filled) != list(range(9 * K))
+
+
+class RecordingSlots(ChunkedSlots):
+    """ChunkedSlots that records what each stream call was handed to look ahead at."""
+
+    def __init__(self):
+        super().__init__([K])
+        self.calls, self.prefetches = [], []
+
+    def stream(self, layer, experts, prefetch_after=None, read_ahead=None):
+        self.calls.append((layer, experts, prefetch_after, read_ahead))
+        yield from super().stream(layer, experts)
+
+    def prefetch(self, layer, experts):
+        self.prefetches.append((layer, experts))
+
+
+def _looking_ahead(monkeypatch, during_loads: bool) -> RecordingSlots:
+    monkeypatch.setattr(moe_module, "PREFETCH_DURING_LOADS", during_loads)
+    slots = RecordingSlots()
+    far_layer = SimpleNamespace(layer=7)
+    moe = SimpleNamespace(slots=slots, layer=5, num_experts=E, staging=PinnedStaging(),
+                          next_moe=SimpleNamespace(layer=6, next_moe=far_layer),
+                          _experts=lambda x, bank, slots, weights, prompt: x)
+    moe._decode_chunk = lambda *args, **kwargs: SparseMoE._decode_chunk(moe, *args, **kwargs)
+    moe._routed_from_slots = lambda *args, **kwargs: SparseMoE._routed_from_slots(moe, *args, **kwargs)
+    experts = torch.arange(K).flip(0).view(1, K)
+    predicted = torch.arange(K, 2 * K).view(1, K)
+    far = torch.tensor([[30, 31, 30] + list(range(40, 40 + K - 3))])  # repeats are read once
+    SparseMoE.routed_from_store(moe, torch.ones(1, H), torch.ones(1, K), experts, predicted, far)
+    return slots
+
+
+def test_a_decode_step_hands_the_store_the_next_two_layers_guesses(monkeypatch):
+    wanted, guessed = list(range(K)), list(range(K, 2 * K))
+    farther = sorted({30, 31, *range(40, 40 + K - 3)})
+    slots = _looking_ahead(monkeypatch, during_loads=True)
+    assert slots.calls == [(5, wanted, (6, guessed), (7, farther))] and slots.prefetches == []
+    # the prefetch once the loads landed (the control order) still reads ahead with the request
+    slots = _looking_ahead(monkeypatch, during_loads=False)
+    assert slots.calls == [(5, wanted, None, (7, farther))] and slots.prefetches == [(6, guessed)]
+
+
+def test_the_far_guess_is_the_next_layers_prediction_and_off_with_read_ahead(monkeypatch):
+    guess = torch.tensor([[4, 2]])
+    moe = SimpleNamespace(next_moe=SimpleNamespace(predict_next=lambda x: guess))
+    assert SparseMoE.predict_far(moe, torch.ones(1, H)) is guess
+    monkeypatch.setattr(moe_module, "READ_AHEAD", False)
+    assert SparseMoE.predict_far(moe, torch.ones(1, H)) is None
+    assert SparseMoE.predict_far(SimpleNamespace(next_moe=None), torch.ones(1, H)) is None

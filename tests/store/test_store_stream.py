@@ -300,8 +300,61 @@ def test_prefetch_never_evicts_pinned_entries_nor_leaves_its_share(store_pack):
         store.check_budgets()
 
 
+def test_read_ahead_brings_disk_records_into_the_host_cache_only_and_a_later_load_takes_them(store_pack):
+    pack = Pack.open(store_pack)
+    layers = _info(pack).layers
+    reference = PackExperts(pack)
+    with _store(pack, 8 * len(layers), 32, rebalance=False) as store:
+        layer = layers[2]
+        store.fetch(layer, [20])  # in the host cache and on the device: skipped
+        assert store.read_ahead(layer, [0, 1, 2, 20]) == 3
+        settle(store)
+        assert all((layer, e) in store.host_slots and (layer, e) not in store.device_slots for e in (0, 1, 2))
+        assert store.read_ahead(layer, [0, 1, 2]) == 0  # in the host cache now
+        reads = store.stats.read_calls
+        handles = store.request(layer, [0, 1])
+        assert [handle.source for handle in handles] == ["host", "host"]
+        got, want = store.wait(handles), reference.fetch(layer, [0, 1])
+        assert all(torch.equal(got[e].down, want[e].down) for e in want)
+        assert store.stats.read_calls == reads  # taken from the host cache, not read again
+        assert store.stats.to_dict()["read_ahead"] == {"issued": 3, "used": 2, "wasted": 0, "accuracy": 2 / 3}
+        # evicted from the host cache before any load took it: wasted
+        for other, first in ((layers[3], 8), (layers[1], 8), (layers[0], 8), (layers[0], 16)):  # 32 records
+            store.fetch(other, list(range(first, first + 8)))
+        counters = store.stats.layer(layer)
+        assert (layer, 2) not in store.host_slots and counters.read_ahead_wasted == 1
+        assert _nothing_pinned(store)
+
+
+def test_a_request_for_a_queued_read_ahead_promotes_it(store_pack):
+    """Two reader threads run one guess at a time: a read-ahead queued behind a running prefetch
+    read starts at once when a request comes to wait for it."""
+    pack = Pack.open(store_pack)
+    layers = _info(pack).layers
+    with _store(pack, 8 * len(layers), 32, reader_threads=2, rebalance=False) as store:
+        gate, running, queued = threading.Event(), (layers[1], 5), (layers[3], 1)
+        order = _gate_reads(store, pack, {running}, gate)
+        assert store.prefetch(running[0], [running[1]]) == 1
+        deadline = time.monotonic() + 10
+        while not order:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert store.read_ahead(queued[0], [queued[1]]) == 1
+        time.sleep(0.2)
+        assert order == [running] and store._readers.pending() == (0, 1)
+        handles = store.request(queued[0], [queued[1]])
+        assert handles[0].source == "host"  # its record is on its way to the host cache
+        while len(order) < 2:
+            assert time.monotonic() < deadline, "the requested read-ahead still waits behind the guess"
+            time.sleep(0.01)
+        store.wait(handles)
+        gate.set()
+        assert store.stats.layer(queued[0]).read_ahead_used == 1
+        assert _nothing_pinned(store)
+
+
 @pytest.mark.parametrize("device_slots, host_slots", [("top_k", 1), ("top_k+1", 2), ("2 per layer", 4)])
-def test_prefetch_under_a_tiny_budget_neither_blocks_nor_fails(store_pack, device_slots, host_slots):
+def test_prefetch_and_read_ahead_under_a_tiny_budget_neither_block_nor_fail(store_pack, device_slots, host_slots):
     pack = Pack.open(store_pack)
     info = _info(pack)
     experts, layers, top_k = info.experts, info.layers, info.top_k
@@ -317,6 +370,7 @@ def test_prefetch_under_a_tiny_budget_neither_blocks_nor_fails(store_pack, devic
             assert all(torch.equal(got[e].gate, want[e].gate) for e in want)
             start = time.perf_counter()
             store.prefetch(layers[(step + 1) % len(layers)], sorted(rng.sample(range(experts), top_k)))
+            store.read_ahead(layers[(step + 2) % len(layers)], sorted(rng.sample(range(experts), top_k)))
             assert time.perf_counter() - start < 1.0  # never waits
             store.check_budgets()
         assert _nothing_pinned(store)

@@ -126,12 +126,11 @@ class SparseMoE(nn.Module):
             counts = torch.bincount(experts.flatten(), minlength=self.num_experts).tolist()
             return self._prompt_from_slots(x, weights, experts, counts)
         # a few ids: one read-back, deduplicated on the host
-        parts = [ids for ids in (experts, predicted, far) if ids is not None]
-        ids = torch.cat([part.flatten() for part in parts]).tolist()
-        ends = [sum(part.numel() for part in parts[:i + 1]) for i in range(3)]
-        host_experts = ids[:ends[0]]
-        wanted, upcoming, farther = sorted(set(host_experts)), sorted(set(ids[ends[0]:ends[1]])), ids[ends[1]:]
-        ahead = (self.next_moe.layer, upcoming) if upcoming else None
+        ids = torch.cat([part.flatten() for part in (experts, predicted, far) if part is not None]).tolist()
+        mine, guessed = experts.numel(), experts.numel() + (0 if predicted is None else predicted.numel())
+        host_experts, upcoming, farther = ids[:mine], ids[mine:guessed], ids[guessed:]
+        wanted = sorted(set(host_experts))
+        ahead = (self.next_moe.layer, sorted(set(upcoming))) if upcoming else None
         read_ahead = (self.next_moe.next_moe.layer, sorted(set(farther))) if farther else None
         if PREFETCH_DURING_LOADS:
             return self._routed_from_slots(x, weights, experts, wanted, host_experts, ahead, read_ahead)

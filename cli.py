@@ -344,6 +344,8 @@ def trace_replay(trace_file: Path, capacities: tuple[int, ...], policies: tuple[
 @click.option("--graph-layers", type=click.IntRange(min=1), default=1, show_default=True,
               help="Decoder layers per CUDA graph of a decode step (the GPU runs one while the host launches the next).")
 @click.option("--no-prefetch", is_flag=True, help="Do not prefetch the next layer's predicted experts.")
+@click.option("--read-ahead", is_flag=True, help="Also read the disk records the layer after next is predicted to "
+              "pick into RAM (off by default: not yet shown faster on the H200).")
 @click.option("--promote", is_flag=True, help="Move an expert a decode step staged from RAM into a device slot "
               "once the device policy ranks it above its victim (off by default: on the H200 it halved 24/64 decode).")
 @click.option("--no-fused-mix", is_flag=True, help="Run one-token hyper-connection mixes as the module's code, "
@@ -354,7 +356,7 @@ def bench(pack: Path, vram_budget: str | None, ram_budget: str | None, policy: s
           dtype: str, emulate_layers: int | None, baseline: str | None, baseline_layers: int, baseline_prompt_len: int,
           baseline_gen: int, seed: int, repeats: int, copy_probe: str | None, disk_probe: str,
           offload_dir: Path | None, quiet: bool, no_cuda_graphs: bool, no_compile: bool, graph_layers: int,
-          no_prefetch: bool, promote: bool, no_fused_mix: bool) -> None:
+          no_prefetch: bool, read_ahead: bool, promote: bool, no_fused_mix: bool) -> None:
     """Time prefill and decode of PACK through the tiered store, against the machine's bandwidth roofline
     and (with --baseline) transformers + accelerate offload at the same budget. The store is always
     used: a budget left out gives its tier room for every record."""
@@ -368,7 +370,7 @@ def bench(pack: Path, vram_budget: str | None, ram_budget: str | None, policy: s
         seed=seed, repeats=repeats, direct_io=not no_direct_io, verify_records=not no_verify_records,
         copy_probe=copy_probe, disk_probe=disk_probe, offload_dir=offload_dir, json_path=json_path,
         progress=not quiet, cuda_graphs=not no_cuda_graphs, compile_layers=not no_compile, prefetch=not no_prefetch,
-        promote=promote, layers_per_graph=graph_layers, fused_mix=not no_fused_mix,
+        read_ahead=read_ahead, promote=promote, layers_per_graph=graph_layers, fused_mix=not no_fused_mix,
     )
     click.echo(table(report))
     if json_path is not None:

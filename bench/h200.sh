@@ -21,10 +21,12 @@
 # promotions; one-graph and unbounded-one-graph as budgets and unbounded do, with the whole step in
 # one CUDA graph (--graph-layers $LAYERS) instead of one graph a layer. hotset and fp8-hot profile the
 # synth corpus on the GPU (`flashpack profile`) and pre-warm 24/64 (and fp8-hot 8/32 and 24/64 on the
-# --dense-fp8 pack) from that hot set, and late-prefetch, guesses-wait, copy-thread, no-read-ahead and
+# --dense-fp8 pack) from that hot set, and late-prefetch, guesses-wait, copy-thread, read-ahead and
 # whole-reads bench its 8/32 with one setting changed each (the next layer's prefetch once a layer's
 # loads landed; no prefetch read beside a running required read; a decode layer's copies handed to the
-# copy thread; no disk reads for the layer after next; each record read whole);
+# copy thread; disk reads for the layer after next too (--read-ahead); each record read whole; the
+# first bench of a call runs after the FP8 convert and the hot set's profile, on a disk that reads
+# slower then, so put a control first);
 # profile-8g profiles 8/32 decode on that pack from the same hot set
 # (baked once a call).
 # fp8 converts a --dense-fp8 pack from the same snapshot and benches 8/32 on it (BF16 dense
@@ -42,7 +44,7 @@ set -o pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site wheels/*.whl || exit 1
 mkdir -p /tmp/pkg && ln -sfn "$PWD" /tmp/pkg/flashpack
 export PYTHONPATH=/tmp/pkg:/tmp/site PYTHONUNBUFFERED=1
-LAYERS=${LAYERS:-4} GEN=${GEN:-32} PROMPT=${PROMPT:-512} W=/tmp/fp R=/tmp/results STAGES=${STAGES:-"tests reads unbounded fp8 fp8-star budgets long baseline profile hotset verify prefill-profile prefill-profile-tiered profile-8g eager fp8-unbounded staging no-prefetch promote one-graph unbounded-one-graph fp8-hot late-prefetch guesses-wait copy-thread no-read-ahead whole-reads sampling kernels unbounded-no-combo unbounded-unfused-mix unfused-mix unbounded-cublas ahead-programs"}
+LAYERS=${LAYERS:-4} GEN=${GEN:-32} PROMPT=${PROMPT:-512} W=/tmp/fp R=/tmp/results STAGES=${STAGES:-"tests reads unbounded fp8 fp8-star budgets long baseline profile hotset verify prefill-profile prefill-profile-tiered profile-8g eager fp8-unbounded staging no-prefetch promote one-graph unbounded-one-graph fp8-hot late-prefetch guesses-wait copy-thread read-ahead whole-reads sampling kernels unbounded-no-combo unbounded-unfused-mix unfused-mix unbounded-cublas ahead-programs"}
 has() { [[ " $STAGES " == *" $1 "* ]]; }
 mkdir -p $R
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee $OUT/gpu.txt
@@ -161,10 +163,9 @@ for stage in $STAGES; do
       fp8_pack; hot_set full-fp8
       BENCH_PY="import sys; from flashpack.runtime.store import lanes; lanes.GUESSES_BESIDE_REQUIRED = False; from flashpack.cli import main; main()" \
         PACK=full-fp8 bench 8g-32g-fp8-hot-guesses-wait 8GiB 32GiB --prompt-len $PROMPT --gen $GEN --hot-set corpus ;;
-    no-read-ahead)  # the control for fp8-hot's 8/32: no disk reads for the layer after next (before session 12)
+    read-ahead)  # fp8-hot's 8/32 with --read-ahead: disk reads for the layer after next too
       fp8_pack; hot_set full-fp8
-      BENCH_PY="import sys; from flashpack.runtime.model import moe; moe.READ_AHEAD = False; from flashpack.cli import main; main()" \
-        PACK=full-fp8 bench 8g-32g-fp8-hot-no-read-ahead 8GiB 32GiB --prompt-len $PROMPT --gen $GEN --hot-set corpus ;;
+      PACK=full-fp8 bench 8g-32g-fp8-hot-read-ahead 8GiB 32GiB --prompt-len $PROMPT --gen $GEN --hot-set corpus --read-ahead ;;
     copy-thread)  # the control for fp8-hot's 8/32: a decode layer's host-cache copies handed to the copy thread (before session 12)
       fp8_pack; hot_set full-fp8
       BENCH_PY="import sys; import flashpack.runtime.store.store as tiered; tiered.COPY_ON_REQUESTING_THREAD = False; from flashpack.cli import main; main()" \

@@ -29,6 +29,10 @@ class StoreOptions:
     hot_set: str | None = None  # a profile in the manifest to pre-warm from
     direct_io: bool = True
     prefetch: bool = True  # decode: load the next layer's predicted experts into the gaps
+    # decode: also read the disk records the layer after next is predicted to pick into the host cache.
+    # Off: the one A/B on the H200 (run 29, 8/32) measured 5.53 tok/s with it against 6.39 without,
+    # though it ran first in its call, on a disk that read slower then (bench/HISTORY.md)
+    read_ahead: bool = False
     # decode: move a staged expert that outranks its victim into a device slot. Off: on the H200 the
     # copies and their bookkeeping cost more than the hits they bought (bench/results/README.md)
     promote: bool = False
@@ -106,7 +110,7 @@ def load_engine(
         device=torch_device,
     )
     if tiered is not None and not isinstance(tiered, ResidentSlots):
-        model.prefetch_next_layer(store.prefetch)
+        model.prefetch_next_layer(store.prefetch, read_ahead=store.read_ahead)
     if fused_mix and torch_device.type == "cuda":
         model.fuse_hyper_connections()
     if cuda_graphs and tiered is not None and torch_device.type == "cuda":

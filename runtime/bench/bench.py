@@ -77,6 +77,7 @@ def run_bench(
     cuda_graphs: bool = True,
     compile_layers: bool = True,
     prefetch: bool = True,
+    read_ahead: bool = False,
     promote: bool = False,
     layers_per_graph: int = LAYERS_PER_GRAPH,
     fused_mix: bool = True,
@@ -113,7 +114,8 @@ def run_bench(
     store = StoreOptions(
         vram_budget=None if engine_budgets["vram"] is None else str(engine_budgets["vram"]),
         ram_budget=None if engine_budgets["ram"] is None else str(engine_budgets["ram"]),
-        policy=policy, hot_set=hot_set, direct_io=direct_io, prefetch=prefetch, promote=promote,
+        policy=policy, hot_set=hot_set, direct_io=direct_io, prefetch=prefetch, read_ahead=read_ahead,
+        promote=promote,
     )
     engine = load_engine(pack, device, dtype, verify_records=verify_records, store=store, cuda_graphs=cuda_graphs,
                          compile_layers=compile_layers, layers_per_graph=layers_per_graph, fused_mix=fused_mix)
@@ -122,6 +124,7 @@ def run_bench(
                     "compiled_layers": graphs is not None and compile_layers,
                     "layers_per_graph": graphs.layers_per_graph if graphs is not None else None,
                     "prefetch": any(layer.moe.next_moe is not None for layer in engine.model.layers),
+                    "read_ahead": any(layer.moe.read_ahead for layer in engine.model.layers),
                     "promote": promote, "fused_mix": fused_mix and torch_device.type == "cuda"}
     try:
         tokenizer = engine.tokenizer.tokenizer

@@ -80,10 +80,12 @@ class Qwen4ExpModel(nn.Module):
         for mixer in [self.final_mixer, *(hc for layer in self.layers for hc in (layer.attn_hc, layer.mlp_hc))]:
             mixer.fused = enabled
 
-    def prefetch_next_layer(self, enabled: bool = True) -> None:
-        """Let each MoE block name the next layer's likely experts to a tiered store in decode."""
+    def prefetch_next_layer(self, enabled: bool = True, read_ahead: bool = False) -> None:
+        """Let each MoE block name the next layer's likely experts to a tiered store in decode, and
+        with `read_ahead` the disk-only records the layer after next is likely to pick."""
         for layer, following in zip(self.layers, self.layers[1:]):
             layer.moe.next_moe = following.moe if enabled else None
+            layer.moe.read_ahead = enabled and read_ahead
 
     def settle(self) -> None:
         """Finish the bookkeeping decode steps defer (decode_graphs.DecodeGraphs.settle): call it

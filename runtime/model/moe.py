@@ -13,9 +13,10 @@ With an `ExpertSlots` source the routed experts run as fused NVFP4 kernels over 
                                    in decode the next layer's router, applied to this layer's
                                    input, names the experts to prefetch, started once this
                                    layer's own loads are queued (behind them in the store's
-                                   lanes), so a guess's disk read runs while they land; the
-                                   router of the layer after that names the records to read
-                                   from disk into the host cache (a disk read outlasts a layer)
+                                   lanes), so a guess's disk read runs while they land; with
+                                   `read_ahead` the router of the layer after that names the
+                                   records to read from disk into the host cache (a disk read
+                                   outlasts a layer)
 With an `ExpertFetcher` the dequantised weights run as plain linears, expert by expert.
 """
 
@@ -44,12 +45,6 @@ PREDICT_MAX_TOKENS = 4  # decode and speculative verification; a prompt fetches 
 # bench/h200.sh's `late-prefetch` stage benches)
 PREFETCH_DURING_LOADS = True
 
-# Whether a through-store decode layer also reads the disk-only records the layer after next is
-# predicted to pick into the host cache (TieredStore.read_ahead); False is the control bench/h200.sh's
-# `no-read-ahead` stage benches. On the small preset the routers of the next layer and the one after
-# it pick, from a layer's input, 0.91 and 0.87 of the experts those layers then pick.
-READ_AHEAD = True
-
 
 class SparseMoE(nn.Module):
     def __init__(
@@ -62,6 +57,7 @@ class SparseMoE(nn.Module):
         self.resident = fetcher if isinstance(fetcher, ResidentSlots) else None
         self.staging = PinnedStaging()  # a step's slot codes cross from pinned buffers it reuses
         self.next_moe: SparseMoE | None = None  # whose experts to prefetch (set by the model)
+        self.read_ahead = False  # read the layer after next's guessed disk records too (set by the model)
         self.routing_observer: Callable[[int, torch.Tensor], None] | None = None  # (layer, ids [T, k])
         self.num_experts, self.top_k, self.renormalise = cfg.num_experts, cfg.num_experts_per_tok, cfg.norm_topk_prob
         self.act = activation(cfg.hidden_act)
@@ -110,7 +106,7 @@ class SparseMoE(nn.Module):
     def predict_far(self, x: torch.Tensor) -> torch.Tensor | None:
         """In decode through a store, the experts the layer after the next picks from this layer's
         input [T, k]: whose records to start reading from disk now."""
-        if not READ_AHEAD or self.next_moe is None:
+        if not self.read_ahead or self.next_moe is None:
             return None
         return self.next_moe.predict_next(x)
 

@@ -162,10 +162,10 @@ def test_a_decode_step_hands_the_store_the_next_two_layers_guesses(monkeypatch):
     assert slots.calls == [(5, wanted, None, (7, farther))] and slots.prefetches == [(6, guessed)]
 
 
-def test_the_far_guess_is_the_next_layers_prediction_and_off_with_read_ahead(monkeypatch):
+def test_the_far_guess_is_the_next_layers_prediction_only_with_read_ahead():
     guess = torch.tensor([[4, 2]])
-    moe = SimpleNamespace(next_moe=SimpleNamespace(predict_next=lambda x: guess))
+    moe = SimpleNamespace(read_ahead=True, next_moe=SimpleNamespace(predict_next=lambda x: guess))
     assert SparseMoE.predict_far(moe, torch.ones(1, H)) is guess
-    monkeypatch.setattr(moe_module, "READ_AHEAD", False)
+    moe.read_ahead = False
     assert SparseMoE.predict_far(moe, torch.ones(1, H)) is None
-    assert SparseMoE.predict_far(SimpleNamespace(next_moe=None), torch.ones(1, H)) is None
+    assert SparseMoE.predict_far(SimpleNamespace(read_ahead=True, next_moe=None), torch.ones(1, H)) is None

@@ -310,3 +310,34 @@ def test_fetch_while_a_prefetch_holds_the_layer_share(store_pack, reference):
         _assert_same(store.fetch(layers[1], wanted), reference.fetch(layers[1], wanted))
         _assert_same(store.wait(prefetched), reference.fetch(layers[1], list(range(top_k))))
         store.check_budgets()
+
+
+def test_decode_with_read_ahead_reads_for_the_layer_after_next_and_computes_the_same(tiny_pack):
+    """`StoreOptions(read_ahead=True)` (bench --read-ahead) changes what the store reads from disk
+    while the engine decodes through it, not what the model computes: the same logits, rel 1e-5
+    (FP32 on the CPU; experts may land in other chunks), and read-aheads issued only with it on."""
+    from flashpack.runtime.loader import StoreOptions, load_engine
+    from flashpack.runtime.store.build import resident_device_bytes
+
+    manifest = Pack.open(tiny_pack).manifest
+    stride, cfg = manifest.document["experts"]["record_stride"], manifest.config
+    layers = cfg.num_hidden_layers
+    vram = resident_device_bytes(manifest, "float32") + layers * cfg.num_experts_per_tok * stride
+    prompt = torch.randint(0, 1000, (12,), generator=torch.Generator().manual_seed(0))
+    logits, issued = {}, {}
+    for read_ahead in (False, True):
+        options = StoreOptions(vram_budget=str(vram), ram_budget=str(layers * cfg.num_experts_per_tok * stride),
+                               read_ahead=read_ahead)
+        engine = load_engine(tiny_pack, store=options, dtype="float32")
+        try:
+            assert [layer.moe.read_ahead for layer in engine.model.layers[:-1]] == [read_ahead] * (layers - 1)
+            state = engine.model.new_state()
+            steps = [engine.model(prompt, state).logits[-1:]]
+            for _ in range(6):
+                steps.append(engine.model(torch.tensor([int(steps[-1].argmax())]), state).logits)
+            logits[read_ahead] = torch.cat(steps)
+            issued[read_ahead] = engine.store.stats.total().read_ahead_issued
+        finally:
+            engine.store.close()
+    assert issued[False] == 0 and issued[True] > 0
+    torch.testing.assert_close(logits[True], logits[False], rtol=1e-5, atol=1e-5)

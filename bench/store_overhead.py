@@ -1,18 +1,26 @@
-"""Host time the tiered store spends per decode layer when every requested expert is already in the
-device pool: what a tiered decode step pays per layer beyond the kernels, and the GPU idles for.
+"""Host time the tiered store spends per decode layer beyond the kernels, which the GPU idles for.
 
-    python bench/store_overhead.py PACK [--device cpu|cuda] [--calls 2000] --json OUT
+    python bench/store_overhead.py PACK [--device cpu|cuda] [--calls 2000] [--decode-steps 300] --json OUT
 
-Builds a store whose device pool holds every record of the pack's first layer, pre-warms it, then
-times `stream(layer, experts)` (the engine's call: pin, await, yield, release) for random top-k
-sets of that layer, median of batches; and `record_step` for one layer's top-k, all found on the
-device (what a decode step from the slot table pays per layer to count what it used). Prints and
-writes JSON: microseconds per call and per expert.
+Two measurements. Every requested expert already in the device pool: a store whose device pool
+holds every record of the pack's first layer, pre-warmed, timing `stream(layer, experts)` (the
+engine's call: pin, await, yield, release) for random top-k sets of that layer, median of batches;
+and `record_step` for one layer's top-k, all found on the device (what a decode step from the slot
+table pays per layer to count what it used).
+
+And decode layers through the store as at 8/32: a device pool of top_k slots a layer in front of a
+host cache holding every record (no disk reads, so the figures are the store's own), each layer
+streaming its top-k (experts drawn by a skewed popularity) with the next layer's guess to prefetch
+(7 of its picks and 3 others: right about as often as on the H200), timed per layer in total and in
+the store's request, prefetch and await; once with a decode layer's copies enqueued by the calling
+thread (the default) and once handed to the copy thread (COPY_ON_REQUESTING_THREAD off), median of
+four runs each. Prints and writes JSON: microseconds per call, per expert and per decode layer.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import platform
 import random
@@ -25,8 +33,10 @@ import torch
 
 from flashpack.layout.pack import Pack
 from flashpack.runtime.store import build_store
+from flashpack.runtime.store import store as tiered
 
 BATCH = 100
+TIMED = ("_request", "prefetch", "_await")
 
 
 def main() -> None:
@@ -34,6 +44,7 @@ def main() -> None:
     parser.add_argument("pack")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--calls", type=int, default=2000)
+    parser.add_argument("--decode-steps", type=int, default=300, help="steps of all layers, per run")
     parser.add_argument("--json")
     args = parser.parse_args()
     pack = Pack.open(args.pack)
@@ -67,9 +78,70 @@ def main() -> None:
         "us_per_expert": per_call * 1e6 / top_k, "us_per_record_step_layer": statistics.median(recorded) * 1e6,
         "torch": torch.__version__,
     }
+    calling = decode_layers(pack, args.device, args.decode_steps, copies_on_calling_thread=True)
+    handed = decode_layers(pack, args.device, args.decode_steps, copies_on_calling_thread=False)
+    result["decode_layer_us"] = {"copies_on_calling_thread": calling, "copies_on_copy_thread": handed,
+                                 "ratio": handed["total"] / calling["total"]}
     print(json.dumps(result))
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
+
+
+def decode_layers(pack: Pack, device: str, steps: int, copies_on_calling_thread: bool) -> dict[str, float]:
+    """Microseconds a decode layer spends in the store (total, and in each of TIMED), median of 4 runs."""
+    manifest = pack.manifest
+    cfg, stride = manifest.config, manifest.document["experts"]["record_stride"]
+    layers = sorted({r.layer for r in manifest.expert_records()})
+    experts, top_k = cfg.num_experts, cfg.num_experts_per_tok
+    rng = random.Random(0)
+    popularity = [1 / (rank + 1) ** 0.8 for rank in range(experts)]
+
+    def picks() -> list[int]:
+        chosen: set[int] = set()
+        while len(chosen) < top_k:
+            chosen.add(rng.choices(range(experts), popularity)[0])
+        return sorted(chosen)
+
+    runs = []
+    tiered.COPY_ON_REQUESTING_THREAD = copies_on_calling_thread
+    try:
+        with build_store(pack, vram_budget=len(layers) * top_k * stride, ram_budget=len(manifest.expert_records())
+                         * stride, device=device, device_reserved=0) as store:
+            store.prewarm({layer: list(range(experts)) for layer in layers})
+            spent = {name: 0.0 for name in TIMED}
+            for name in TIMED:
+                setattr(store, name, _timed(getattr(store, name), spent, name))
+            for run in range(5):  # the first warms up
+                plan = [[picks() for _ in layers] for _ in range(steps)]
+                for name in spent:
+                    spent[name] = 0.0
+                start = time.perf_counter()
+                for wanted in plan:
+                    for index, layer in enumerate(layers):
+                        ahead = None
+                        if index + 1 < len(layers):
+                            ahead = (layers[index + 1], sorted(set(wanted[index + 1][:7]) | set(picks()[:3])))
+                        with closing(store.stream(layer, wanted[index], ahead)) as chunks:
+                            for _ in chunks:
+                                pass
+                calls = steps * len(layers)
+                if run:
+                    runs.append({"total": (time.perf_counter() - start) / calls * 1e6,
+                                 **{name.strip("_"): seconds / calls * 1e6 for name, seconds in spent.items()}})
+    finally:
+        tiered.COPY_ON_REQUESTING_THREAD = True
+    return {name: statistics.median(run[name] for run in runs) for name in runs[0]}
+
+
+def _timed(method, spent: dict[str, float], name: str):
+    @functools.wraps(method)
+    def timed(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return method(*args, **kwargs)
+        finally:
+            spent[name] += time.perf_counter() - start
+    return timed
 
 
 if __name__ == "__main__":

@@ -59,9 +59,9 @@ from flashpack.runtime.store.transfers import Copy, TransferJobs
 HOST = 0  # the host cache's single partition
 WAIT_TIMEOUT_S = 600.0
 
-# Whether a decode layer's host-cache copies are enqueued by the requesting thread (_start_copies);
-# False hands them to the copy thread as before session 12: the control bench/h200.sh's
-# `copy-thread` stage benches.
+# Whether a decode layer's host-cache copies (its request's and its prefetch's) are enqueued by the
+# calling thread (_start_copies); False hands them to the copy thread as before session 12: the
+# control bench/h200.sh's `copy-thread` stage benches.
 COPY_ON_REQUESTING_THREAD = True
 
 
@@ -253,8 +253,12 @@ class TieredStore(TransferJobs, TableSteps):
         are skipped. Entries are unpinned once they land. Counted as prefetch_issued, not as
         requests; a later request that finds one counts prefetch_used, an eviction before that
         prefetch_wasted."""
-        with self._changed:
-            return 0 if self._closed else self._prefetch_locked(layer, experts)
+        copies: list[Copy] = []
+        try:
+            with self._changed:
+                return 0 if self._closed else self._place_prefetches(layer, experts, copies)
+        finally:
+            self._start_copies(copies, low=True)
 
     def _prefetch_locked(self, layer: int, experts: list[int]) -> int:
         copies: list[Copy] = []
@@ -380,18 +384,20 @@ class TieredStore(TransferJobs, TableSteps):
             self._start_copies(copies, prewarm=prewarm is not None)
         return handles, experts[admitted:]
 
-    def _start_copies(self, copies: list[Copy], prewarm: bool) -> None:
-        """(not under the lock) A request's host-cache copies. A decode layer's few (up to top_k) are
-        enqueued by the requesting thread at once: handed to the copy thread, they waited for the GIL
-        while this thread went on in Python (0.9-2.4 ms between a layer's expert ids and its first copy
-        in run 27's 8/32 profile), where enqueueing them takes some 10 us each. A prompt's chunks go to
-        the copy thread, which enqueues them while this thread launches the chunk before's kernels."""
+    def _start_copies(self, copies: list[Copy], prewarm: bool = False, low: bool = False) -> None:
+        """(not under the lock) A request's or a prefetch's host-cache copies. A decode layer's few
+        (up to top_k) are enqueued by the calling thread at once: handed to the copy thread, they
+        waited for the GIL while this thread went on in Python (0.9-2.4 ms between a layer's expert
+        ids and its first copy in run 27's 8/32 profile), where enqueueing them takes some 10 us
+        each; the copy stream runs them in the order they were enqueued, so a layer's own copies,
+        started first, still go ahead of its guesses'. A prompt's chunks go to the copy thread, which
+        enqueues them while this thread launches the chunk before's kernels."""
         if copies and len(copies) <= self.top_k and not prewarm and COPY_ON_REQUESTING_THREAD:
             batch = list(copies)
             copies.clear()
             self._copy_job(batch)
         else:
-            self._submit_copies(copies, prewarm=prewarm)
+            self._submit_copies(copies, low=low, prewarm=prewarm)
 
     def _admit_prefix(
         self, layer: int, experts: list[int], partial: bool, prewarm: dict[int, float] | None,

@@ -421,9 +421,13 @@ def test_a_prefetch_after_a_request_starts_while_its_loads_are_in_flight(store_p
         assert _nothing_pinned(store)
 
 
-def test_request_copies_go_before_queued_prefetch_copies(store_pack):
-    """One copy thread, two lanes: a request's host-to-device copies overtake the prefetch copies the
-    layer before queued (a through-store decode layer would otherwise wait behind the guesses)."""
+def test_request_copies_go_before_queued_prefetch_copies(store_pack, monkeypatch):
+    """One copy thread, two lanes: a request's host-to-device copies overtake the prefetch copies
+    queued before them. The copy thread takes a prompt's batches and promotions; a decode layer's
+    few copies it takes only with COPY_ON_REQUESTING_THREAD off, as here."""
+    from flashpack.runtime.store import store as tiered
+
+    monkeypatch.setattr(tiered, "COPY_ON_REQUESTING_THREAD", False)
     pack = Pack.open(store_pack)
     info = _info(pack)
     layers, experts = info.layers, info.experts
@@ -481,17 +485,18 @@ def test_a_requests_host_hits_cross_as_one_copy_job(store_pack):
         assert _nothing_pinned(store)
 
 
-def test_a_decode_layers_host_hits_are_copied_by_the_requesting_thread_a_prompts_by_the_copy_thread(
+def test_a_decode_layers_host_hits_are_copied_by_the_calling_thread_a_prompts_by_the_copy_thread(
         store_pack, monkeypatch):
-    """A handed-off copy waits for the GIL while the requester runs Python; a decode layer's few
-    copies are enqueued where they are asked for, a prompt's many on the copy thread."""
+    """A handed-off copy waits for the GIL while the caller runs Python; a decode layer's few
+    copies, its request's and its prefetch's, are enqueued where they are asked for, a prompt's many
+    on the copy thread."""
     from flashpack.runtime.store import store as tiered
 
     pack = Pack.open(store_pack)
     info = _info(pack)
     layer, experts = info.layers[0], info.experts
 
-    def copying_threads(inline: bool, count: int) -> set[str]:
+    def copying_threads(inline: bool, count: int, prefetch: bool = False) -> set[str]:
         monkeypatch.setattr(tiered, "COPY_ON_REQUESTING_THREAD", inline)
         with _store(pack, 4 * len(info.layers) + experts, 64, rebalance=False) as store:
             store.prewarm({layer: list(range(experts))})
@@ -502,15 +507,20 @@ def test_a_decode_layers_host_hits_are_copied_by_the_requesting_thread_a_prompts
             threads, original = set(), store._copy_job
             store._copy_job = lambda copies, *args: (threads.add(threading.current_thread().name),
                                                      original(copies, *args))
-            store.wait(store.request(layer, host_only))
+            if prefetch:
+                assert store.prefetch(layer, host_only) == count
+            else:
+                store.wait(store.request(layer, host_only))
             settle(store)
             assert _nothing_pinned(store)
             return threads
 
-    top_k = pack.manifest.config.num_experts_per_tok
-    assert copying_threads(True, top_k) == {threading.current_thread().name}
-    assert copying_threads(True, top_k + 1) != {threading.current_thread().name}  # a prompt's chunk
-    assert copying_threads(False, top_k) != {threading.current_thread().name}  # the control
+    top_k, caller = pack.manifest.config.num_experts_per_tok, {threading.current_thread().name}
+    assert copying_threads(True, top_k) == caller
+    assert copying_threads(True, top_k, prefetch=True) == caller
+    assert copying_threads(True, top_k + 1) != caller  # a prompt's chunk
+    assert copying_threads(False, top_k) != caller  # the control
+    assert copying_threads(False, top_k, prefetch=True) != caller
 
 
 def test_read_lanes_keep_a_thread_for_required_reads():

@@ -326,33 +326,6 @@ def test_read_ahead_brings_disk_records_into_the_host_cache_only_and_a_later_loa
         assert _nothing_pinned(store)
 
 
-def test_a_request_for_a_queued_read_ahead_promotes_it(store_pack):
-    """Two reader threads run one guess at a time: a read-ahead queued behind a running prefetch
-    read starts at once when a request comes to wait for it."""
-    pack = Pack.open(store_pack)
-    layers = _info(pack).layers
-    with _store(pack, 8 * len(layers), 32, reader_threads=2, rebalance=False) as store:
-        gate, running, queued = threading.Event(), (layers[1], 5), (layers[3], 1)
-        order = _gate_reads(store, pack, {running}, gate)
-        assert store.prefetch(running[0], [running[1]]) == 1
-        deadline = time.monotonic() + 10
-        while not order:
-            assert time.monotonic() < deadline
-            time.sleep(0.01)
-        assert store.read_ahead(queued[0], [queued[1]]) == 1
-        time.sleep(0.2)
-        assert order == [running] and store._readers.pending() == (0, 1)
-        handles = store.request(queued[0], [queued[1]])
-        assert handles[0].source == "host"  # its record is on its way to the host cache
-        while len(order) < 2:
-            assert time.monotonic() < deadline, "the requested read-ahead still waits behind the guess"
-            time.sleep(0.01)
-        store.wait(handles)
-        gate.set()
-        assert store.stats.layer(queued[0]).read_ahead_used == 1
-        assert _nothing_pinned(store)
-
-
 @pytest.mark.parametrize("device_slots, host_slots", [("top_k", 1), ("top_k+1", 2), ("2 per layer", 4)])
 def test_prefetch_and_read_ahead_under_a_tiny_budget_neither_block_nor_fail(store_pack, device_slots, host_slots):
     pack = Pack.open(store_pack)
@@ -570,30 +543,32 @@ def test_a_guess_starts_beside_a_running_required_read_unless_guesses_wait(monke
     assert not beside and promoted
 
 
-def test_a_request_joining_a_queued_prefetch_read_promotes_it(store_pack):
-    """Two reader threads run one prefetch read at a time (threads - 1): a second guess queues behind
-    the one running; a request that comes to wait for the queued guess moves it to the required
-    lane, where it starts at once."""
+@pytest.mark.parametrize("guess, source", [("prefetch", "joined"), ("read_ahead", "host")])
+def test_a_request_for_a_queued_guess_promotes_its_read(store_pack, guess, source):
+    """Two reader threads run one guess's read at a time (threads - 1): a second guess (a prefetch,
+    or a read-ahead into the host cache) queues behind the one running; a request that comes to wait
+    for the queued guess moves its read to the required lane, where it starts at once."""
     pack = Pack.open(store_pack)
     layers = _info(pack).layers
     with _store(pack, 8 * len(layers), 32, reader_threads=2, rebalance=False) as store:
-        gate, running, queued = threading.Event(), (layers[1], 5), (layers[2], 1)
+        gate, running, queued = threading.Event(), (layers[1], 5), (layers[3], 1)
         order = _gate_reads(store, pack, {running}, gate)
         assert store.prefetch(running[0], [running[1]]) == 1
         deadline = time.monotonic() + 10
         while not order:
             assert time.monotonic() < deadline
             time.sleep(0.01)
-        assert store.prefetch(queued[0], [queued[1]]) == 1
+        assert getattr(store, guess)(queued[0], [queued[1]]) == 1
         time.sleep(0.2)
         assert order == [running] and store._readers.pending() == (0, 1)  # one guess at a time
-        handles = store.request(queued[0], [queued[1]])  # joins the queued guess, which starts now
-        assert handles[0].source == "joined"
+        handles = store.request(queued[0], [queued[1]])
+        assert handles[0].source == source
         while len(order) < 2:
-            assert time.monotonic() < deadline, "the joined guess still waits behind the running one"
+            assert time.monotonic() < deadline, "the requested guess still waits behind the running one"
             time.sleep(0.01)
         assert order == [running, queued]
         store.wait(handles)
         gate.set()
-        settle(store)
+        counters = store.stats.layer(queued[0])
+        assert (counters.prefetch_used, counters.read_ahead_used) == ((1, 0) if guess == "prefetch" else (0, 1))
         assert _nothing_pinned(store)

@@ -35,6 +35,9 @@ class SlotPool:
             if poison:
                 chunk.fill_(POISON)
             self._chunks.append(chunk)
+        # one view a slot, made once: a decode layer's copies take two views a record, and making a
+        # view costs microseconds of the host's time a layer waits through
+        self._views = [row for chunk in self._chunks for row in chunk.unbind(0)]
 
     @property
     def nbytes(self) -> int:
@@ -57,4 +60,4 @@ class SlotPool:
         """uint8 [stride]: the slot's bytes (a view)."""
         if not 0 <= index < self.slots:
             raise IndexError(f"slot {index} out of range (pool of {self.slots})")
-        return self._chunks[index // self.per_chunk][index % self.per_chunk]
+        return self._views[index]

@@ -23,8 +23,9 @@ guarded by one lock; reader and copy threads only move bytes and then publish, u
 that a slot is ready. A slot being loaded is pinned by its load, so it cannot be evicted before
 it lands even when every request for it has gone. A request for an expert already in flight
 joins it. Disk reads for requests go ahead of prefetch reads (lanes.py). Copies to the device run
-on their own CUDA stream; a slot is reused only after the compute that read it has finished (an
-event recorded at release). A failed read or a corrupt record fails the requests waiting on it
+on their own CUDA stream, enqueued by the calling thread for a decode layer's few records and by the
+copy thread for a prompt's many; a slot is reused only after the compute that read it has finished
+(an event recorded at release). A failed read or a corrupt record fails the requests waiting on it
 with a FlashpackError naming layer and expert, and frees its slots; everything else goes on.
 """
 
@@ -388,8 +389,8 @@ class TieredStore(TransferJobs, TableSteps):
         """(not under the lock) A request's or a prefetch's host-cache copies. A decode layer's few
         (up to top_k) are enqueued by the calling thread at once: handed to the copy thread, they
         waited for the GIL while this thread went on in Python (0.9-2.4 ms between a layer's expert
-        ids and its first copy in run 27's 8/32 profile), where enqueueing them takes some 10 us
-        each; the copy stream runs them in the order they were enqueued, so a layer's own copies,
+        ids and its first copy in run 27's 8/32 profile), where enqueueing them takes some 30 us
+        each (run 30); the copy stream runs them in the order they were enqueued, so a layer's own copies,
         started first, still go ahead of its guesses'. A prompt's chunks go to the copy thread, which
         enqueues them while this thread launches the chunk before's kernels."""
         if copies and len(copies) <= self.top_k and not prewarm and COPY_ON_REQUESTING_THREAD:

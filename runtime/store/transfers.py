@@ -1,4 +1,5 @@
-"""The byte-moving half of the TieredStore: reader-thread and copy-thread jobs.
+"""The byte-moving half of the TieredStore: reader-thread and copy jobs (a copy job runs on the copy
+thread, or on the thread that asked for a decode layer's few records).
 
 A read job fills host slots from disk (one `preadv` for a run of contiguous records), checks
 each record's xxh64 the first time it is read, publishes the good ones and fails the bad ones

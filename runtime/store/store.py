@@ -389,10 +389,11 @@ class TieredStore(TransferJobs, TableSteps):
         """(not under the lock) A request's or a prefetch's host-cache copies. A decode layer's few
         (up to top_k) are enqueued by the calling thread at once: handed to the copy thread, they
         waited for the GIL while this thread went on in Python (0.9-2.4 ms between a layer's expert
-        ids and its first copy in run 27's 8/32 profile), where enqueueing them takes some 30 us
-        each (run 30); the copy stream runs them in the order they were enqueued, so a layer's own copies,
-        started first, still go ahead of its guesses'. A prompt's chunks go to the copy thread, which
-        enqueues them while this thread launches the chunk before's kernels."""
+        ids and its first copy in run 27's 8/32 profile; bench/store_overhead.py on the H200 machine:
+        1,286 us of store time a decode layer this way against 1,811); the copy stream runs them in
+        the order they were enqueued, so a layer's own copies, started first, still go ahead of its
+        guesses'. A prompt's chunks go to the copy thread, which enqueues them while this thread
+        launches the chunk before's kernels."""
         if copies and len(copies) <= self.top_k and not prewarm and COPY_ON_REQUESTING_THREAD:
             batch = list(copies)
             copies.clear()

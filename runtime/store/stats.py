@@ -66,9 +66,9 @@ class StoreStats:
     def bump(self, layer: int, **amounts: int) -> None:
         """Thread-safe increments: reader threads count bytes while the engine counts hits."""
         with self._lock:
-            counters = self.layer(layer)
+            counts = self.layer(layer).__dict__  # the dataclass's fields, added to in place
             for name, amount in amounts.items():
-                setattr(counters, name, getattr(counters, name) + amount)
+                counts[name] += amount
 
     def add_time(self, name: str, seconds: float) -> None:
         with self._lock:

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import Counter
 from collections.abc import Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import closing
@@ -269,7 +270,7 @@ class TieredStore(TransferJobs, TableSteps):
             self._submit_copies(copies, low=True)
 
     def _place_prefetches(self, layer: int, experts: list[int], copies: list[Copy]) -> int:
-        started = 0
+        started = from_disk = 0
         for expert in experts:
             key = (layer, expert)
             if key in self.device_slots:
@@ -284,8 +285,9 @@ class TieredStore(TransferJobs, TableSteps):
             self._evicted_device(evicted)
             _, source = self._start_load(key, slot, copies, prefetch=True)
             self._prefetched.add(key)
-            self.stats.bump(layer, prefetch_issued=1, prefetch_from_disk=int(source == "disk"))
-            started += 1
+            started, from_disk = started + 1, from_disk + (source == "disk")
+        if started:
+            self.stats.bump(layer, prefetch_issued=started, prefetch_from_disk=from_disk)
         return started
 
     def _host_room_for_prefetch(self) -> bool:
@@ -407,6 +409,17 @@ class TieredStore(TransferJobs, TableSteps):
     ) -> int:
         """(under the lock) `_request`'s placing: handles for `experts` in order into `handles`, their
         host-cache copies into `copies`; returns how many experts were taken."""
+        tally: Counter = Counter()  # the request's counts, added to the stats once
+        try:
+            return self._admit_each(layer, experts, partial, prewarm, max_misses, block, handles, copies, tally)
+        finally:
+            if tally:
+                self.stats.bump(layer, **tally)
+
+    def _admit_each(
+        self, layer: int, experts: list[int], partial: bool, prewarm: dict[int, float] | None,
+        max_misses: int | None, block: bool, handles: list[ExpertHandle], copies: list[Copy], tally: Counter,
+    ) -> int:
         index = misses = 0
         while index < len(experts):
             key = (layer, experts[index])
@@ -414,11 +427,11 @@ class TieredStore(TransferJobs, TableSteps):
             if miss and misses >= max_misses:
                 break
             try:
-                handles.append(self._admit(key, prewarm, copies))
+                handles.append(self._admit(key, prewarm, copies, tally))
             except NoRoom:
                 if (handles and partial) or not block:
                     break
-                if partial and self._try_admit_anywhere(key, prewarm, handles, copies):
+                if partial and self._try_admit_anywhere(key, prewarm, handles, copies, tally):
                     index, misses = index + 1, misses + miss
                     continue
                 if not (self._inflight or self._host_loads or self._landing or self._pins() > len(handles)):
@@ -438,11 +451,11 @@ class TieredStore(TransferJobs, TableSteps):
         return index
 
     def _try_admit_anywhere(self, key: tuple[int, int], prewarm, handles: list[ExpertHandle],
-                            copies: list[Copy]) -> bool:
+                            copies: list[Copy], tally: Counter) -> bool:
         """A fetch that cannot place even one expert in its layer's share (the layer's slots are
         pinned by earlier requests) takes any unpinned slot rather than wait."""
         try:
-            handles.append(self._admit(key, prewarm, copies, limit=self.device_slots.slots))
+            handles.append(self._admit(key, prewarm, copies, tally, limit=self.device_slots.slots))
         except NoRoom:
             return False
         return True
@@ -456,11 +469,11 @@ class TieredStore(TransferJobs, TableSteps):
             if self.device_slots.get((handle.layer, handle.expert)) is handle._entry:
                 self.device_slots.unpin((handle.layer, handle.expert))
 
-    def _admit(self, key: tuple[int, int], prewarm: dict[int, float] | None, copies: list[Copy],
+    def _admit(self, key: tuple[int, int], prewarm: dict[int, float] | None, copies: list[Copy], tally: Counter,
                limit: int | None = None) -> ExpertHandle:
         layer, expert = key
         entry = self.device_slots.get(key)
-        count = (lambda **kw: self.stats.bump(layer, **kw)) if prewarm is None else (lambda **kw: None)
+        count = tally.update if prewarm is None else (lambda **kw: None)
         seed = None if prewarm is None else prewarm.get(expert, 0.0)
         if entry is not None:
             self.device_slots.touch(key)

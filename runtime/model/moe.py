@@ -16,7 +16,7 @@ With an `ExpertSlots` source the routed experts run as fused NVFP4 kernels over 
                                    lanes), so a guess's disk read runs while they land; with
                                    `read_ahead` the router of the layer after that names the
                                    records to read from disk into the host cache (a disk read
-                                   outlasts a layer)
+                                   takes about as long as a layer)
 With an `ExpertFetcher` the dequantised weights run as plain linears, expert by expert.
 """
 

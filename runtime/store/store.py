@@ -298,7 +298,8 @@ class TieredStore(TransferJobs, TableSteps):
     def read_ahead(self, layer: int, experts: list[int]) -> int:
         """Start reading the records of `experts` of `layer` that are only on disk into the host
         cache, for a layer expected after the next one; returns the reads started. A disk read takes
-        longer than a decode layer, so a guess one layer ahead lands late; this one has two. Low
+        about as long as a decode layer, so a guess one layer ahead often lands late; this one has
+        two. Low
         priority, like prefetch: never blocks, takes no device slot, leaves the host-cache reserve,
         reads in the prefetch lane (a request that comes to wait for one moves it to the required
         lane). Counted as read_ahead_issued; a later load (a request or a prefetch) that takes the

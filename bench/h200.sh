@@ -103,6 +103,12 @@ bench() {  # name, vram, ram, extra args (PACK=full-fp8 for the --dense-fp8 pack
   timeout ${BENCH_TIMEOUT:-150} python3 "${entry[@]}" bench $W/${PACK:-full}.pack --device cuda ${vram:+--vram-budget $vram} \
     ${ram:+--ram-budget $ram} --emulate-layers 48 --json $R/bench-$name.json --quiet "$@" 2>&1 | tail -22
 }
+hot_8g() {  # name suffix, a Python statement changing one setting first ("": none), more bench args:
+  # 8/32 on the --dense-fp8 pack pre-warmed from the hot set (fp8-hot's, and its variants')
+  fp8_pack; hot_set full-fp8
+  BENCH_PY=${2:+"$2; from flashpack.cli import main; main()"} PACK=full-fp8 \
+    bench 8g-32g-fp8-hot$1 8GiB 32GiB --prompt-len $PROMPT --gen $GEN --hot-set corpus "${@:3}"
+}
 for stage in $STAGES; do
   echo "== $stage at $(( $(date +%s) - start )) s"
   case $stage in
@@ -150,30 +156,20 @@ for stage in $STAGES; do
       hot_set full
       bench 24g-64g-hot 24GiB 64GiB --prompt-len $PROMPT --gen $GEN --hot-set corpus ;;
     fp8-hot) fp8_pack; hot_set full-fp8  # HOT_BUDGETS picks: 8g 24g (default both)
-      if [[ " ${HOT_BUDGETS:-8g 24g} " == *" 8g "* ]]; then
-        PACK=full-fp8 bench 8g-32g-fp8-hot 8GiB 32GiB --prompt-len $PROMPT --gen $GEN --hot-set corpus; fi
+      if [[ " ${HOT_BUDGETS:-8g 24g} " == *" 8g "* ]]; then hot_8g "" ""; fi
       # FP8 dense weights leave a 24 GB card some 3.5 GB more for experts at 48 layers
       if [[ " ${HOT_BUDGETS:-8g 24g} " == *" 24g "* ]]; then
         PACK=full-fp8 bench 24g-64g-fp8-hot 24GiB 64GiB --prompt-len $PROMPT --gen $GEN --hot-set corpus; fi ;;
-    late-prefetch)  # the control for fp8-hot's 8/32: a through-store layer prefetches once its own loads landed
-      fp8_pack; hot_set full-fp8
-      BENCH_PY="import sys; from flashpack.runtime.model import moe; moe.PREFETCH_DURING_LOADS = False; from flashpack.cli import main; main()" \
-        PACK=full-fp8 bench 8g-32g-fp8-hot-late-prefetch 8GiB 32GiB --prompt-len $PROMPT --gen $GEN --hot-set corpus ;;
-    guesses-wait)  # the control for fp8-hot's 8/32: a prefetch read waits while a required read runs (session 11)
-      fp8_pack; hot_set full-fp8
-      BENCH_PY="import sys; from flashpack.runtime.store import lanes; lanes.GUESSES_BESIDE_REQUIRED = False; from flashpack.cli import main; main()" \
-        PACK=full-fp8 bench 8g-32g-fp8-hot-guesses-wait 8GiB 32GiB --prompt-len $PROMPT --gen $GEN --hot-set corpus ;;
-    read-ahead)  # fp8-hot's 8/32 with --read-ahead: disk reads for the layer after next too
-      fp8_pack; hot_set full-fp8
-      PACK=full-fp8 bench 8g-32g-fp8-hot-read-ahead 8GiB 32GiB --prompt-len $PROMPT --gen $GEN --hot-set corpus --read-ahead ;;
-    copy-thread)  # the control for fp8-hot's 8/32: a decode layer's host-cache copies handed to the copy thread (before session 12)
-      fp8_pack; hot_set full-fp8
-      BENCH_PY="import sys; import flashpack.runtime.store.store as tiered; tiered.COPY_ON_REQUESTING_THREAD = False; from flashpack.cli import main; main()" \
-        PACK=full-fp8 bench 8g-32g-fp8-hot-copy-thread 8GiB 32GiB --prompt-len $PROMPT --gen $GEN --hot-set corpus ;;
-    whole-reads)  # the control for fp8-hot's 8/32: each record read as one part
-      fp8_pack; hot_set full-fp8
-      BENCH_PY="import sys; from flashpack.runtime.store import reader; reader.READ_PIECES = 1; from flashpack.cli import main; main()" \
-        PACK=full-fp8 bench 8g-32g-fp8-hot-whole-reads 8GiB 32GiB --prompt-len $PROMPT --gen $GEN --hot-set corpus ;;
+    late-prefetch)  # a through-store layer prefetches once its own loads landed (before session 11)
+      hot_8g -late-prefetch "from flashpack.runtime.model import moe; moe.PREFETCH_DURING_LOADS = False" ;;
+    guesses-wait)  # a prefetch read waits while a required read runs (session 11)
+      hot_8g -guesses-wait "from flashpack.runtime.store import lanes; lanes.GUESSES_BESIDE_REQUIRED = False" ;;
+    read-ahead)  # disk reads for the layer after next too
+      hot_8g -read-ahead "" --read-ahead ;;
+    copy-thread)  # a decode layer's host-cache copies handed to the copy thread (before session 12)
+      hot_8g -copy-thread "import flashpack.runtime.store.store as tiered; tiered.COPY_ON_REQUESTING_THREAD = False" ;;
+    whole-reads)  # each record read as one part (before session 11)
+      hot_8g -whole-reads "from flashpack.runtime.store import reader; reader.READ_PIECES = 1" ;;
     profile-8g)  # 8/32 on the --dense-fp8 pack with the hot set: where a through-store decode layer's time goes
       fp8_pack; hot_set full-fp8
       timeout 150 python3 bench/profile_decode.py $W/full-fp8.pack --name tiered-8g-32g-hot --vram-budget 8GiB \

@@ -263,6 +263,8 @@ class TieredStore(TransferJobs, TableSteps):
             self._start_copies(copies, low=True)
 
     def _prefetch_locked(self, layer: int, experts: list[int]) -> int:
+        """(under the lock: a decode step's promotions, table_steps.py) `prefetch`, its copies to
+        the copy thread."""
         copies: list[Copy] = []
         try:
             return self._place_prefetches(layer, experts, copies)
@@ -299,10 +301,9 @@ class TieredStore(TransferJobs, TableSteps):
         """Start reading the records of `experts` of `layer` that are only on disk into the host
         cache, for a layer expected after the next one; returns the reads started. A disk read takes
         about as long as a decode layer, so a guess one layer ahead often lands late; this one has
-        two. Low
-        priority, like prefetch: never blocks, takes no device slot, leaves the host-cache reserve,
-        reads in the prefetch lane (a request that comes to wait for one moves it to the required
-        lane). Counted as read_ahead_issued; a later load (a request or a prefetch) that takes the
+        two. Low priority, like prefetch: never blocks, takes no device slot, leaves the host-cache
+        reserve, reads in the prefetch lane (a request that comes to wait for one moves it to the
+        required lane). Counted as read_ahead_issued; a later load (a request or a prefetch) that takes the
         record from the host cache counts read_ahead_used, an eviction before that read_ahead_wasted."""
         with self._changed:
             if self._closed:

@@ -21,9 +21,9 @@
 # promotions; one-graph and unbounded-one-graph as budgets and unbounded do, with the whole step in
 # one CUDA graph (--graph-layers $LAYERS) instead of one graph a layer. hotset and fp8-hot profile the
 # synth corpus on the GPU (`flashpack profile`) and pre-warm 24/64 (and fp8-hot 8/32 and 24/64 on the
-# --dense-fp8 pack) from that hot set, and late-prefetch, guesses-wait, copy-thread, read-ahead and
-# whole-reads bench its 8/32 with one setting changed each (the next layer's prefetch once a layer's
-# loads landed; no prefetch read beside a running required read; a decode layer's copies handed to the
+# --dense-fp8 pack) from that hot set; control benches its 8/32 unchanged again, and late-prefetch,
+# guesses-wait, copy-thread, read-ahead and whole-reads with one setting changed each (the next layer's
+# prefetch once a layer's loads landed; no prefetch read beside a running required read; a decode layer's copies handed to the
 # copy thread; disk reads for the layer after next too (--read-ahead); each record read whole; the
 # first bench of a call runs after the FP8 convert and the hot set's profile, on a disk that reads
 # slower then, so put a control first);
@@ -44,7 +44,7 @@ set -o pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site wheels/*.whl || exit 1
 mkdir -p /tmp/pkg && ln -sfn "$PWD" /tmp/pkg/flashpack
 export PYTHONPATH=/tmp/pkg:/tmp/site PYTHONUNBUFFERED=1
-LAYERS=${LAYERS:-4} GEN=${GEN:-32} PROMPT=${PROMPT:-512} W=/tmp/fp R=/tmp/results STAGES=${STAGES:-"tests reads unbounded fp8 fp8-star budgets long baseline profile hotset verify prefill-profile prefill-profile-tiered profile-8g eager fp8-unbounded staging no-prefetch promote one-graph unbounded-one-graph fp8-hot late-prefetch guesses-wait copy-thread read-ahead whole-reads sampling kernels unbounded-no-combo unbounded-unfused-mix unfused-mix unbounded-cublas ahead-programs"}
+LAYERS=${LAYERS:-4} GEN=${GEN:-32} PROMPT=${PROMPT:-512} W=/tmp/fp R=/tmp/results STAGES=${STAGES:-"tests reads unbounded fp8 fp8-star budgets long baseline profile hotset verify prefill-profile prefill-profile-tiered profile-8g eager fp8-unbounded staging no-prefetch promote one-graph unbounded-one-graph fp8-hot control late-prefetch guesses-wait copy-thread read-ahead whole-reads sampling kernels unbounded-no-combo unbounded-unfused-mix unfused-mix unbounded-cublas ahead-programs"}
 has() { [[ " $STAGES " == *" $1 "* ]]; }
 mkdir -p $R
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee $OUT/gpu.txt
@@ -160,6 +160,8 @@ for stage in $STAGES; do
       # FP8 dense weights leave a 24 GB card some 3.5 GB more for experts at 48 layers
       if [[ " ${HOT_BUDGETS:-8g 24g} " == *" 24g "* ]]; then
         PACK=full-fp8 bench 24g-64g-fp8-hot 24GiB 64GiB --prompt-len $PROMPT --gen $GEN --hot-set corpus; fi ;;
+    control)  # fp8-hot's 8/32 again, later in the call, as the control for the variants around it
+      hot_8g -control "" ;;
     late-prefetch)  # a through-store layer prefetches once its own loads landed (before session 11)
       hot_8g -late-prefetch "from flashpack.runtime.model import moe; moe.PREFETCH_DURING_LOADS = False" ;;
     guesses-wait)  # a prefetch read waits while a required read runs (session 11)

@@ -27,6 +27,8 @@
 # copy thread; disk reads for the layer after next too (--read-ahead); each record read whole; the
 # first bench of a call runs after the FP8 convert and the hot set's profile, on a disk that reads
 # slower then, so put a control first);
+# beside benches fp8-hot's 24/64 with BESIDE's counts (default 0 2) of the next graph's predicted records
+# staged beside a graph's last experts (decode_graphs.STAGED_BESIDE_EXPERTS, default 1);
 # profile-8g profiles 8/32 decode on that pack from the same hot set
 # (baked once a call).
 # fp8 converts a --dense-fp8 pack from the same snapshot and benches 8/32 on it (BF16 dense
@@ -44,7 +46,7 @@ set -o pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site wheels/*.whl || exit 1
 mkdir -p /tmp/pkg && ln -sfn "$PWD" /tmp/pkg/flashpack
 export PYTHONPATH=/tmp/pkg:/tmp/site PYTHONUNBUFFERED=1
-LAYERS=${LAYERS:-4} GEN=${GEN:-32} PROMPT=${PROMPT:-512} W=/tmp/fp R=/tmp/results STAGES=${STAGES:-"tests reads unbounded fp8 fp8-star budgets long baseline profile hotset verify prefill-profile prefill-profile-tiered profile-8g eager fp8-unbounded staging no-prefetch promote one-graph unbounded-one-graph fp8-hot control late-prefetch guesses-wait copy-thread read-ahead whole-reads sampling kernels unbounded-no-combo unbounded-unfused-mix unfused-mix unbounded-cublas ahead-programs"}
+LAYERS=${LAYERS:-4} GEN=${GEN:-32} PROMPT=${PROMPT:-512} W=/tmp/fp R=/tmp/results STAGES=${STAGES:-"tests reads unbounded fp8 fp8-star budgets long baseline profile hotset verify prefill-profile prefill-profile-tiered profile-8g eager fp8-unbounded staging no-prefetch promote one-graph unbounded-one-graph fp8-hot control beside late-prefetch guesses-wait copy-thread read-ahead whole-reads sampling kernels unbounded-no-combo unbounded-unfused-mix unfused-mix unbounded-cublas ahead-programs"}
 has() { [[ " $STAGES " == *" $1 "* ]]; }
 mkdir -p $R
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee $OUT/gpu.txt
@@ -162,6 +164,13 @@ for stage in $STAGES; do
         PACK=full-fp8 bench 24g-64g-fp8-hot 24GiB 64GiB --prompt-len $PROMPT --gen $GEN --hot-set corpus; fi ;;
     control)  # fp8-hot's 8/32 again, later in the call, as the control for the variants around it
       hot_8g -control "" ;;
+    beside)  # 24/64 as fp8-hot with each of BESIDE (default 0 2) of the next graph's records staged beside a
+      # graph's last experts (decode_graphs.STAGED_BESIDE_EXPERTS; 0 as before session 13)
+      fp8_pack; hot_set full-fp8
+      for n in ${BESIDE:-0 2}; do
+        BENCH_PY="from flashpack.runtime.model import decode_graphs; decode_graphs.STAGED_BESIDE_EXPERTS = $n; from flashpack.cli import main; main()" \
+          PACK=full-fp8 bench 24g-64g-fp8-hot-beside-$n 24GiB 64GiB --prompt-len $PROMPT --gen $GEN --hot-set corpus
+      done ;;
     late-prefetch)  # a through-store layer prefetches once its own loads landed (before session 11)
       hot_8g -late-prefetch "from flashpack.runtime.model import moe; moe.PREFETCH_DURING_LOADS = False" ;;
     guesses-wait)  # a prefetch read waits while a required read runs (session 11)

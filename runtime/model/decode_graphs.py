@@ -81,6 +81,14 @@ from flashpack.runtime.state import SequenceState
 AHEAD_PROGRAMS = 32
 
 
+# Of the next layer's predicted host records, how many a graph's last layer stages beside its own
+# experts (the rest cross at the next graph's start, beside its work up to its experts). A graph
+# must join what it forks, so these hold the graph's end back by as long as they take to cross
+# beyond the experts' time; none crossed in that time before (run 31's profile model: a 24/64 layer
+# is its staging plus its experts, the link idle through the experts). 0: none.
+STAGED_BESIDE_EXPERTS = 1
+
+
 # TorchInductor's options for the compiled pieces: combo kernels launch independent small kernels of
 # a piece as one, where a decode step's kernels are mostly launch and tail, not work (on the H200 a
 # 4-layer step's layers took 0.767 ms of device time with them, 0.821 without: run 12).
@@ -285,18 +293,25 @@ class DecodeGraphs:
             self._report[index].copy_(report_row(experts, codes, missing, early, guess, ahead))
         if ahead is not None:
             self._join_side()  # the records staged ahead for this layer have landed
+        forked = False
         if predicted is None or host is None:
             handed, staging = (() if predicted is None else (predicted,)), False
         else:
-            handed = (predicted, *self.ahead_offsets(predicted, table[layer.moe.next_moe.layer], host,
-                                                     ahead_rows(index + 1)))
-            # the next layer in this graph: its records start crossing now, beside this layer's
-            # experts and the next one's work up to its own (they land in the other ahead row set);
-            # a graph must join what it forks, so the last layer of a graph leaves them to the next
-            staging = not last
-            if staging:
-                self._stage_ahead(host, handed[1], index + 1)
+            # the next layer's records start crossing now, beside this layer's experts (they land in
+            # the other ahead row set): all of them when the next layer is in this graph (beside its
+            # work up to its experts too); when it starts the next graph, the first
+            # STAGED_BESIDE_EXPERTS, and that graph stages the rest, since this one's end waits for
+            # what it forks
+            first = STAGED_BESIDE_EXPERTS if last else layer.moe.top_k
+            now, later, rows = self.ahead_offsets(predicted, table[layer.moe.next_moe.layer], host,
+                                                  ahead_rows(index + 1), first)
+            forked = first > 0
+            if forked:
+                self._stage_ahead(host, now, index + 1)
+            handed, staging = (predicted, later, rows), not last
         streams = self.combine(layer, streams, moe_experts(x, bank, slots, weights), shared, inject)
+        if last and forked:
+            self._join_side()
         return streams, handed, staging
 
     def _stage_ahead(self, host: HostRecords, offsets: torch.Tensor, index: int) -> None:

@@ -59,14 +59,17 @@ def table_slots(experts, weights, code_row, host: HostRecords | None,
     return slots.clamp(min=0), weights.masked_fill(missing, 0), codes, missing, early
 
 
-def ahead_offsets(predicted, code_row, host: HostRecords, row_set: int):
+def ahead_offsets(predicted, code_row, host: HostRecords, row_set: int, first: int):
     """The next layer's predicted experts [1, k] that are in the host cache, against its slot-table
-    row: (offsets [k] for staging them into staging row set `row_set`, -1 elsewhere; their bank
-    rows [1, k], -1 where not staged)."""
+    row: offsets [k] for staging the first `first` of them now and the rest later, into staging row
+    set `row_set` (-1 where the other stages, or where not in the host cache), and their bank rows
+    [1, k] (-1 where not staged)."""
     codes = code_row[predicted]
     in_host = codes <= host_code(0)
     rows = host.first_slot(row_set) + torch.arange(codes.shape[-1], device=codes.device, dtype=codes.dtype)
-    return _host_offsets(codes, in_host, host), torch.where(in_host, rows, -1)
+    offsets = _host_offsets(codes, in_host, host)
+    now = in_host.flatten() & (torch.cumsum(in_host.flatten(), 0) <= first)
+    return torch.where(now, offsets, -1), torch.where(now, -1, offsets), torch.where(in_host, rows, -1)
 
 
 def tiered_route(layer: DecoderLayer, streams):

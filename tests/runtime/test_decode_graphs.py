@@ -172,10 +172,13 @@ def _tiered_pair(tiny_pack, device_slots: int, host_slots: int = 300, staging: b
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU test above covers the captured pieces")
-@pytest.mark.parametrize("device_slots, host_slots, staging, layers_per_graph", [
-    (60, 40, True, 1), (60, 300, True, 1), (60, 300, True, 2), (300, 300, True, 1), (60, 300, False, 1),
-], ids=["disk-misses-redone", "host-records-staged", "two-layers-a-graph", "all-on-device", "no-staging-rows"])
-def test_tiered_pieces_compose_to_the_layers_on_cpu(tiny_pack, device_slots, host_slots, staging, layers_per_graph):
+@pytest.mark.parametrize("device_slots, host_slots, staging, layers_per_graph, beside_experts", [
+    (60, 40, True, 1, 1), (60, 300, True, 1, 1), (60, 300, True, 1, 0), (60, 300, True, 1, 10),
+    (60, 300, True, 2, 1), (300, 300, True, 1, 1), (60, 300, False, 1, 1),
+], ids=["disk-misses-redone", "host-records-staged", "none-beside-experts", "all-beside-experts",
+        "two-layers-a-graph", "all-on-device", "no-staging-rows"])
+def test_tiered_pieces_compose_to_the_layers_on_cpu(tiny_pack, monkeypatch, device_slots, host_slots, staging,
+                                                    layers_per_graph, beside_experts):
     """With a tiered store a step first runs against the store's slot table, staging the experts
     it finds in the host cache into device rows itself; a step that found an expert only on disk
     is redone from the saved state with the routed experts eager between the pieces (ids to the
@@ -183,7 +186,11 @@ def test_tiered_pieces_compose_to_the_layers_on_cpu(tiny_pack, device_slots, hos
     requests. The tiny model routes uniformly over 256 records: 40 host slots leave most steps a
     disk miss, 300 hold every record, so each way is taken; without staging rows a host record is
     a miss like a disk one. A step is a chain of graphs of one layer each, or of two (the
-    prediction handed across a graph's end either way)."""
+    prediction handed across a graph's end either way); a graph's last layer stages none, some or
+    all of the next graph's predicted records beside its experts."""
+    from flashpack.runtime.model import decode_graphs
+
+    monkeypatch.setattr(decode_graphs, "STAGED_BESIDE_EXPERTS", beside_experts)
     stores, models = _tiered_pair(tiny_pack, device_slots, host_slots, staging, layers_per_graph)
     prompt = torch.randint(0, 1000, (30,), generator=torch.Generator().manual_seed(5))
     expected, got = _decode(models[0], prompt, 24), _decode(models[1], prompt, 24)
@@ -210,12 +217,13 @@ def test_tiered_pieces_compose_to_the_layers_on_cpu(tiny_pack, device_slots, hos
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU test above covers the captured pieces")
-@pytest.mark.parametrize("broken", ["misses-ignored", "state-not-restored", "ahead-not-staged", "ahead-rows-shared"])
+@pytest.mark.parametrize("broken", ["misses-ignored", "state-not-restored", "ahead-not-staged", "rest-not-staged",
+                                    "ahead-rows-shared"])
 def test_control_a_tiered_step_must_see_its_misses_and_restore_its_state(tiny_pack, monkeypatch, broken):
     """Controls: a step that took a missing expert as found, that was redone without restoring the
-    state it had advanced, whose predicted experts' rows were named but never staged, or (graphs of
-    two layers) whose next layer's records were staged into the rows this layer's experts still
-    read, must give other logits."""
+    state it had advanced, whose predicted experts' rows were named but never staged (none of them,
+    or those the graph before left to the next), or (graphs of two layers) whose next layer's
+    records were staged into the rows this layer's experts still read, must give other logits."""
     from flashpack.runtime.model import decode_graphs, graph_pieces
 
     if broken == "misses-ignored":
@@ -223,10 +231,11 @@ def test_control_a_tiered_step_must_see_its_misses_and_restore_its_state(tiny_pa
         monkeypatch.setattr(graph_pieces, "table_slots", lambda experts, weights, *args: (
             lambda slots, _, codes, missing, early: (slots, weights, codes, torch.zeros_like(missing), early))(
                 *found(experts, weights, *args)))
-    if broken == "ahead-not-staged":
+    if broken in ("ahead-not-staged", "rest-not-staged"):
         ahead = graph_pieces.ahead_offsets
         monkeypatch.setattr(graph_pieces, "ahead_offsets", lambda *args: (
-            lambda offsets, rows: (torch.full_like(offsets, -1), rows))(*ahead(*args)))
+            lambda now, later, rows: (now if broken == "rest-not-staged" else torch.full_like(now, -1),
+                                      torch.full_like(later, -1), rows))(*ahead(*args)))
     if broken == "ahead-rows-shared":
         monkeypatch.setattr(decode_graphs, "ahead_rows", lambda layer: 1)
     # 40 host slots: most steps meet a disk miss; 300: every step stands, staging host records

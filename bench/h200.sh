@@ -101,6 +101,7 @@ hot_set() {  # bake the hot set `corpus` into $W/$1.pack (once): the synth corpu
 }
 bench() {  # name, vram, ram, extra args (PACK=full-fp8 for the --dense-fp8 pack)
   local name=$1 vram=$2 ram=$3; shift 3
+  while [ -f $R/bench-$name.json ]; do name=$name-again; done  # a stage named twice in STAGES keeps both
   local entry=(-m flashpack.cli); [ -n "$BENCH_PY" ] && entry=(-c "$BENCH_PY")  # BENCH_PY: code standing in for the CLI
   timeout ${BENCH_TIMEOUT:-150} python3 "${entry[@]}" bench $W/${PACK:-full}.pack --device cuda ${vram:+--vram-budget $vram} \
     ${ram:+--ram-budget $ram} --emulate-layers 48 --json $R/bench-$name.json --quiet "$@" 2>&1 | tail -22

@@ -344,8 +344,8 @@ def trace_replay(trace_file: Path, capacities: tuple[int, ...], policies: tuple[
 @click.option("--graph-layers", type=click.IntRange(min=1), default=1, show_default=True,
               help="Decoder layers per CUDA graph of a decode step (the GPU runs one while the host launches the next).")
 @click.option("--no-prefetch", is_flag=True, help="Do not prefetch the next layer's predicted experts.")
-@click.option("--read-ahead", is_flag=True, help="Also read the disk records the layer after next is predicted to "
-              "pick into RAM (off by default: not yet shown faster on the H200).")
+@click.option("--read-ahead/--no-read-ahead", default=True, show_default=True,
+              help="Also read the disk records the layer after next is predicted to pick into RAM.")
 @click.option("--promote", is_flag=True, help="Move an expert a decode step staged from RAM into a device slot "
               "once the device policy ranks it above its victim (off by default: on the H200 it halved 24/64 decode).")
 @click.option("--no-fused-mix", is_flag=True, help="Run one-token hyper-connection mixes as the module's code, "

@@ -22,11 +22,12 @@
 # one CUDA graph (--graph-layers $LAYERS) instead of one graph a layer. hotset and fp8-hot profile the
 # synth corpus on the GPU (`flashpack profile`) and pre-warm 24/64 (and fp8-hot 8/32 and 24/64 on the
 # --dense-fp8 pack) from that hot set; control benches its 8/32 unchanged again, and late-prefetch,
-# guesses-wait, copy-thread, read-ahead and whole-reads with one setting changed each (the next layer's
-# prefetch once a layer's loads landed; no prefetch read beside a running required read; a decode layer's copies handed to the
-# copy thread; disk reads for the layer after next too (--read-ahead); each record read whole; the
-# first bench of a call runs after the FP8 convert and the hot set's profile, on a disk that reads
-# slower then, so put a control first);
+# guesses-wait, copy-thread, no-read-ahead and whole-reads with one setting changed each (the next
+# layer's prefetch once a layer's loads landed; no prefetch read beside a running required read; a
+# decode layer's copies handed to the copy thread; no disk reads for the layer after next
+# (--no-read-ahead; the default before session 13); each record read whole; the first bench of a call
+# runs after the FP8 convert and the hot set's profile, on a disk that reads slower then, so put a
+# control first);
 # beside benches fp8-hot's 24/64 with BESIDE's counts (default 0 2) of the next graph's predicted records
 # staged beside a graph's last experts (decode_graphs.STAGED_BESIDE_EXPERTS, default 1);
 # profile-8g profiles 8/32 decode on that pack from the same hot set
@@ -46,7 +47,7 @@ set -o pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site wheels/*.whl || exit 1
 mkdir -p /tmp/pkg && ln -sfn "$PWD" /tmp/pkg/flashpack
 export PYTHONPATH=/tmp/pkg:/tmp/site PYTHONUNBUFFERED=1
-LAYERS=${LAYERS:-4} GEN=${GEN:-32} PROMPT=${PROMPT:-512} W=/tmp/fp R=/tmp/results STAGES=${STAGES:-"tests reads unbounded fp8 fp8-star budgets long baseline profile hotset verify prefill-profile prefill-profile-tiered profile-8g eager fp8-unbounded staging no-prefetch promote one-graph unbounded-one-graph fp8-hot control beside late-prefetch guesses-wait copy-thread read-ahead whole-reads sampling kernels unbounded-no-combo unbounded-unfused-mix unfused-mix unbounded-cublas ahead-programs"}
+LAYERS=${LAYERS:-4} GEN=${GEN:-32} PROMPT=${PROMPT:-512} W=/tmp/fp R=/tmp/results STAGES=${STAGES:-"tests reads unbounded fp8 fp8-star budgets long baseline profile hotset verify prefill-profile prefill-profile-tiered profile-8g eager fp8-unbounded staging no-prefetch promote one-graph unbounded-one-graph fp8-hot control beside late-prefetch guesses-wait copy-thread no-read-ahead whole-reads sampling kernels unbounded-no-combo unbounded-unfused-mix unfused-mix unbounded-cublas ahead-programs"}
 has() { [[ " $STAGES " == *" $1 "* ]]; }
 mkdir -p $R
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee $OUT/gpu.txt
@@ -176,8 +177,8 @@ for stage in $STAGES; do
       hot_8g -late-prefetch "from flashpack.runtime.model import moe; moe.PREFETCH_DURING_LOADS = False" ;;
     guesses-wait)  # a prefetch read waits while a required read runs (session 11)
       hot_8g -guesses-wait "from flashpack.runtime.store import lanes; lanes.GUESSES_BESIDE_REQUIRED = False" ;;
-    read-ahead)  # disk reads for the layer after next too
-      hot_8g -read-ahead "" --read-ahead ;;
+    no-read-ahead)  # no disk reads for the layer after next (before session 13)
+      hot_8g -no-read-ahead "" --no-read-ahead ;;
     copy-thread)  # a decode layer's host-cache copies handed to the copy thread (before session 12)
       hot_8g -copy-thread "import flashpack.runtime.store.store as tiered; tiered.COPY_ON_REQUESTING_THREAD = False" ;;
     whole-reads)  # each record read as one part (before session 11)

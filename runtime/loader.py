@@ -29,10 +29,10 @@ class StoreOptions:
     hot_set: str | None = None  # a profile in the manifest to pre-warm from
     direct_io: bool = True
     prefetch: bool = True  # decode: load the next layer's predicted experts into the gaps
-    # decode: also read the disk records the layer after next is predicted to pick into the host cache.
-    # Off: the one A/B on the H200 (run 29, 8/32) measured 5.53 tok/s with it against 6.39 without,
-    # though it ran first in its call, on a disk that read slower then (bench/HISTORY.md)
-    read_ahead: bool = False
+    # decode: also read the disk records the layer after next is predicted to pick into the host cache
+    # (8/32 on the H200: 6.54 and 6.28 tok/s with it against 5.98 and 6.07 without, benched side by side
+    # in runs 31 and 33; bench/HISTORY.md)
+    read_ahead: bool = True
     # decode: move a staged expert that outranks its victim into a device slot. Off: on the H200 the
     # copies and their bookkeeping cost more than the hits they bought (bench/results/README.md)
     promote: bool = False

@@ -77,7 +77,7 @@ def run_bench(
     cuda_graphs: bool = True,
     compile_layers: bool = True,
     prefetch: bool = True,
-    read_ahead: bool = False,
+    read_ahead: bool = True,
     promote: bool = False,
     layers_per_graph: int = LAYERS_PER_GRAPH,
     fused_mix: bool = True,

@@ -313,9 +313,10 @@ def test_fetch_while_a_prefetch_holds_the_layer_share(store_pack, reference):
 
 
 def test_decode_with_read_ahead_reads_for_the_layer_after_next_and_computes_the_same(tiny_pack):
-    """`StoreOptions(read_ahead=True)` (bench --read-ahead) changes what the store reads from disk
-    while the engine decodes through it, not what the model computes: the same logits, rel 1e-5
-    (FP32 on the CPU; experts may land in other chunks), and read-aheads issued only with it on."""
+    """Read-ahead (`StoreOptions.read_ahead`, on by default; bench --no-read-ahead) changes what the
+    store reads from disk while the engine decodes through it, not what the model computes: the same
+    logits, rel 1e-5 (FP32 on the CPU; experts may land in other chunks), and read-aheads issued only
+    with it on."""
     from flashpack.runtime.loader import StoreOptions, load_engine
     from flashpack.runtime.store.build import resident_device_bytes
 
@@ -325,6 +326,7 @@ def test_decode_with_read_ahead_reads_for_the_layer_after_next_and_computes_the_
     vram = resident_device_bytes(manifest, "float32") + layers * cfg.num_experts_per_tok * stride
     prompt = torch.randint(0, 1000, (12,), generator=torch.Generator().manual_seed(0))
     logits, issued = {}, {}
+    assert StoreOptions().read_ahead
     for read_ahead in (False, True):
         options = StoreOptions(vram_budget=str(vram), ram_budget=str(layers * cfg.num_experts_per_tok * stride),
                                read_ahead=read_ahead)

@@ -30,8 +30,8 @@ class StoreOptions:
     direct_io: bool = True
     prefetch: bool = True  # decode: load the next layer's predicted experts into the gaps
     # decode: also read the disk records the layer after next is predicted to pick into the host cache
-    # (8/32 on the H200: 6.54 and 6.28 tok/s with it against 5.98 and 6.07 without, benched side by side
-    # in runs 31 and 33; bench/HISTORY.md)
+    # (8/32 on the H200, benched side by side: 6.54 and 6.28 tok/s by kind with it against 5.98 and
+    # 6.07 without in runs 31 and 33; by t_layers 5.46 against 5.18, and 5.05 against 5.19)
     read_ahead: bool = True
     # decode: move a staged expert that outranks its victim into a device slot. Off: on the H200 the
     # copies and their bookkeeping cost more than the hits they bought (bench/results/README.md)

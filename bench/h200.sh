@@ -30,7 +30,7 @@
 # control first);
 # beside benches fp8-hot's 24/64 with BESIDE's counts (default 0 2) of the next graph's predicted records
 # staged beside a graph's last experts (decode_graphs.STAGED_BESIDE_EXPERTS, default 1);
-# profile-8g profiles 8/32 decode on that pack from the same hot set
+# profile-8g and profile-24g profile 8/32 and 24/64 decode on that pack from the same hot set
 # (baked once a call).
 # fp8 converts a --dense-fp8 pack from the same snapshot and benches 8/32 on it (BF16 dense
 # weights alone exceed an 8 GB card at 48 layers); fp8-star does so with the tiers pre-warmed ('*',
@@ -47,7 +47,7 @@ set -o pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site wheels/*.whl || exit 1
 mkdir -p /tmp/pkg && ln -sfn "$PWD" /tmp/pkg/flashpack
 export PYTHONPATH=/tmp/pkg:/tmp/site PYTHONUNBUFFERED=1
-LAYERS=${LAYERS:-4} GEN=${GEN:-32} PROMPT=${PROMPT:-512} W=/tmp/fp R=/tmp/results STAGES=${STAGES:-"tests reads unbounded fp8 fp8-star budgets long baseline profile hotset verify prefill-profile prefill-profile-tiered profile-8g eager fp8-unbounded staging no-prefetch promote one-graph unbounded-one-graph fp8-hot control beside late-prefetch guesses-wait copy-thread no-read-ahead whole-reads sampling kernels unbounded-no-combo unbounded-unfused-mix unfused-mix unbounded-cublas ahead-programs"}
+LAYERS=${LAYERS:-4} GEN=${GEN:-32} PROMPT=${PROMPT:-512} W=/tmp/fp R=/tmp/results STAGES=${STAGES:-"tests reads unbounded fp8 fp8-star budgets long baseline profile hotset verify prefill-profile prefill-profile-tiered profile-8g profile-24g eager fp8-unbounded staging no-prefetch promote one-graph unbounded-one-graph fp8-hot control beside late-prefetch guesses-wait copy-thread no-read-ahead whole-reads sampling kernels unbounded-no-combo unbounded-unfused-mix unfused-mix unbounded-cublas ahead-programs"}
 has() { [[ " $STAGES " == *" $1 "* ]]; }
 mkdir -p $R
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee $OUT/gpu.txt
@@ -183,10 +183,11 @@ for stage in $STAGES; do
       hot_8g -copy-thread "import flashpack.runtime.store.store as tiered; tiered.COPY_ON_REQUESTING_THREAD = False" ;;
     whole-reads)  # each record read as one part (before session 11)
       hot_8g -whole-reads "from flashpack.runtime.store import reader; reader.READ_PIECES = 1" ;;
-    profile-8g)  # 8/32 on the --dense-fp8 pack with the hot set: where a through-store decode layer's time goes
+    profile-8g|profile-24g)  # 8/32 or 24/64 on the --dense-fp8 pack with the hot set: where a decode layer's time goes
       fp8_pack; hot_set full-fp8
-      timeout 150 python3 bench/profile_decode.py $W/full-fp8.pack --name tiered-8g-32g-hot --vram-budget 8GiB \
-        --ram-budget 32GiB --emulate-layers 48 --hot-set corpus --trace --out $R 2>&1 | tail -12 ;;
+      if [ $stage = profile-8g ]; then vram=8 ram=32; else vram=24 ram=64; fi
+      timeout 150 python3 bench/profile_decode.py $W/full-fp8.pack --name tiered-${vram}g-${ram}g-hot --vram-budget ${vram}GiB \
+        --ram-budget ${ram}GiB --emulate-layers 48 --hot-set corpus --trace --out $R 2>&1 | tail -12 ;;
     prefill-profile)  # every record resident: where a 32k prompt's compute goes
       timeout 150 python3 bench/profile_decode.py $W/full.pack --phase prefill --prompt-len 32768 \
         --name prefill-32k --trace --out $R 2>&1 | tail -30 ;;

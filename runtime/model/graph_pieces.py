@@ -67,8 +67,8 @@ def ahead_offsets(predicted, code_row, host: HostRecords, row_set: int, first: i
     codes = code_row[predicted]
     in_host = codes <= host_code(0)
     rows = host.first_slot(row_set) + torch.arange(codes.shape[-1], device=codes.device, dtype=codes.dtype)
-    offsets = _host_offsets(codes, in_host, host)
-    now = in_host.flatten() & (torch.cumsum(in_host.flatten(), 0) <= first)
+    offsets, found = _host_offsets(codes, in_host, host), in_host.flatten()
+    now = found & (torch.cumsum(found, 0) <= first)
     return torch.where(now, offsets, -1), torch.where(now, -1, offsets), torch.where(in_host, rows, -1)
 
 

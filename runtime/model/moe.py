@@ -45,11 +45,6 @@ PREDICT_MAX_TOKENS = 4  # decode and speculative verification; a prompt fetches 
 # bench/h200.sh's `late-prefetch` stage benches)
 PREFETCH_DURING_LOADS = True
 
-# How many experts beyond its top-k the layer after next's router names for `read_ahead`: at 8/32 the
-# disk idles through most of a step (run 33 read 0.53 GB/s of its 1.23), and a record the guess
-# missed costs its layer a whole disk read (2-5 ms) while it waits; 0 reads the top-k alone.
-READ_AHEAD_EXTRA_PICKS = 0
-
 
 class SparseMoE(nn.Module):
     def __init__(
@@ -84,11 +79,6 @@ class SparseMoE(nn.Module):
         """x [T, H] -> (weights [T, k] in x's dtype, expert ids [T, k])."""
         return self._top_k(self.in_proj.part(x, 0))
 
-    def guess(self, x: torch.Tensor, picks: int) -> torch.Tensor:
-        """The ids of the `picks` (at most every) experts this router ranks highest for x [T, H], best
-        first (the first top_k are `route`'s)."""
-        return router_top_k(self.in_proj.part(x, 0), min(picks, self.num_experts), self.renormalise)[1]
-
     def _top_k(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         weights, experts = router_top_k(logits, self.top_k, self.renormalise)
         return weights.to(logits.dtype), experts
@@ -111,15 +101,14 @@ class SparseMoE(nn.Module):
         """In decode, the experts the next layer's router picks from this layer's input [T, k]."""
         if self.next_moe is None or x.shape[0] > PREDICT_MAX_TOKENS:
             return None
-        return self.next_moe.guess(x, self.next_moe.top_k)
+        return self.next_moe.route(x)[1]
 
     def predict_far(self, x: torch.Tensor) -> torch.Tensor | None:
-        """In decode through a store, the experts the layer after the next ranks highest for this
-        layer's input [T, top_k + READ_AHEAD_EXTRA_PICKS]: whose records to start reading from disk now."""
-        after = self.next_moe.next_moe if self.read_ahead and self.next_moe is not None else None
-        if after is None or x.shape[0] > PREDICT_MAX_TOKENS:
+        """In decode through a store, the experts the layer after the next picks from this layer's
+        input [T, k]: whose records to start reading from disk now."""
+        if not self.read_ahead or self.next_moe is None:
             return None
-        return after.guess(x, after.top_k + READ_AHEAD_EXTRA_PICKS)
+        return self.next_moe.predict_next(x)
 
     def routed_from_store(
         self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, predicted: torch.Tensor | None,

@@ -162,32 +162,10 @@ def test_a_decode_step_hands_the_store_the_next_two_layers_guesses(monkeypatch):
     assert slots.calls == [(5, wanted, None, (7, farther))] and slots.prefetches == [(6, guessed)]
 
 
-def test_the_far_guess_is_the_layer_after_nexts_ranking_only_with_read_ahead(monkeypatch):
-    """`predict_far` asks the layer after next for its top-k and READ_AHEAD_EXTRA_PICKS more, only
-    with read-ahead on and only in decode."""
-    asked = []
-    after = SimpleNamespace(top_k=K, guess=lambda x, picks: asked.append(picks) or picks)
-    moe = SimpleNamespace(read_ahead=True, next_moe=SimpleNamespace(next_moe=after))
-    assert SparseMoE.predict_far(moe, torch.ones(1, H)) == K
-    monkeypatch.setattr(moe_module, "READ_AHEAD_EXTRA_PICKS", 3)
-    assert SparseMoE.predict_far(moe, torch.ones(1, H)) == K + 3
-    assert SparseMoE.predict_far(moe, torch.ones(moe_module.PREDICT_MAX_TOKENS + 1, H)) is None  # a prompt
+def test_the_far_guess_is_the_next_layers_prediction_only_with_read_ahead():
+    guess = torch.tensor([[4, 2]])
+    moe = SimpleNamespace(read_ahead=True, next_moe=SimpleNamespace(predict_next=lambda x: guess))
+    assert SparseMoE.predict_far(moe, torch.ones(1, H)) is guess
     moe.read_ahead = False
     assert SparseMoE.predict_far(moe, torch.ones(1, H)) is None
-    assert asked == [K, K + 3]
     assert SparseMoE.predict_far(SimpleNamespace(read_ahead=True, next_moe=None), torch.ones(1, H)) is None
-    last_but_one = SimpleNamespace(read_ahead=True, next_moe=SimpleNamespace(next_moe=None))
-    assert SparseMoE.predict_far(last_but_one, torch.ones(1, H)) is None
-
-
-def test_a_guess_is_the_routers_ranking_and_starts_with_its_picks():
-    """`guess(x, picks)` against torch.topk of the router's logits, on random inputs; its first
-    top_k are `route`'s ids."""
-    logits = torch.randn(3, E, generator=torch.Generator().manual_seed(0))
-    moe = SimpleNamespace(in_proj=SimpleNamespace(part=lambda x, index: logits if index == 0 else None),
-                          renormalise=True, top_k=K, num_experts=E)
-    moe._top_k = lambda values: SparseMoE._top_k(moe, values)
-    wide = SparseMoE.guess(moe, torch.ones(3, H), K + 5)
-    assert torch.equal(wide, torch.topk(logits, K + 5, dim=-1).indices)
-    assert torch.equal(wide[:, :K], SparseMoE.route(moe, torch.ones(3, H))[1])
-    assert torch.equal(SparseMoE.guess(moe, torch.ones(3, H), E + 3), torch.topk(logits, E, dim=-1).indices)

@@ -21,7 +21,8 @@
 # promotions; one-graph and unbounded-one-graph as budgets and unbounded do, with the whole step in
 # one CUDA graph (--graph-layers $LAYERS) instead of one graph a layer. hotset and fp8-hot profile the
 # synth corpus on the GPU (`flashpack profile`) and pre-warm 24/64 (and fp8-hot 8/32 and 24/64 on the
-# --dense-fp8 pack) from that hot set; control benches its 8/32 unchanged again, and late-prefetch,
+# --dense-fp8 pack) from that hot set; control benches its 8/32 unchanged again, switch-interval with the
+# interpreter's GIL switch interval at each of SWITCH (default 0.0005 s), and late-prefetch,
 # guesses-wait, copy-thread, no-read-ahead and whole-reads with one setting changed each (the next
 # layer's prefetch once a layer's loads landed; no prefetch read beside a running required read; a
 # decode layer's copies handed to the copy thread; no disk reads for the layer after next
@@ -47,7 +48,7 @@ set -o pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site wheels/*.whl || exit 1
 mkdir -p /tmp/pkg && ln -sfn "$PWD" /tmp/pkg/flashpack
 export PYTHONPATH=/tmp/pkg:/tmp/site PYTHONUNBUFFERED=1
-LAYERS=${LAYERS:-4} GEN=${GEN:-32} PROMPT=${PROMPT:-512} W=/tmp/fp R=/tmp/results STAGES=${STAGES:-"tests reads unbounded fp8 fp8-star budgets long baseline profile hotset verify prefill-profile prefill-profile-tiered profile-8g profile-24g eager fp8-unbounded staging no-prefetch promote one-graph unbounded-one-graph fp8-hot control beside late-prefetch guesses-wait copy-thread no-read-ahead whole-reads sampling kernels unbounded-no-combo unbounded-unfused-mix unfused-mix unbounded-cublas ahead-programs"}
+LAYERS=${LAYERS:-4} GEN=${GEN:-32} PROMPT=${PROMPT:-512} W=/tmp/fp R=/tmp/results STAGES=${STAGES:-"tests reads unbounded fp8 fp8-star budgets long baseline profile hotset verify prefill-profile prefill-profile-tiered profile-8g profile-24g eager fp8-unbounded staging no-prefetch promote one-graph unbounded-one-graph fp8-hot control beside switch-interval late-prefetch guesses-wait copy-thread no-read-ahead whole-reads sampling kernels unbounded-no-combo unbounded-unfused-mix unfused-mix unbounded-cublas ahead-programs"}
 has() { [[ " $STAGES " == *" $1 "* ]]; }
 mkdir -p $R
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee $OUT/gpu.txt
@@ -179,6 +180,8 @@ for stage in $STAGES; do
       hot_8g -guesses-wait "from flashpack.runtime.store import lanes; lanes.GUESSES_BESIDE_REQUIRED = False" ;;
     no-read-ahead)  # no disk reads for the layer after next (before session 13)
       hot_8g -no-read-ahead "" --no-read-ahead ;;
+    switch-interval)  # the interpreter handing the GIL between threads every SWITCH seconds (default 0.0005; Python's 0.005)
+      for s in ${SWITCH:-0.0005}; do hot_8g -switch-$s "import sys; sys.setswitchinterval($s)"; done ;;
     copy-thread)  # a decode layer's host-cache copies handed to the copy thread (before session 12)
       hot_8g -copy-thread "import flashpack.runtime.store.store as tiered; tiered.COPY_ON_REQUESTING_THREAD = False" ;;
     whole-reads)  # each record read as one part (before session 11)

@@ -302,10 +302,10 @@ class DecodeGraphs:
             # work up to its experts too); when it starts the next graph, the first
             # STAGED_BESIDE_EXPERTS, and that graph stages the rest, since this one's end waits for
             # what it forks
-            first = STAGED_BESIDE_EXPERTS if last else layer.moe.top_k
+            crossing_now = STAGED_BESIDE_EXPERTS if last else layer.moe.top_k
             now, later, rows = self.ahead_offsets(predicted, table[layer.moe.next_moe.layer], host,
-                                                  ahead_rows(index + 1), first)
-            forked = first > 0
+                                                  ahead_rows(index + 1), crossing_now)
+            forked = crossing_now > 0
             if forked:
                 self._stage_ahead(host, now, index + 1)
             handed, staging = (predicted, later, rows), not last

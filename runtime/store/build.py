@@ -128,7 +128,8 @@ def build_store(
         staging=staging,
     )
     if allow_resident and plan.device_slots + plan.staging_slots >= len(records):
-        return ResidentExperts(pack, device, verify_records=verify_records, plan=plan, layers=layers)
+        return ResidentExperts(pack, device, verify_records=verify_records, plan=plan, layers=layers,
+                               direct_io=direct_io)
     store = TieredStore(pack, plan, device=device, policy=policy, verify_records=verify_records,
                         reader_threads=reader_threads, direct_io=direct_io, rebalance=rebalance, poison=poison,
                         layers=layers, promote=promote)

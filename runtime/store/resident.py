@@ -2,8 +2,9 @@
 
 What the tiered store becomes when the device budget holds every record (an unbounded budget, or
 a card larger than the experts): no eviction, no host round trip per layer. The records are
-read once at start, in file order through a pinned staging buffer, checked against their xxh64,
-and laid out as rows of one uint8 [records, stride] pool; `slot_table[layer, expert]` gives the
+read once at start, in file order, at disk speed (bulk_read.py: O_DIRECT batches on several
+threads, each record checked against its xxh64 by the thread that read it), and laid out as rows of
+one uint8 [records, stride] pool; `slot_table[layer, expert]` gives the
 row on the device, so the MoE block looks slots up without leaving the GPU (and can be captured
 in a CUDA graph). Stats count the load as pre-warming: every request afterwards is a device hit.
 """
@@ -17,13 +18,11 @@ from tqdm import tqdm
 
 from flashpack.errors import FlashpackError
 from flashpack.layout.pack import Pack
-from flashpack.layout.records import record_hash
 from flashpack.runtime.kernels.bank import ExpertBank
 from flashpack.runtime.store.budget import StorePlan, served_records
-from flashpack.runtime.store.reader import aligned_empty
+from flashpack.runtime.store.bulk_read import READ_THREADS, RecordBatch, read_records_in_batches
+from flashpack.runtime.store.reader import RecordReader
 from flashpack.runtime.store.stats import StoreStats
-
-STAGING_BYTES = 256 << 20
 
 
 class ResidentHandle:
@@ -36,9 +35,10 @@ class ResidentHandle:
 class ResidentExperts:
     def __init__(
         self, pack: Pack, device: torch.device | str, verify_records: bool = True, progress: bool = True,
-        plan: StorePlan | None = None, layers: list[int] | None = None,
+        plan: StorePlan | None = None, layers: list[int] | None = None, direct_io: bool = True,
     ):
-        """`layers`: the layers whose experts it loads (default: every layer with records)."""
+        """`layers`: the layers whose experts it loads (default: every layer with records);
+        `direct_io`: read them with O_DIRECT (off: through the page cache)."""
         self.pack, self.device, self.plan = pack, torch.device(device), plan  # plan: the budget it came from
         manifest = pack.manifest
         self.geometry = manifest.geometry
@@ -51,27 +51,25 @@ class ResidentExperts:
         self.top_k = cfg.num_experts_per_tok
         table = torch.full((layers, cfg.num_experts), -1, dtype=torch.int32)
         self._slots: dict[tuple[int, int], int] = {}
-        per_stage = max(1, STAGING_BYTES // stride)
-        staging = aligned_empty(per_stage * stride, pin=self.device.type == "cuda").view(per_stage, stride)
         bar = tqdm(total=len(records) * stride, unit="B", unit_scale=True, desc="loading experts",
                    disable=not progress, leave=False)
-        for first in range(0, len(records), per_stage):
-            batch = records[first:first + per_stage]
-            for row, record in enumerate(batch):
-                data = memoryview(pack.file_map(record.file))[record.offset:record.offset + record.length]
-                if verify_records and record_hash(data) != record.xxh64:
-                    raise FlashpackError(f"corrupt expert record: layer {record.layer} expert {record.expert} "
-                                         f"fails its xxh64 check ({record.file} @ {record.offset})")
-                staging[row, :record.length].numpy()[:] = data
-                staging[row, record.length:].zero_()
-                slot = first + row
-                table[record.layer, record.expert] = slot
-                self._slots[(record.layer, record.expert)] = slot
+
+        def place(batch: RecordBatch, rows: torch.Tensor) -> None:
+            for row, record in enumerate(batch.records, start=batch.first_row):
+                table[record.layer, record.expert] = row
+                self._slots[(record.layer, record.expert)] = row
                 self.stats.bump(record.layer, prewarmed_device=1, prewarm_bytes_disk_to_host=stride,
                                 prewarm_bytes_host_to_device=stride)
-            self.pool[first:first + len(batch)].copy_(staging[:len(batch)])  # synchronous: staging is reused
-            bar.update(len(batch) * stride)
-        bar.close()
+            self.pool[batch.first_row:batch.first_row + len(batch.records)].copy_(rows)  # synchronous: rows are reused
+            bar.update(len(batch.records) * stride)
+
+        reader = RecordReader(pack.root, sorted({r.file for r in records}), direct=direct_io, callers=READ_THREADS)
+        try:
+            read_records_in_batches(reader, records, stride, place, verify=verify_records, pin=self.device.type == "cuda")
+        finally:
+            reader.close()
+            bar.close()
+        self.read_fallback = reader.fallback_reason
         self.stats.verified_records = len(records) if verify_records else 0
         self._table = table.to(self.device)
         self._bank = ExpertBank.from_pool(self.pool, self.geometry)

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import click
 
+from flashpack.errors import FlashpackError
+
 
 def _step(title: str) -> None:
     click.secho(f"\n== {title}", bold=True)
@@ -27,8 +29,12 @@ def run_demo(workdir: Path, keep: bool = False, echo: Callable[[str], None] = cl
     from flashpack.runtime.loader import load_engine
     from flashpack.runtime.sampling import SamplingParams
 
-    workdir.mkdir(parents=True, exist_ok=True)
+    created = not workdir.exists()
     snapshot, pack_path = workdir / "tiny-snapshot", workdir / "tiny.pack"
+    for path in (snapshot, pack_path):
+        if path.exists():
+            raise FlashpackError(f"{path} already exists: remove it or give the demo another --workdir")
+    workdir.mkdir(parents=True, exist_ok=True)
     _step("synth: a random tiny qwen4_exp snapshot in the real checkpoint layout")
     synthesize("tiny", snapshot, format="bf16", seed=0, force=True)
     echo(f"snapshot at {snapshot}")
@@ -50,8 +56,11 @@ def run_demo(workdir: Path, keep: bool = False, echo: Callable[[str], None] = cl
     echo(f"{result.text!r}  ({result.completion_tokens} tokens, {result.decode_tokens_per_second:.1f} tok/s)")
     _step("serve: OpenAI-compatible server on 127.0.0.1, one chat request with the openai client")
     _serve_once(engine, echo)
-    if not keep:
-        shutil.rmtree(workdir, ignore_errors=True)
+    if not keep:  # only what the demo wrote: the workdir goes too if the demo made it and it is now empty
+        shutil.rmtree(snapshot, ignore_errors=True)
+        shutil.rmtree(pack_path, ignore_errors=True)
+        if created and not any(workdir.iterdir()):
+            workdir.rmdir()
     click.secho("\ndemo finished: synth, convert, inspect, verify, run and serve all worked", fg="green")
 
 

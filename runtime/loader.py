@@ -46,6 +46,16 @@ class LoadedEngine:
     generator: Generator
     store: object | None = None  # runtime.store.TieredStore (or ResidentExperts) when tiers are in use
 
+    def warm_up(self) -> dict[str, float]:
+        """Compile, tune and capture at start what the first requests need (Generator.warm_up): a
+        short prompt and one past the QSA indexer's budget, so both prompt paths are built, then
+        decode steps. Returns the seconds each part took."""
+        cfg = self.model.config
+        limit = self.generator.max_context or cfg.max_position_embeddings
+        past_budget = cfg.indexer_budget + 2 * cfg.indexer_compress_ratio + 1
+        lengths = [16] + ([past_budget] if past_budget + 8 < limit else [])
+        return self.generator.warm_up(lengths)
+
     def stats(self) -> dict | None:
         self.model.settle()
         return self.store.stats.to_dict() if self.store is not None else None

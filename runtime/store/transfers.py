@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from flashpack.errors import FlashpackError
+from flashpack.errors import FlashpackError, PackDamageError
 from flashpack.layout.records import record_hash
 from flashpack.runtime.store.residency import Entry
 
@@ -100,7 +100,7 @@ class TransferJobs:
             if key in self._verified:
                 return
         if record_hash(memoryview(buffer.numpy())[:entry.length]) != entry.xxh64:
-            raise FlashpackError(
+            raise PackDamageError(
                 f"corrupt expert record: layer {key[0]} expert {key[1]} fails its xxh64 check "
                 f"({entry.file} @ {entry.offset})"
             )

@@ -121,23 +121,33 @@ def convert(source: str, out: Path, revision: str | None, force: bool, dense_fp8
 
 @main.command()
 @click.argument("pack", type=click.Path(path_type=Path))
-@click.option("--check", is_flag=True, help="Re-hash every expert record against the manifest.")
+@click.option("--check", is_flag=True, help="Verify every byte: the manifest's hash and numbers, every file's "
+              "xxh64, every block, every expert record.")
 @_one_line_errors
 def inspect(pack: Path, check: bool) -> None:
-    """Show what PACK holds; with --check, verify every record."""
-    from flashpack.layout.inspect import find_corrupt_records, summarize
+    """Show what PACK holds; with --check, verify all of it and name every problem."""
+    from flashpack.errors import PackDamageError
+    from flashpack.layout.inspect import summarize
+    from flashpack.layout.integrity import check_pack
     from flashpack.layout.pack import Pack
 
-    opened = Pack.open(pack)
-    for line in summarize(opened).lines():
+    if not check:
+        for line in summarize(Pack.open(pack)).lines():
+            click.echo(line)
+        return
+    report = check_pack(pack)
+    try:
+        summary = summarize(report.pack).lines()
+    except FlashpackError:  # a manifest too damaged to summarise: its problems below say why
+        summary = []
+    for line in summary:
         click.echo(line)
-    if check:
-        corrupt = find_corrupt_records(opened)
-        for entry in corrupt:
-            click.echo(f"corrupt: layer {entry.layer} expert {entry.expert} ({entry.file} @ {entry.offset})", err=True)
-        if corrupt:
-            raise FlashpackError(f"{len(corrupt)} corrupt expert record(s)")
-        click.echo(f"all {len(opened.manifest.expert_records())} expert records match their hashes")
+    for line in report.problems:
+        click.echo(line, err=True)
+    if not report.passed:
+        raise PackDamageError(f"{len(report.problems)} problem(s) found in {pack}: the pack is damaged")
+    for line in report.checked:
+        click.echo(line)
 
 
 @main.command()

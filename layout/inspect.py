@@ -1,4 +1,5 @@
-"""What a pack holds (sizes per part, record counts, expert bytes per token) and whether it is intact."""
+"""What a pack holds (sizes per part, record counts, expert bytes per token) and whether its records
+are intact (layout/integrity.py checks every other byte too)."""
 
 from __future__ import annotations
 
@@ -65,10 +66,12 @@ def summarize(pack: Pack) -> PackSummary:
     )
 
 
-def find_corrupt_records(pack: Pack, progress: bool = True) -> list[ExpertRecordEntry]:
-    """Re-hash every expert record against the manifest; return the ones that fail."""
+def find_corrupt_records(pack: Pack, progress: bool = True,
+                         records: list[ExpertRecordEntry] | None = None) -> list[ExpertRecordEntry]:
+    """Re-hash every expert record (or those of `records`) against the manifest; return the ones that fail."""
     corrupt = []
-    for entry in tqdm(pack.manifest.expert_records(), unit="record", desc="check", disable=not progress):
+    chosen = pack.manifest.expert_records() if records is None else records
+    for entry in tqdm(chosen, unit="record", desc="check records", disable=not progress):
         view = memoryview(pack.file_map(entry.file))[entry.offset:entry.offset + entry.length]
         if len(view) != entry.length or record_hash(view) != entry.xxh64:
             corrupt.append(entry)

@@ -1,13 +1,18 @@
 """The pack manifest: typed views of manifest.json, loaded and checked against its JSON schema.
 
-The manifest is the whole truth about a pack (FORMAT.md): which files exist, where each tensor,
-expert record and PLE table sits, and what the model is. Readers go through `Manifest.load`, which
-refuses another format version or anything the schema rejects, with one line saying why.
+The manifest is the whole truth about a pack (FORMAT.md): which files exist and their hashes,
+where each tensor, expert record and PLE table sits, and what the model is. Readers go through
+`Manifest.load`, which refuses another format version (FlashpackError), or a document the schema
+rejects or whose `manifest_xxh64` does not match its content (PackDamageError), with one line
+saying why. Every writer goes through `write_manifest`, which re-hashes the files it rewrote and
+stamps the manifest's own hash.
 """
 
 from __future__ import annotations
 
+import functools
 import json
+from collections.abc import Iterable
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -15,12 +20,13 @@ from typing import Any
 
 import jsonschema
 
-from flashpack.errors import FlashpackError
+from flashpack.errors import FlashpackError, PackDamageError
+from flashpack.layout.checksums import BLOCK_BYTES, MANIFEST_HASH_KEY, file_entry, manifest_digest, stamp_manifest
 from flashpack.layout.model_config import TextConfig
 from flashpack.layout.records import RecordGeometry
 
 FORMAT_NAME = "flashpack"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 MANIFEST_FILE = "manifest.json"
 
 
@@ -30,20 +36,39 @@ def manifest_schema() -> dict[str, Any]:
 
 
 def validate_manifest(document: dict[str, Any]) -> None:
-    """Raise FlashpackError naming the first schema violation."""
+    """Refuse another format or version (FlashpackError: the user re-converts) and anything the
+    schema rejects (PackDamageError naming the first violation)."""
+    if not isinstance(document, dict) or document.get("format") != FORMAT_NAME:
+        found = document.get("format") if isinstance(document, dict) else None
+        raise FlashpackError(f"not a flashpack manifest (format {found!r})")
     version = document.get("format_version")
-    if document.get("format") != FORMAT_NAME:
-        raise FlashpackError(f"not a flashpack manifest (format {document.get('format')!r})")
     if version != FORMAT_VERSION:
         raise FlashpackError(
             f"pack format version {version} is not supported by this flashpack (reads version {FORMAT_VERSION}); "
             "re-run `flashpack convert`"
         )
-    try:
-        jsonschema.validate(document, manifest_schema())
-    except jsonschema.ValidationError as error:
+    validator = _schema_validator()
+    if not validator.is_valid(document):  # the fast path: finding the best error walks the document again
+        error = jsonschema.exceptions.best_match(validator.iter_errors(document))
         where = "/".join(str(part) for part in error.absolute_path) or "(root)"
-        raise FlashpackError(f"manifest invalid at {where}: {error.message}") from None
+        raise PackDamageError(f"manifest invalid at {where}: {error.message}")
+
+
+@functools.cache
+def _schema_validator() -> jsonschema.Draft202012Validator:
+    """Built once: checking the schema itself on every load cost as much as a small manifest."""
+    schema = manifest_schema()
+    jsonschema.Draft202012Validator.check_schema(schema)
+    return jsonschema.Draft202012Validator(schema)
+
+
+def manifest_hash_problem(document: dict[str, Any]) -> str | None:
+    """None when `manifest_xxh64` matches the document's canonical content, else one line."""
+    actual = manifest_digest(document)
+    if document.get(MANIFEST_HASH_KEY) == actual:
+        return None
+    return (f"pack damaged: {MANIFEST_FILE} fails its xxh64 check (its content hashes to {actual}, "
+            f"{MANIFEST_HASH_KEY} says {document.get(MANIFEST_HASH_KEY)}): it was changed after it was written")
 
 
 @dataclass(frozen=True)
@@ -84,16 +109,26 @@ class Manifest:
     document: dict[str, Any]
 
     @classmethod
-    def load(cls, pack: Path) -> "Manifest":
+    def read(cls, pack: Path) -> "Manifest":
+        """Parse and schema-check manifest.json without checking its own hash (`inspect --check`
+        reports that mismatch beside everything else)."""
         path = pack / MANIFEST_FILE
         if not path.is_file():
             raise FlashpackError(f"{pack} is not a flashpack pack: {MANIFEST_FILE} is missing")
         try:
-            document = json.loads(path.read_text())
+            document = json.loads(path.read_bytes())
         except ValueError as error:
-            raise FlashpackError(f"{path} is not valid JSON: {error}") from None
+            raise PackDamageError(f"pack damaged: {path} is not valid JSON: {error}") from None
         validate_manifest(document)
         return cls(document)
+
+    @classmethod
+    def load(cls, pack: Path) -> "Manifest":
+        manifest = cls.read(pack)
+        problem = manifest_hash_problem(manifest.document)
+        if problem is not None:
+            raise PackDamageError(problem)
+        return manifest
 
     @property
     def config(self) -> TextConfig:
@@ -121,7 +156,11 @@ class Manifest:
         ]
 
     def files(self) -> list[dict[str, Any]]:
+        """The `files` entries: {path, bytes, role, xxh64} and, for block-hashed files, block_bytes and blocks."""
         return self.document["files"]
+
+    def file_entry(self, path: str) -> dict[str, Any] | None:
+        return next((entry for entry in self.document["files"] if entry["path"] == path), None)
 
     @property
     def hot_sets(self) -> dict[str, Any]:
@@ -132,8 +171,19 @@ def _tensor_entries(entries: list[dict[str, Any]]) -> dict[str, TensorEntry]:
     return {e["name"]: TensorEntry(**{**e, "shape": tuple(e["shape"])}) for e in entries}
 
 
-def write_manifest(pack: Path, document: dict[str, Any]) -> None:
-    """Validate, then write atomically: a manifest on disk is always a whole, valid one."""
+def write_manifest(pack: Path, document: dict[str, Any], rewritten: Iterable[str] = ()) -> None:
+    """The one way a manifest is written: re-hash the `files` entries of the files named in
+    `rewritten` (paths relative to `pack`), stamp `manifest_xxh64`, validate, then write atomically,
+    so a manifest on disk is always a whole, valid one that agrees with its files."""
+    for path in rewritten:
+        entries = [entry for entry in document["files"] if entry["path"] == path]
+        if not entries:
+            raise ValueError(f"{path} is not among the manifest's files")
+        for entry in entries:
+            fresh = file_entry(pack, path, entry["role"], entry.get("block_bytes") or BLOCK_BYTES)
+            entry.clear()
+            entry.update(fresh)
+    stamp_manifest(document)
     validate_manifest(document)
     temporary = pack / (MANIFEST_FILE + ".tmp")
     temporary.write_text(json.dumps(document, indent=1))

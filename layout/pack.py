@@ -1,8 +1,13 @@
-"""Open a pack: its manifest, its files memory-mapped, and checked reads of records and rows.
+"""Open a pack: its manifest, its files memory-mapped, and checked reads of records, rows and tensors.
 
-Opening refuses a pack whose files are missing or of the wrong size, so a damaged pack fails at
-start with one line instead of mid-generation. Reads here are the plain (page-cache) path; the
-runtime's tiered store does its own O_DIRECT reads from the same offsets.
+Opening refuses, with one line, a pack whose manifest fails its schema or its own hash, whose files
+are missing or of the wrong size, whose numbers contradict each other or the files
+(layout/consistency.py), or whose tokenizer files fail their hashes, so a damaged pack fails at
+start instead of mid-generation or with different output. The larger parts are checked as they
+are read, each hashed block once: a dense tensor's blocks when the tensor is read (the engine
+reads every dense tensor it uses while it loads, so `load_engine` checks them all), a PLE block
+the first time a row in it is read, an expert record the first time it is read. Reads here are
+the plain (page-cache) path; the runtime's tiered store does its own O_DIRECT reads of records.
 """
 
 from __future__ import annotations
@@ -14,10 +19,31 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from flashpack.errors import FlashpackError
+from flashpack.errors import FlashpackError, PackDamageError
+from flashpack.layout.block_contents import block_contents
+from flashpack.layout.checksums import BlockChecker, hash_file
+from flashpack.layout.consistency import consistency_problems
 from flashpack.layout.dtypes import TORCH_DTYPES
 from flashpack.layout.manifest import ExpertRecordEntry, Manifest, PleTable
 from flashpack.layout.records import DecodedExpert, decode_record, record_hash
+
+
+def missing_or_resized(root: Path, manifest: Manifest) -> list[str]:
+    """One line per file of the manifest that is missing or whose size differs."""
+    problems = []
+    for entry in manifest.files():
+        path = root / entry["path"]
+        if not path.is_file():
+            problems.append(f"pack file {entry['path']} is missing from {root}")
+        elif (size := path.stat().st_size) != entry["bytes"]:
+            problems.append(f"pack file {entry['path']} is {size} bytes, the manifest says {entry['bytes']}")
+    return problems
+
+
+def _refuse(problems: list[str]) -> None:
+    if problems:
+        more = f" (and {len(problems) - 1} more problems: flashpack inspect --check lists them)" if len(problems) > 1 else ""
+        raise PackDamageError(problems[0] + more)
 
 
 @dataclass
@@ -28,6 +54,10 @@ class Pack:
     _records: dict[tuple[int, int], ExpertRecordEntry] = field(default_factory=dict, repr=False)
     _verified: set[tuple[int, int]] = field(default_factory=set, repr=False)
     _ple_arrays: dict[str, np.ndarray] = field(default_factory=dict, repr=False)  # uint8 [rows, row_stride] views
+    _block_checkers: dict[str, BlockChecker] = field(default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        self._records = {(r.layer, r.expert): r for r in self.manifest.expert_records()}
 
     @classmethod
     def open(cls, root: Path | str) -> "Pack":
@@ -35,19 +65,27 @@ class Pack:
         if not root.is_dir():
             raise FlashpackError(f"pack {root} does not exist")
         manifest = Manifest.load(root)
-        for entry in manifest.files():
-            path = root / entry["path"]
-            if not path.is_file():
-                raise FlashpackError(f"pack file {entry['path']} is missing from {root}")
-            size = path.stat().st_size
-            if size != entry["bytes"]:
-                raise FlashpackError(f"pack file {entry['path']} is {size} bytes, the manifest says {entry['bytes']}")
+        _refuse(missing_or_resized(root, manifest))
+        _refuse(consistency_problems(manifest, root))
         pack = cls(root, manifest)
-        pack._records = {(r.layer, r.expert): r for r in manifest.expert_records()}
+        _refuse(pack.tokenizer_problems())
         return pack
 
+    def tokenizer_problems(self) -> list[str]:
+        """Whole-file hashes of the tokenizer files and chat template (about 10 MB for the real
+        model: a few milliseconds), checked at open because the tokenizer reads them itself."""
+        return [
+            f"pack damaged: {entry['path']} fails its xxh64 check"
+            for entry in self.manifest.files()
+            if entry["role"] == "tokenizer" and hash_file(self.root / entry["path"]).xxh64 != entry["xxh64"]
+        ]
+
     def close(self) -> None:
-        self._ple_arrays.clear()  # the views export the maps' buffers, which must go before a map closes
+        # The PLE views and the checkers' memoryviews export the maps' buffers: they go first.
+        self._ple_arrays.clear()
+        for checker in self._block_checkers.values():
+            checker.data.release()
+        self._block_checkers.clear()
         for mapping in self._maps.values():
             mapping.close()
         self._maps.clear()
@@ -73,7 +111,7 @@ class Pack:
         view = memoryview(self.file_map(entry.file))[entry.offset:entry.offset + entry.length]
         if verify and (layer, expert) not in self._verified:
             if record_hash(view) != entry.xxh64:
-                raise FlashpackError(f"corrupt expert record: layer {layer} expert {expert} fails its xxh64 check")
+                raise PackDamageError(f"corrupt expert record: layer {layer} expert {expert} fails its xxh64 check")
             self._verified.add((layer, expert))
         return view
 
@@ -82,8 +120,22 @@ class Pack:
         buffer = torch.frombuffer(bytearray(view), dtype=torch.uint8)
         return decode_record(self.manifest.geometry, buffer, where=f"layer {layer} expert {expert}")
 
+    def block_checker(self, relative: str) -> BlockChecker:
+        """The block checker of a block-hashed file (dense, vision, PLE), made on first use."""
+        checker = self._block_checkers.get(relative)
+        if checker is None:
+            entry = self.manifest.file_entry(relative)
+            if entry is None or "blocks" not in entry:
+                raise PackDamageError(f"pack damaged: {relative} has no block hashes in the manifest")
+            describe = block_contents(self.manifest, relative, entry["block_bytes"])
+            checker = BlockChecker(relative, memoryview(self.file_map(relative)), entry["block_bytes"], entry["blocks"],
+                                   describe)
+            self._block_checkers[relative] = checker
+        return checker
+
     def ple_rows(self, table: PleTable, rows: torch.Tensor) -> torch.Tensor:
-        """int64 [n] row ids -> float32 [n, dim], dequantised. A decode step reads one row per hash
+        """int64 [n] row ids -> float32 [n, dim], dequantised; the blocks holding the rows are
+        hash-checked the first time any row in them is read. A decode step reads one row per hash
         head, so this stays in numpy until the last moment: a dozen torch ops would cost more."""
         ids = rows.cpu().numpy()
         if ids.size and (ids.min() < 0 or ids.max() >= table.rows):
@@ -92,17 +144,23 @@ class Pack:
         if data is None:
             data = np.frombuffer(self.file_map(table.file), dtype=np.uint8).reshape(table.rows, table.row_stride)
             self._ple_arrays[table.file] = data
+        checker = self.block_checker(table.file)
+        starts = ids * table.row_stride
+        checker.check_blocks(np.concatenate([starts, starts + (table.row_stride - 1)]) // checker.block_bytes)
         picked = data[ids]
         scales = np.ascontiguousarray(picked[:, table.dim:table.dim + 4]).view(np.float32)  # [n, 1]
         values = torch.from_numpy(picked[:, :table.dim]).view(torch.float8_e4m3fn).float()
         return values.mul_(torch.from_numpy(scales))
 
     def dense_tensor(self, name: str) -> torch.Tensor:
-        """A dense tensor as stored (BF16, or FP8 values; see `dense_row_scale`)."""
+        """A dense tensor as stored (BF16, or FP8 values; see `dense_row_scale`), its blocks
+        hash-checked the first time they are read."""
         entry = self.manifest.dense_tensors().get(name)
         if entry is None:
             raise FlashpackError(f"pack has no dense tensor {name}")
-        return _tensor_from_map(self.file_map(self.manifest.document["dense"]["file"]), entry)
+        file = self.manifest.document["dense"]["file"]
+        self.block_checker(file).check_range(entry.offset, entry.offset + entry.length, reading=name)
+        return _tensor_from_map(self.file_map(file), entry)
 
 
 def _tensor_from_map(mapping: mmap.mmap, entry) -> torch.Tensor:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 import xxhash
 
-from flashpack.errors import FlashpackError
+from flashpack.errors import PackDamageError
 from flashpack.layout.nvfp4 import NVFP4_BLOCK, dequantize_nvfp4
 
 PAGE = 4096
@@ -102,7 +102,7 @@ def decode_record(geometry: RecordGeometry, buffer: torch.Tensor, where: str = "
     offset, length = layout["trailer"]
     *global_values, magic = TRAILER.unpack(bytes(buffer[offset:offset + length].tolist()))
     if magic != RECORD_MAGIC:
-        raise FlashpackError(f"{where}: bad record trailer (magic {magic!r}); the pack is corrupt")
+        raise PackDamageError(f"{where}: bad record trailer (magic {magic!r}); the pack is corrupt")
     nibbles, scales = {}, {}
     for projection, (out, inp) in geometry.shapes().items():
         offset, length = layout[f"{projection}_nibbles"]

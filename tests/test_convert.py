@@ -96,8 +96,8 @@ def test_manifest_validates_and_schema_rejects_damage(tiny_pack):
     document["experts"]["records"][0]["offset"] = 100  # not page aligned
     with pytest.raises(FlashpackError, match="manifest invalid at experts/records/0/offset"):
         validate_manifest(document)
-    document["format_version"] = 2
-    with pytest.raises(FlashpackError, match="format version 2 is not supported"):
+    document["format_version"] = 1
+    with pytest.raises(FlashpackError, match="format version 1 is not supported"):
         validate_manifest(document)
 
 

@@ -132,8 +132,8 @@ def test_broken_pack_and_bad_inputs_are_refused(tiny_pack, tiny_snapshot, tmp_pa
         verify_pack(_pack_copy(tiny_pack, tmp_path / "missing", drop="dense.safetensors"), tiny_snapshot)
     newer = _pack_copy(tiny_pack, tmp_path / "newer", drop="manifest.json")
     manifest = json.loads((tiny_pack / "manifest.json").read_text())
-    (newer / "manifest.json").write_text(json.dumps({**manifest, "format_version": 2}))
-    with pytest.raises(FlashpackError, match="format version 2 is not supported"):
+    (newer / "manifest.json").write_text(json.dumps({**manifest, "format_version": 3}))
+    with pytest.raises(FlashpackError, match="format version 3 is not supported"):
         verify_pack(newer, tiny_snapshot)
     with pytest.raises(FlashpackError, match="longer than the model's context"):
         verify_pack(tiny_pack, tiny_snapshot, prompts=["the cat sat on the mat. " * 1500])

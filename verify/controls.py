@@ -61,7 +61,7 @@ def make_control(pack: Pack, kind: str, workdir: Path) -> Path:
     finally:
         for handle in handles.values():
             handle.close()
-    write_manifest(out, document)
+    write_manifest(out, document, rewritten=damaged_files)  # their whole-file hashes changed too
     return out
 
 

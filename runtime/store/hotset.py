@@ -3,7 +3,9 @@
 A profile is built from a routing trace (`hot_set_from_trace`), stored under the manifest's
 `hot_sets[NAME]` (`save_hot_set`, validated and written atomically), and used at start to
 pre-warm the store (`apply_hot_set`). `reorder_pack` rewrites each layer's record file so the
-profile's hot experts are contiguous, hottest first; only record offsets change in the manifest.
+profile's hot experts are contiguous, hottest first; in the manifest only record offsets and the
+rewritten files' whole-file hashes change. Both write through `write_manifest`, which re-stamps
+the manifest's own hash.
 
 Document (FORMAT.md section 2, `hot_sets`):
     {"version": 1, "created_by": "flashpack 0.1.0", "unit": "fetches",
@@ -19,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from flashpack import __version__
-from flashpack.errors import FlashpackError
+from flashpack.errors import FlashpackError, PackDamageError
 from flashpack.layout.manifest import Manifest, write_manifest
 from flashpack.layout.records import record_hash
 from flashpack.runtime.store.trace import Trace
@@ -69,8 +71,9 @@ def apply_hot_set(store, profile: dict[str, Any]) -> dict[str, int]:
 def reorder_pack(pack_root: Path | str, name: str, verify: bool = True) -> dict[int, int]:
     """Rewrite every expert file so hot set `name`'s experts come first, hottest first, the rest
     in expert order. Each layer file is written to a temporary sibling, synced, swapped in with
-    rename(2), then the manifest (new offsets, same hashes) is written atomically before the next
-    layer; records are hash-checked while copied. Returns records moved per layer.
+    rename(2), then the manifest is written atomically before the next layer (new offsets and the
+    file's new whole-file xxh64; record hashes and file sizes stay); records are hash-checked
+    while copied. Returns records moved per layer.
 
     Run it on a pack no process is reading: a running store keeps the old files open."""
     pack_root = Path(pack_root)
@@ -93,7 +96,7 @@ def reorder_pack(pack_root: Path | str, name: str, verify: bool = True) -> dict[
         moved_here = _rewrite_file(pack_root, file, order, stride, verify)
         document["experts"]["records"] = records  # entries were updated in place
         document["hot_sets"][name]["reordered"] = True
-        write_manifest(pack_root, document)
+        write_manifest(pack_root, document, rewritten=[file])  # the file's xxh64 changed with its order
         for layer in layers:
             moved[layer] = moved.get(layer, 0) + moved_here
     return moved
@@ -110,7 +113,7 @@ def _rewrite_file(pack_root: Path, file: str, order: list[dict], stride: int, ve
                 source.seek(entry["offset"])
                 data = source.read(entry["length"])
                 if verify and record_hash(data) != entry["xxh64"]:
-                    raise FlashpackError(
+                    raise PackDamageError(
                         f"corrupt expert record: layer {entry['layer']} expert {entry['expert']} fails its xxh64 check "
                         "(not reordered)"
                     )

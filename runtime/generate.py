@@ -134,24 +134,30 @@ class Generator:
         self._state.reserve(tokens)
         return self._state
 
-    def warm_up(self, prompt_lengths: list[int], decode_steps: int = 3) -> dict[str, float]:
+    def warm_up(self, prompt_lengths: list[int], decode_steps: int = 3,
+                prompt_depth: int | None = None) -> dict[str, float]:
         """Run once what the first requests would otherwise compile, tune and capture: a prompt of
-        each length (on a GPU the prompt kernels build per shape class: short, past the QSA
-        indexer's budget), then `decode_steps` one-token steps (a decode graph runs eagerly, is
-        captured, then replayed). On the generator's own state, which the next request resets.
-        Returns the seconds each part took."""
+        each length through the first `prompt_depth` layers (on a GPU the prompt kernels are built
+        per shape class, and layers of a kind share them), then a short prompt and `decode_steps`
+        one-token steps through every layer (a decode graph runs eagerly, is captured, then
+        replayed). On the generator's own state, which the next request resets. Returns the
+        seconds each part took."""
         seconds: dict[str, float] = {}
         vocab = self.model.config.vocab_size
-        state, token = None, 0
-        for length in prompt_lengths:
-            start = time.perf_counter()
+
+        def prompt(length: int, depth: int | None) -> int:
             state = self._fresh_state(length + decode_steps + 1)
             ids = torch.arange(length, dtype=torch.int64).mul_(7919).remainder_(vocab)  # any ids will do
-            token = int(self.model.forward(ids, state, last_only=True).logits[-1].argmax())  # reads back: waits
+            return int(self.model.forward(ids, state, last_only=True, depth=depth).logits[-1].argmax())  # waits
+
+        for length in prompt_lengths:
+            start = time.perf_counter()
+            prompt(length, prompt_depth)
             seconds[f"prompt_{length}"] = time.perf_counter() - start
         start = time.perf_counter()
-        for _ in range(decode_steps if state is not None else 0):
-            token = int(self.model.forward(torch.tensor([token]), state, last_only=True).logits[-1].argmax())
+        token = prompt(16, None)
+        for _ in range(decode_steps):
+            token = int(self.model.forward(torch.tensor([token]), self._state, last_only=True).logits[-1].argmax())
         seconds["decode"] = time.perf_counter() - start
         return seconds
 

@@ -13,6 +13,7 @@ from flashpack.runtime.experts import ExpertFetcher, ResidentSlots
 from flashpack.runtime.generate import Generator
 from flashpack.runtime.model.decode_graphs import LAYERS_PER_GRAPH
 from flashpack.runtime.model.model import Qwen4ExpModel
+from flashpack.runtime.model.qsa_attention import QUERY_CHUNK
 from flashpack.runtime.pack_source import PackExperts, PackWeights
 from flashpack.runtime.tokenizer import PackTokenizer
 
@@ -47,14 +48,19 @@ class LoadedEngine:
     store: object | None = None  # runtime.store.TieredStore (or ResidentExperts) when tiers are in use
 
     def warm_up(self) -> dict[str, float]:
-        """Compile, tune and capture at start what the first requests need (Generator.warm_up): a
-        short prompt and one past the QSA indexer's budget, so both prompt paths are built, then
-        decode steps. Returns the seconds each part took."""
+        """Compile, tune and capture at start what the first requests need (Generator.warm_up):
+        prompts of each shape class a first request may bring (short, a few hundred tokens, past
+        the QSA indexer's budget, several query chunks past it), through one layer of each kind
+        and the PLE layers, then decode steps through every layer. Returns the seconds each part
+        took."""
         cfg = self.model.config
-        limit = self.generator.max_context or cfg.max_position_embeddings
+        limit = (self.generator.max_context or cfg.max_position_embeddings) - 8
         past_budget = cfg.indexer_budget + 2 * cfg.indexer_compress_ratio + 1
-        lengths = [16] + ([past_budget] if past_budget + 8 < limit else [])
-        return self.generator.warm_up(lengths)
+        candidates = [16, 300, past_budget, max(2 * past_budget, 4 * QUERY_CHUNK) + 37]
+        lengths = sorted({min(length, limit) for length in candidates})
+        first_attention = next((i for i in range(cfg.num_hidden_layers) if not cfg.is_linear(i)), 0)
+        depth = max(first_attention + 1, *cfg.ple_layer_ids, 1)
+        return self.generator.warm_up(lengths, prompt_depth=min(depth, cfg.num_hidden_layers))
 
     def stats(self) -> dict | None:
         self.model.settle()

@@ -97,16 +97,19 @@ class Qwen4ExpModel(nn.Module):
         return SequenceState.empty(self.config, self.dtype, self.device)
 
     @torch.no_grad()
-    def forward(self, tokens: torch.Tensor, state: SequenceState, last_only: bool = False) -> StepOutput:
-        """tokens int64 [T] (the next T tokens of the sequence) -> StepOutput; advances `state` by T."""
+    def forward(self, tokens: torch.Tensor, state: SequenceState, last_only: bool = False,
+                depth: int | None = None) -> StepOutput:
+        """tokens int64 [T] (the next T tokens of the sequence) -> StepOutput; advances `state` by T.
+        `depth`: run only the first `depth` decoder layers (a warm-up builds every kernel a prompt
+        needs from one layer of each kind; the state is then good for nothing else)."""
         if tokens.ndim != 1 or tokens.shape[0] == 0:
             raise ValueError(f"forward takes a non-empty 1-D tensor of token ids, got shape {tuple(tokens.shape)}")
         host_tokens = tokens.cpu()  # the PLE layers hash them on the host: no read-back mid-step
         streams = self.embed(tokens.to(self.device)).repeat(1, self.config.hc_count)  # [T, hc*H]
-        if self.decode_graphs is not None and tokens.shape[0] == 1:
+        if self.decode_graphs is not None and tokens.shape[0] == 1 and depth is None:
             streams, logits = self.decode_graphs.run(streams, host_tokens, state, head=self.logits)
         else:
-            for layer in self.layers:
+            for layer in self.layers[:depth]:
                 streams = layer(streams, host_tokens, state)
             logits = self.logits(streams[-1:] if last_only else streams)
         state.position += tokens.shape[0]

@@ -1,0 +1,34 @@
+"""The engine's warm-up (LoadedEngine.warm_up): it runs every prompt shape class and decode steps,
+and leaves nothing behind that changes what the next request computes."""
+
+from __future__ import annotations
+
+import torch
+
+from flashpack.runtime.loader import load_engine
+from flashpack.runtime.sampling import SamplingParams
+
+
+def test_a_warmed_engine_answers_exactly_as_a_cold_one(tiny_pack):
+    prompt = [5, 17, 300, 42, 7, 99, 120, 64]
+    params = SamplingParams(max_tokens=6, stop_token_ids=())
+    cold = load_engine(tiny_pack).generator.generate(prompt, params)
+    engine = load_engine(tiny_pack)
+    seconds = engine.warm_up()
+    cfg = engine.model.config
+    assert "decode" in seconds and len(seconds) >= 4  # a few prompt classes, then decode
+    assert f"prompt_{cfg.indexer_budget + 2 * cfg.indexer_compress_ratio + 1}" in seconds  # past the QSA budget
+    warmed = engine.generator.generate(prompt, params)
+    assert warmed.token_ids == cold.token_ids
+
+
+def test_a_shallow_forward_runs_only_its_layers(tiny_pack):
+    engine = load_engine(tiny_pack)
+    model, cfg = engine.model, engine.model.config
+    first_attention = next(i for i in range(cfg.num_hidden_layers) if not cfg.is_linear(i))
+    state = model.new_state()
+    state.reserve(64)
+    model.forward(torch.arange(20), state, depth=first_attention + 1)
+    assert state.attention[first_attention].length == 20
+    later = [i for i in range(first_attention + 1, cfg.num_hidden_layers) if not cfg.is_linear(i)]
+    assert later and all(state.attention[i].length == 0 for i in later), "layers past the depth must not run"

@@ -21,7 +21,7 @@ from flashpack.convert.expert_writer import write_experts
 from flashpack.convert.ple_writer import write_ple
 from flashpack.convert.source import SourceCheckpoint, resolve_snapshot
 from flashpack.errors import FlashpackError
-from flashpack.layout.checksums import file_entry
+from flashpack.layout.checksums import DIGESTS_SUFFIX, file_entries
 from flashpack.layout.manifest import FORMAT_NAME, FORMAT_VERSION, write_manifest
 from flashpack.layout.records import RecordGeometry
 
@@ -137,15 +137,16 @@ _ROLES = {"experts": "experts", "ple": "ple", "tokenizer": "tokenizer"}
 
 
 def _inventory(pack: Path) -> list[dict]:
-    """Every file written so far with its size, role and xxh64 (dense, vision and PLE files also
-    per 1 MiB block): a second sequential read of the pack, at xxh64's ~11 GB/s plus the disk."""
+    """Every file written so far with its size, role and xxh64; dense, vision and PLE files also
+    get a digest file of their blocks (written here, listed too). A second sequential read of the
+    pack, at xxh64's ~11 GB/s plus the disk."""
     entries = []
-    for path in sorted(p for p in pack.rglob("*") if p.is_file()):
+    for path in sorted(p for p in pack.rglob("*") if p.is_file() and not p.name.endswith(DIGESTS_SUFFIX)):
         relative = path.relative_to(pack).as_posix()
         top = relative.split("/")[0]
         role = _ROLES.get(top) or ("vision" if relative.startswith("vision") else "dense")
-        entries.append(file_entry(pack, relative, role))
-    return entries
+        entries += file_entries(pack, relative, role)
+    return sorted(entries, key=lambda entry: entry["path"])
 
 
 def _check_free_space(checkpoint: SourceCheckpoint, directory: Path) -> None:

@@ -17,6 +17,7 @@ from typing import Any
 
 from flashpack.convert.checkpoint_spec import iter_specs
 from flashpack.errors import FlashpackError
+from flashpack.layout.checksums import DIGEST, DIGESTS_ROLE
 from flashpack.layout.dtypes import dtype_bytes
 from flashpack.layout.manifest import MANIFEST_FILE, Manifest, TensorEntry
 from flashpack.layout.model_config import TextConfig
@@ -71,9 +72,13 @@ def _file_sizes(manifest: Manifest, problems: _Problems) -> dict[str, tuple[str,
         if entry["path"] in sizes:
             problems.add("files", f"files lists {entry['path']} twice")
         sizes[entry["path"]] = (entry["role"], entry["bytes"])
-        if "blocks" in entry and len(entry["blocks"]) != -(-entry["bytes"] // entry["block_bytes"]):
-            problems.add("files", f"{entry['path']}: {len(entry['blocks'])} block hashes for {entry['bytes']} bytes "
-                                  f"in blocks of {entry['block_bytes']}")
+    for entry in manifest.files():
+        if "block_digests" in entry:
+            expected = -(-entry["bytes"] // entry["block_bytes"]) * DIGEST.itemsize
+            size = _listed(entry["block_digests"], DIGESTS_ROLE, sizes, problems)
+            if size is not None and size != expected:
+                problems.add("files", f"{entry['block_digests']} is {size} bytes, {entry['path']}'s "
+                                      f"{entry['bytes']} bytes in blocks of {entry['block_bytes']} need {expected}")
     return sizes
 
 

@@ -21,7 +21,7 @@ from typing import Any
 import jsonschema
 
 from flashpack.errors import FlashpackError, PackDamageError
-from flashpack.layout.checksums import BLOCK_BYTES, MANIFEST_HASH_KEY, file_entry, manifest_digest, stamp_manifest
+from flashpack.layout.checksums import MANIFEST_HASH_KEY, file_entries, manifest_digest, stamp_manifest
 from flashpack.layout.model_config import TextConfig
 from flashpack.layout.records import RecordGeometry
 
@@ -172,17 +172,20 @@ def _tensor_entries(entries: list[dict[str, Any]]) -> dict[str, TensorEntry]:
 
 
 def write_manifest(pack: Path, document: dict[str, Any], rewritten: Iterable[str] = ()) -> None:
-    """The one way a manifest is written: re-hash the `files` entries of the files named in
-    `rewritten` (paths relative to `pack`), stamp `manifest_xxh64`, validate, then write atomically,
-    so a manifest on disk is always a whole, valid one that agrees with its files."""
+    """The one way a manifest is written: re-hash the files named in `rewritten` (paths relative
+    to `pack`; a block-hashed file's digest file is rewritten with it), stamp `manifest_xxh64`,
+    validate, then write atomically, so a manifest on disk is always a whole, valid one that
+    agrees with its files."""
     for path in rewritten:
-        entries = [entry for entry in document["files"] if entry["path"] == path]
-        if not entries:
+        index = next((i for i, entry in enumerate(document["files"]) if entry["path"] == path), None)
+        if index is None:
             raise ValueError(f"{path} is not among the manifest's files")
-        for entry in entries:
-            fresh = file_entry(pack, path, entry["role"], entry.get("block_bytes") or BLOCK_BYTES)
-            entry.clear()
-            entry.update(fresh)
+        old = document["files"][index]
+        fresh = file_entries(pack, path, old["role"], old.get("block_bytes"))
+        document["files"][index] = fresh[0]
+        for sidecar in fresh[1:]:
+            others = [entry for entry in document["files"] if entry["path"] != sidecar["path"]]
+            document["files"] = sorted([*others, sidecar], key=lambda entry: entry["path"])
     stamp_manifest(document)
     validate_manifest(document)
     temporary = pack / (MANIFEST_FILE + ".tmp")

@@ -2,11 +2,12 @@
 
 Opening refuses, with one line, a pack whose manifest fails its schema or its own hash, whose files
 are missing or of the wrong size, whose numbers contradict each other or the files
-(layout/consistency.py), or whose tokenizer files fail their hashes, so a damaged pack fails at
-start instead of mid-generation or with different output. The larger parts are checked as they
-are read, each hashed block once: a dense tensor's blocks when the tensor is read (the engine
-reads every dense tensor it uses while it loads, so `load_engine` checks them all), a PLE block
-the first time a row in it is read, an expert record the first time it is read. Reads here are
+(layout/consistency.py), or whose tokenizer files or block digest files fail their hashes, so a
+damaged pack fails at start instead of mid-generation or with different output. The larger parts
+are checked as they are read, each hashed block once: a dense tensor's 1 MiB blocks when the
+tensor is read (the engine reads every dense tensor it uses while it loads, so `load_engine`
+checks them all), a PLE page the first time a row in it is read, an expert record the first time
+it is read. Reads here are
 the plain (page-cache) path; the runtime's tiered store does its own O_DIRECT reads of records.
 """
 
@@ -21,10 +22,10 @@ import torch
 
 from flashpack.errors import FlashpackError, PackDamageError
 from flashpack.layout.block_contents import block_contents
-from flashpack.layout.checksums import BlockChecker, hash_file
+from flashpack.layout.checksums import DIGEST, DIGESTS_ROLE, BlockChecker, hash_file, xxh64_hex
 from flashpack.layout.consistency import consistency_problems
 from flashpack.layout.dtypes import TORCH_DTYPES
-from flashpack.layout.manifest import ExpertRecordEntry, Manifest, PleTable
+from flashpack.layout.manifest import ExpertRecordEntry, Manifest, PleTable, TensorEntry
 from flashpack.layout.records import DecodedExpert, decode_record, record_hash
 
 
@@ -55,9 +56,12 @@ class Pack:
     _verified: set[tuple[int, int]] = field(default_factory=set, repr=False)
     _ple_arrays: dict[str, np.ndarray] = field(default_factory=dict, repr=False)  # uint8 [rows, row_stride] views
     _block_checkers: dict[str, BlockChecker] = field(default_factory=dict, repr=False)
+    _dense: dict[str, TensorEntry] = field(default_factory=dict, repr=False)
+    _digests: dict[str, np.ndarray] = field(default_factory=dict, repr=False)  # digest file -> uint64 [blocks]
 
     def __post_init__(self) -> None:
         self._records = {(r.layer, r.expert): r for r in self.manifest.expert_records()}
+        self._dense = self.manifest.dense_tensors()  # built once: the engine reads thousands of tensors
 
     @classmethod
     def open(cls, root: Path | str) -> "Pack":
@@ -68,23 +72,33 @@ class Pack:
         _refuse(missing_or_resized(root, manifest))
         _refuse(consistency_problems(manifest, root))
         pack = cls(root, manifest)
-        _refuse(pack.tokenizer_problems())
+        _refuse(pack._check_whole_files())
         return pack
 
-    def tokenizer_problems(self) -> list[str]:
-        """Whole-file hashes of the tokenizer files and chat template (about 10 MB for the real
-        model: a few milliseconds), checked at open because the tokenizer reads them itself."""
-        return [
-            f"pack damaged: {entry['path']} fails its xxh64 check"
-            for entry in self.manifest.files()
-            if entry["role"] == "tokenizer" and hash_file(self.root / entry["path"]).xxh64 != entry["xxh64"]
-        ]
+    def _check_whole_files(self) -> list[str]:
+        """Hash the files read whole at open, one line per failure, and keep the block digests:
+        the tokenizer files and chat template (the tokenizer reads them itself; ~10 MB for the
+        real model) and the block digest files (~0.1 GB for the real model, most of it PLE's)."""
+        problems = []
+        for entry in self.manifest.files():
+            if entry["role"] == DIGESTS_ROLE:
+                data = (self.root / entry["path"]).read_bytes()
+                intact = xxh64_hex(data) == entry["xxh64"]
+                if intact:
+                    self._digests[entry["path"]] = np.frombuffer(data, dtype=DIGEST)
+            elif entry["role"] == "tokenizer":
+                intact = hash_file(self.root / entry["path"]).xxh64 == entry["xxh64"]
+            else:
+                continue
+            if not intact:
+                problems.append(f"pack damaged: {entry['path']} fails its xxh64 check")
+        return problems
 
     def close(self) -> None:
         # The PLE views and the checkers' memoryviews export the maps' buffers: they go first.
         self._ple_arrays.clear()
         for checker in self._block_checkers.values():
-            checker.data.release()
+            checker.release()
         self._block_checkers.clear()
         for mapping in self._maps.values():
             mapping.close()
@@ -125,11 +139,11 @@ class Pack:
         checker = self._block_checkers.get(relative)
         if checker is None:
             entry = self.manifest.file_entry(relative)
-            if entry is None or "blocks" not in entry:
-                raise PackDamageError(f"pack damaged: {relative} has no block hashes in the manifest")
+            if entry is None or entry.get("block_digests") not in self._digests:
+                raise PackDamageError(f"pack damaged: {relative} has no checked block digests")
             describe = block_contents(self.manifest, relative, entry["block_bytes"])
-            checker = BlockChecker(relative, memoryview(self.file_map(relative)), entry["block_bytes"], entry["blocks"],
-                                   describe)
+            checker = BlockChecker(relative, self.file_map(relative), entry["block_bytes"],
+                                   self._digests[entry["block_digests"]], describe)
             self._block_checkers[relative] = checker
         return checker
 
@@ -155,7 +169,7 @@ class Pack:
     def dense_tensor(self, name: str) -> torch.Tensor:
         """A dense tensor as stored (BF16, or FP8 values; see `dense_row_scale`), its blocks
         hash-checked the first time they are read."""
-        entry = self.manifest.dense_tensors().get(name)
+        entry = self._dense.get(name)
         if entry is None:
             raise FlashpackError(f"pack has no dense tensor {name}")
         file = self.manifest.document["dense"]["file"]

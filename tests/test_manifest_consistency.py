@@ -160,7 +160,8 @@ def test_every_file_used_is_listed_and_so_hashed(edited):
     refused(edited(unlist), r"tokenizer/tokenizer.json is used but not listed in files \(so never hashed\)")
 
 
-def test_block_hashes_must_cover_their_file(edited):
-    def drop_block(document):
-        next(entry for entry in document["files"] if entry["path"] == "dense.safetensors")["blocks"].pop()
-    refused(edited(drop_block), r"dense.safetensors: 1 block hashes for 1295464 bytes in blocks of 1048576")
+def test_block_digests_must_cover_their_file(edited):
+    def coarser(document):
+        next(entry for entry in document["files"] if entry["path"] == "dense.safetensors")["block_bytes"] = 2 << 20
+    refused(edited(coarser), r"dense.safetensors.xxh64 is 16 bytes, dense.safetensors's 1295464 bytes in blocks of "
+                             r"2097152 need 8")

@@ -23,7 +23,7 @@ from flashpack.runtime.pack_source import PackExperts
 from flashpack.runtime.sampling import SamplingParams
 from flashpack.runtime.store.hotset import reorder_pack, save_hot_set
 
-SMALL_BLOCKS = 4096  # re-hashed with small blocks, a failing block names one tensor or a few PLE rows
+SMALL_BLOCKS = 4096  # dense re-hashed in pages: a failing block names one tensor or a few
 
 
 @pytest.fixture
@@ -40,10 +40,10 @@ def flip(path, offset: int) -> None:
         handle.write(bytes([byte ^ 0xFF]))
 
 
-def rehash_blocks(root, block_bytes: int) -> None:
-    """Re-hash the block-hashed files with another block size, through the manifest's one writer."""
+def rehash_blocks(root, role: str, block_bytes: int) -> None:
+    """Re-hash the files of `role` in blocks of another size, through the manifest's one writer."""
     document = Manifest.load(root).document
-    blocked = [entry for entry in document["files"] if "blocks" in entry]
+    blocked = [entry for entry in document["files"] if entry["role"] == role]
     for entry in blocked:
         entry["block_bytes"] = block_bytes
     write_manifest(root, document, rewritten=[entry["path"] for entry in blocked])
@@ -72,11 +72,11 @@ def test_control_an_untouched_copy_passes_every_check(copy):
     assert engine.pack.block_checker("ple/layer-000.bin").verified.all()  # the PLE block was read and checked
 
 
-@pytest.mark.parametrize("block_bytes", [BLOCK_BYTES, SMALL_BLOCKS])
+@pytest.mark.parametrize("block_bytes", [BLOCK_BYTES["dense"], SMALL_BLOCKS])
 @pytest.mark.parametrize("tensor", ["lm_head.weight", "hyper_connection_mixer.hc_norm.weight"])
 def test_a_flipped_dense_byte_is_named_and_refused_at_load(copy, tensor, block_bytes):
-    if block_bytes != BLOCK_BYTES:
-        rehash_blocks(copy, block_bytes)
+    if block_bytes != BLOCK_BYTES["dense"]:
+        rehash_blocks(copy, "dense", block_bytes)
     entry = Manifest.load(copy).dense_tensors()[tensor]
     flip(copy / "dense.safetensors", entry.offset + entry.length // 2)
     block = (entry.offset + entry.length // 2) // block_bytes
@@ -92,9 +92,8 @@ def test_a_flipped_dense_byte_is_named_and_refused_at_load(copy, tensor, block_b
 
 
 def test_ple_blocks_are_checked_on_first_touch(copy):
-    rehash_blocks(copy, SMALL_BLOCKS)
     table = Manifest.load(copy).ple_tables()[0]
-    rows_per_block = SMALL_BLOCKS // table.row_stride
+    rows_per_block = BLOCK_BYTES["ple"] // table.row_stride
     value_row, scale_row = 3 * rows_per_block + 7, 9 * rows_per_block + 1
     flip(copy / table.file, value_row * table.row_stride + 1)  # one FP8 value
     flip(copy / table.file, scale_row * table.row_stride + table.dim + 3)  # the float32 scale's top byte
@@ -114,8 +113,9 @@ def test_ple_blocks_are_checked_on_first_touch(copy):
 
 
 def test_a_damaged_ple_block_fails_the_first_generation_that_reads_it(copy):
+    rehash_blocks(copy, "ple", 1 << 20)  # the tiny table in one block: every lookup touches it
     table = Manifest.load(copy).ple_tables()[0]
-    flip(copy / table.file, 11)  # the tiny table is one 1 MiB block: every lookup touches it
+    flip(copy / table.file, 11)
     engine = load_engine(copy)  # loads: PLE blocks wait for their first read
     with pytest.raises(PackDamageError, match=rf"{table.file} block 0 .*PLE layer {table.layer}"):
         engine.generator.generate(engine.tokenizer.encode("the cat sat on the mat"), SamplingParams(max_tokens=2))
@@ -152,6 +152,14 @@ def test_a_flipped_byte_between_records_fails_the_whole_file_hash(copy):
     result = inspect_check(copy)
     assert result.exit_code == 2 and "1 problem(s)" in result.output
     assert f"{victim.file} fails its whole-file xxh64 check" in result.output
+
+
+@pytest.mark.parametrize("path", ["dense.safetensors.xxh64", "ple/layer-000.bin.xxh64"])
+def test_a_flipped_byte_in_a_digest_file_is_named_and_refused_at_load(copy, path):
+    flip(copy / path, 3)
+    result = inspect_check(copy)
+    assert result.exit_code == 2 and f"{path} fails its whole-file xxh64 check" in result.output
+    assert f"{path} fails its xxh64 check" in refused_at_load(copy)
 
 
 def _edit(root, change) -> None:

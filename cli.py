@@ -73,6 +73,9 @@ def _store_settings(vram_budget: str | None, ram_budget: str | None, policy: str
 @click.version_option(__version__, prog_name="flashpack")
 def main() -> None:
     """Run Qwen3.8-Flash-Next from a tiered expert pack."""
+    from flashpack.runtime.compile_cache import use_persistent_compile_caches
+
+    use_persistent_compile_caches()
 
 
 @main.command()
@@ -204,10 +207,10 @@ def run(pack: Path, prompt: str, chat: bool, think: bool | None, max_tokens: int
 
     engine = load_engine(pack, device=device, dtype=dtype, verify_records=not no_verify_records,
                          store=_store_settings(vram_budget, ram_budget, policy, hot_set, no_direct_io))
-    text = engine.tokenizer.render_chat([{"role": "user", "content": prompt}], enable_thinking=think) if chat else prompt
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
                             stop_strings=stop)
-    prompt_ids = engine.tokenizer.encode(text)
+    turn = [{"role": "user", "content": prompt}]
+    prompt_ids = engine.tokenizer.encode_chat(turn, enable_thinking=think) if chat else engine.tokenizer.encode(prompt)
     generated = 0
     for event in engine.generator.stream(prompt_ids, params):
         click.echo(event.text, nl=False)
@@ -226,31 +229,79 @@ def run(pack: Path, prompt: str, chat: bool, think: bool | None, max_tokens: int
         click.echo(json.dumps(engine.stats(), indent=1), err=True)
 
 
-@main.command()
+class _OneLineOptionError(click.ClickException):
+    exit_code = 2
+
+    def show(self, file=None) -> None:
+        click.echo(f"error: {self.format_message()}", err=True)
+
+
+class _OneLineOptionErrors(click.Command):
+    """A bad option prints one line and exits 2, as the command's other errors do (not click's usage block)."""
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        try:
+            return super().parse_args(ctx, args)
+        except click.UsageError as error:
+            raise _OneLineOptionError(error.format_message()) from None
+
+
+_POSITIVE_SECONDS = click.FloatRange(min=0, min_open=True)
+
+
+@main.command(cls=_OneLineOptionErrors)
 @click.argument("pack", type=click.Path(path_type=Path))
 @click.option("--host", default="127.0.0.1", show_default=True, help="Loopback unless you say otherwise.")
-@click.option("--port", type=int, default=8000, show_default=True)
+@click.option("--port", type=click.IntRange(1, 65535), default=8000, show_default=True)
 @click.option("--api-key", envvar="FLASHPACK_API_KEY", help="Required on every route but /health (or $FLASHPACK_API_KEY).")
 @click.option("--device", default="cpu", show_default=True)
 @click.option("--dtype", default="auto", show_default=True)
-@click.option("--model-name", help="The model id clients use (default: the pack's folder name).")
-@click.option("--max-request-bytes", type=int, default=16 * 2**20, show_default=True)
-@click.option("--max-queue", type=int, default=16, show_default=True, help="Waiting requests before a 429.")
-@click.option("--max-context", type=int, help="Prompt + completion token limit (default: the model's).")
-@click.option("--default-max-tokens", type=int, help="max_tokens when a request gives none.")
-@click.option("--log-level", default="info", show_default=True)
+@click.option("--model-name", help="The model id clients use (default: the model's name: the source repo id, "
+              "else its config's name, else the source folder).")
+@click.option("--max-request-bytes", type=click.IntRange(min=1024),
+              help="Bodies above this get a 413 (default: 1 MiB + 8 bytes per context token).")
+@click.option("--max-queue", type=click.IntRange(min=0), help="Waiting requests before a 429 (default: 16).")
+@click.option("--max-context", type=click.IntRange(min=2), help="Prompt + completion token limit (default: the model's).")
+@click.option("--default-max-tokens", type=click.IntRange(min=1), help="max_tokens when a request gives none.")
+@click.option("--max-connections", type=click.IntRange(min=1), help="Open connections (default: 512, kept below "
+              "the open-file limit); beyond it the longest-idle one is closed, or with none idle a 503.")
+@click.option("--header-timeout", type=_POSITIVE_SECONDS, help="Seconds a connection has to send a whole "
+              "request head (default: 10).")
+@click.option("--keep-alive-timeout", type=_POSITIVE_SECONDS, help="Seconds an idle keep-alive connection "
+              "stays open (default: 5).")
+@click.option("--max-header-bytes", type=click.IntRange(min=1024), help="Largest request head (default: 16384).")
+@click.option("--log-level", type=click.Choice(["critical", "error", "warning", "info", "debug", "trace"]),
+              default="info", show_default=True)
 @_store_options
 @_one_line_errors
 def serve(pack: Path, host: str, port: int, api_key: str | None, device: str, dtype: str, model_name: str | None,
-          max_request_bytes: int, max_queue: int, max_context: int | None, default_max_tokens: int | None,
-          log_level: str, vram_budget: str | None, ram_budget: str | None, policy: str, hot_set: str | None,
-          no_direct_io: bool, no_verify_records: bool) -> None:
-    """Serve PACK over OpenAI- and Anthropic-compatible HTTP APIs."""
-    from flashpack.runtime.server import serve as run_server
+          max_request_bytes: int | None, max_queue: int | None, max_context: int | None,
+          default_max_tokens: int | None, max_connections: int | None, header_timeout: float | None,
+          keep_alive_timeout: float | None, max_header_bytes: int | None, log_level: str, vram_budget: str | None,
+          ram_budget: str | None, policy: str, hot_set: str | None, no_direct_io: bool,
+          no_verify_records: bool) -> None:
+    """Serve PACK over OpenAI- and Anthropic-compatible HTTP APIs. Every option is checked before the
+    model loads."""
+    import socket
 
-    run_server(pack, host=host, port=port, api_key=api_key, device=device, dtype=dtype, model_name=model_name,
-               max_request_bytes=max_request_bytes, max_queue=max_queue, max_context=max_context,
-               default_max_tokens=default_max_tokens, log_level=log_level,
+    from flashpack.runtime.server import ServerSettings
+    from flashpack.runtime.server import serve as run_server
+    from flashpack.runtime.server.model_name import pack_model_name
+    from flashpack.runtime.store.budget import parse_budget
+
+    parse_budget(vram_budget, "--vram-budget")
+    parse_budget(ram_budget, "--ram-budget")
+    try:
+        socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except (OSError, UnicodeError) as error:
+        raise FlashpackError(f"cannot serve on host {host!r}: {error}") from None
+    given = {"max_request_bytes": max_request_bytes, "max_queue": max_queue, "max_context": max_context,
+             "default_max_tokens": default_max_tokens, "max_connections": max_connections,
+             "header_timeout": header_timeout, "keep_alive_timeout": keep_alive_timeout,
+             "max_header_bytes": max_header_bytes}
+    settings = ServerSettings(model_name=model_name if model_name is not None else pack_model_name(pack),
+                              api_key=api_key, **{name: value for name, value in given.items() if value is not None})
+    run_server(pack, settings, host=host, port=port, device=device, dtype=dtype, log_level=log_level,
                store=_store_settings(vram_budget, ram_budget, policy, hot_set, no_direct_io),
                verify_records=not no_verify_records)
 

@@ -92,8 +92,8 @@ def _serve_once(engine, echo: Callable[[str], None]) -> None:
     thread.start()
     try:
         deadline = time.monotonic() + 30
-        while not server.started and time.monotonic() < deadline:
-            time.sleep(0.05)
+        while (not server.started or app.state.flashpack.health.loading) and time.monotonic() < deadline:
+            time.sleep(0.05)  # until the warm-up is done: /v1 routes answer 503 before
         client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="demo-key")
         reply = client.chat.completions.create(
             model="tiny", messages=[{"role": "user", "content": "Hello!"}], max_tokens=16, temperature=0

@@ -8,10 +8,16 @@ import torch
 
 from flashpack.errors import FlashpackError
 
+# Below this temperature sampling is greedy: dividing float32 logits by less would overflow to inf
+# (and a Python float under 1e-38 rounds to a float32 zero), while the distribution at 1e-5 is
+# already the argmax for any two logits more than ~1e-3 apart.
+GREEDY_BELOW_TEMPERATURE = 1e-5
+SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed takes
+
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """What a request asks of decoding; temperature 0 means greedy."""
+    """What a request asks of decoding; temperature 0 (or below GREEDY_BELOW_TEMPERATURE) means greedy."""
 
     max_tokens: int = 256
     temperature: float = 0.0
@@ -30,10 +36,12 @@ class SamplingParams:
             raise FlashpackError(f"top_k must be >= 0, got {self.top_k}")
         if not 0.0 < self.top_p <= 1.0:
             raise FlashpackError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.seed is not None and not SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]:
+            raise FlashpackError(f"seed must fit in 64 bits ([-2^63, 2^64 - 1]), got {self.seed}")
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_BELOW_TEMPERATURE
 
 
 class Sampler:
@@ -62,8 +70,10 @@ def filtered_probabilities(logits: torch.Tensor, params: SamplingParams) -> torc
     probs = torch.softmax(scaled, dim=-1)
     if params.top_p < 1.0:
         sorted_probs, order = torch.sort(probs, descending=True)
-        # Keep the smallest prefix whose mass reaches top_p; the first token always survives.
+        # Keep the smallest prefix whose mass reaches top_p; the first token always survives (a
+        # top_p under float32's smallest value compares as 0, which would drop it too).
         outside = torch.cumsum(sorted_probs, dim=-1) - sorted_probs >= params.top_p
+        outside[..., 0] = False
         sorted_probs = sorted_probs.masked_fill(outside, 0.0)
         probs = torch.zeros_like(probs).scatter(0, order, sorted_probs)
         probs = probs / probs.sum()

@@ -4,10 +4,16 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
 from flashpack.errors import FlashpackError
+from flashpack.runtime.chat_encoding import ChatEncoder
+
+# Unicode normalization composes at most three code points into one (Hangul L + V + T).
+_NORMALIZATION_SHRINK = 3
+_COMPOSING_NORMALIZERS = frozenset({"NFC", "NFD", "NFKC", "NFKD"})
 
 
 @dataclass
@@ -26,6 +32,7 @@ class PackTokenizer:
         return cls(tokenizer, _stop_ids(directory, tokenizer))
 
     def encode(self, text: str) -> list[int]:
+        """`text` as the caller wrote it: marker text in it becomes the markers' tokens."""
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     def render_chat(
@@ -41,6 +48,49 @@ class PackTokenizer:
         return self.tokenizer.apply_chat_template(
             messages, tools=tools, tokenize=False, add_generation_prompt=True, **extra
         )
+
+    def encode_chat(
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None = None,
+        enable_thinking: bool | None = None,
+    ) -> list[int]:
+        """The prompt ids for `messages`: the template's markers are control tokens, while marker text
+        inside messages, tool calls, tool results or tool definitions is encoded as ordinary text
+        (runtime/chat_encoding.py)."""
+        return self.chat_encoder.encode(
+            lambda wrapped, wrapped_tools: self.render_chat(wrapped, wrapped_tools, enable_thinking), messages, tools
+        )
+
+    @cached_property
+    def chat_encoder(self) -> ChatEncoder:
+        return ChatEncoder(self.tokenizer)
+
+    @cached_property
+    def max_chars_per_token(self) -> int | None:
+        """At most this many characters of text make one token, or None where no bound is known.
+
+        Byte-level BPE covers every byte and a token spells at most its own length in bytes (each
+        character of a byte-level token stands for one byte); a character is at least one byte, and
+        the normalizers named above shrink text at most threefold. A tokenizer of another kind (an
+        unknown token can stand for any amount of text) or normalizer gives no bound."""
+        document = json.loads(self.tokenizer.backend_tokenizer.to_str())
+        if (document.get("model") or {}).get("type") != "BPE" or (document.get("decoder") or {}).get("type") != "ByteLevel":
+            return None
+        shrink = _normalization_shrink(document.get("normalizer"))
+        if shrink is None:
+            return None
+        vocabulary = self.tokenizer.backend_tokenizer.get_vocab(with_added_tokens=False)
+        return max(len(token) for token in vocabulary) * shrink
+
+
+def _normalization_shrink(normalizer: dict[str, Any] | None) -> int | None:
+    if normalizer is None:
+        return 1
+    parts = normalizer.get("normalizers", []) if normalizer.get("type") == "Sequence" else [normalizer]
+    if all(part.get("type") in _COMPOSING_NORMALIZERS for part in parts):
+        return _NORMALIZATION_SHRINK
+    return None
 
 
 def _stop_ids(directory: Path, tokenizer: Any) -> tuple[int, ...]:

@@ -21,7 +21,7 @@ from flashpack.runtime.server.anthropic_schemas import CountTokensRequest, Messa
 from flashpack.runtime.server.chat_format import from_anthropic
 from flashpack.runtime.server.context import context_of
 from flashpack.runtime.server.errors import ApiError, anthropic_error_body
-from flashpack.runtime.server.replies import ChatOptions, ReplyEnd, Sampling, plan_chat, render_prompt, run_reply
+from flashpack.runtime.server.replies import ChatOptions, ReplyEnd, Sampling, encode_prompt, plan_chat, run_reply
 from flashpack.runtime.server.sse import named_event, sse_response
 from flashpack.runtime.server.tool_calls import Piece
 
@@ -68,8 +68,8 @@ async def count_tokens(body: CountTokensRequest, request: Request) -> dict[str, 
     ctx = context_of(request)
     ctx.check_model(body.model)
     thinking = body.thinking is not None and body.thinking.type != "disabled"
-    prompt = render_prompt(ctx, from_anthropic(body), thinking)
-    return {"input_tokens": len(ctx.engine.tokenizer.encode(prompt))}
+    prompt_ids = await run_in_threadpool(encode_prompt, ctx, from_anthropic(body), thinking)
+    return {"input_tokens": len(prompt_ids)}
 
 
 async def _events(

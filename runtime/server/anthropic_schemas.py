@@ -2,15 +2,17 @@
 
 Content blocks are a union on `type`; images and documents parse (so the error says what is
 unsupported rather than that the body is malformed) and are refused when the prompt is built.
+Every string in a body must be valid Unicode and nest at most request_text.MAX_DEPTH deep.
 """
 
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from flashpack.runtime.server.openai_schemas import TOOL_NAME
+from flashpack.runtime.server.request_text import checked_body
 
 
 class _Model(BaseModel):
@@ -82,7 +84,14 @@ class OutputConfig(_Model):
     effort: Literal["low", "medium", "high", "xhigh", "max"] | None = None  # accepted, not applied
 
 
-class MessagesRequest(_Model):
+class _Body(_Model):
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_text(cls, data: Any) -> Any:
+        return checked_body(data)
+
+
+class MessagesRequest(_Body):
     model: str
     messages: list[Message] = Field(min_length=1)
     max_tokens: int = Field(ge=1)
@@ -100,7 +109,7 @@ class MessagesRequest(_Model):
     metadata: dict[str, Any] | None = None
 
 
-class CountTokensRequest(_Model):
+class CountTokensRequest(_Body):
     model: str
     messages: list[Message] = Field(min_length=1)
     system: str | list[TextBlock] | None = None

@@ -1,17 +1,21 @@
-"""The server as a FastAPI app: `create_app(engine, settings)`; `serve(pack, ...)` runs it with uvicorn.
+"""The server as a FastAPI app: `create_app(engine, settings)`; `serve(pack, settings)` runs it with uvicorn.
 
-    GuardMiddleware (API key, body size) -> routes (OpenAI, Anthropic, /health, /metrics)
+    GuardedH11Protocol (connection cap, head deadline: connections.py)
+      -> GuardMiddleware (API key, body size, readiness) -> routes (OpenAI, Anthropic, /health, /metrics)
                                               -> replies -> Scheduler (one worker thread) -> Generator
 
-Every error leaves in the shape of the API its path belongs to (errors.py); an unexpected exception
-in one request is a 500 for that request only.
+The app accepts connections at once and warms up in a thread (ServerContext.warm_up); /health says
+"loading" until that is done (health.py). Every error leaves in the shape of the API its path belongs
+to (errors.py); an unexpected exception in one request is a 500 for that request only.
 """
 
 from __future__ import annotations
 
-import asyncio
+import copy
 import logging
 import os
+import threading
+import time
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -22,8 +26,9 @@ from starlette.responses import JSONResponse, PlainTextResponse
 
 from flashpack.runtime.loader import StoreOptions
 from flashpack.runtime.server import anthropic_routes, openai_routes
+from flashpack.runtime.server.connections import connection_cap, raise_open_file_limit, uvicorn_options
 from flashpack.runtime.server.context import ServerContext, context_of
-from flashpack.runtime.server.errors import ApiError, error_response, validation_error
+from flashpack.runtime.server.errors import ApiError, body_parse_error, error_response, validation_error
 from flashpack.runtime.server.guard import GuardMiddleware
 from flashpack.runtime.server.settings import ServerSettings
 
@@ -31,15 +36,19 @@ log = logging.getLogger("flashpack.server")
 LOOPBACK = {"127.0.0.1", "::1", "localhost"}
 
 
-def create_app(engine: Any, settings: ServerSettings | None = None) -> FastAPI:
-    """engine: a runtime.loader.LoadedEngine (anything with .model, .tokenizer, .generator)."""
+def create_app(engine: Any, settings: ServerSettings | None = None, loading_since: float | None = None) -> FastAPI:
+    """engine: a runtime.loader.LoadedEngine (anything with .model, .tokenizer, .generator; an optional
+    .warm_up() runs before /health says ok). loading_since: perf_counter() when loading began, for
+    the "ready in" line."""
     settings = settings or ServerSettings()
-    ctx = ServerContext.build(engine, settings)
+    ctx = ServerContext.build(engine, settings, loading_since)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        await asyncio.to_thread(ctx.grammars.warm)  # the vocabulary view for grammars: ~1 s once
         ctx.scheduler.start()
+        # Connections are served meanwhile (/health says "loading"); a daemon thread, so that an
+        # interrupt during a long warm-up still ends the process.
+        threading.Thread(target=ctx.warm_up, name="flashpack-warm-up", daemon=True).start()
         try:
             yield
         finally:
@@ -47,16 +56,18 @@ def create_app(engine: Any, settings: ServerSettings | None = None) -> FastAPI:
 
     app = FastAPI(title="flashpack", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.flashpack = ctx
-    app.add_middleware(GuardMiddleware, api_key=settings.api_key, max_request_bytes=settings.max_request_bytes,
-                       metrics=ctx.metrics)
+    app.add_middleware(GuardMiddleware, api_key=settings.api_key, max_request_bytes=ctx.max_request_bytes,
+                       metrics=ctx.metrics, health=ctx.health, retry_after_seconds=settings.retry_after_seconds)
     _add_error_handlers(app)
     app.include_router(openai_routes.router)
     app.include_router(anthropic_routes.router)
 
     @app.get("/health")
-    async def health(request: Request) -> dict[str, Any]:
+    async def health(request: Request) -> JSONResponse:
         ctx = context_of(request)
-        return {"status": "ok", "model": ctx.settings.model_name, "queue_depth": ctx.scheduler.queue_depth}
+        report = ctx.health.report
+        body = report.body(model=ctx.settings.model_name, queue_depth=ctx.scheduler.queue_depth)
+        return JSONResponse(body, status_code=report.http_status)
 
     @app.get("/metrics")
     async def metrics(request: Request) -> PlainTextResponse:
@@ -80,7 +91,8 @@ def _add_error_handlers(app: FastAPI) -> None:
         if exc.status_code == 404:
             message = f"no route {request.method} {request.url.path}"
         code = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}.get(exc.status_code)
-        return error_response(request.url.path, ApiError(exc.status_code, message, code=code))
+        error = body_parse_error(exc.__cause__) if exc.status_code == 400 and exc.__cause__ is not None else None
+        return error_response(request.url.path, error or ApiError(exc.status_code, message, code=code))
 
     @app.exception_handler(Exception)
     async def unexpected(request: Request, exc: Exception) -> JSONResponse:
@@ -90,33 +102,37 @@ def _add_error_handlers(app: FastAPI) -> None:
 
 def serve(
     pack: str | os.PathLike,
+    settings: ServerSettings,
     host: str = "127.0.0.1",
     port: int = 8000,
-    api_key: str | None = None,
     device: str = "cpu",
     dtype: str = "auto",
-    model_name: str | None = None,
-    max_request_bytes: int = ServerSettings.max_request_bytes,
-    max_queue: int = ServerSettings.max_queue,
-    max_context: int | None = None,
-    default_max_tokens: int | None = None,
     log_level: str = "info",
     store: StoreOptions | None = None,
     verify_records: bool = True,
 ) -> None:
-    """Load PACK and serve it until interrupted. api_key None: $FLASHPACK_API_KEY, if set."""
+    """Load PACK and serve it until interrupted; `settings` is built (and so validated) first."""
     import uvicorn
 
     from flashpack.runtime.loader import load_engine
 
-    api_key = api_key if api_key is not None else (os.environ.get("FLASHPACK_API_KEY") or None)
-    if host not in LOOPBACK and api_key is None:
+    loading_since = time.perf_counter()
+    if host not in LOOPBACK and settings.api_key is None:
         log.warning("serving on %s without an API key: anyone who can reach this port can use the model", host)
+    max_connections = connection_cap(settings.max_connections, raise_open_file_limit())
+    if max_connections < settings.max_connections:
+        log.warning("open connections capped at %d, below the open-file limit", max_connections)
     engine = load_engine(pack, device=device, dtype=dtype, store=store, verify_records=verify_records)
-    settings = ServerSettings(
-        model_name=model_name or os.path.basename(os.path.normpath(os.fspath(pack))), api_key=api_key,
-        max_request_bytes=max_request_bytes, max_queue=max_queue, max_context=max_context,
-        default_max_tokens=default_max_tokens,
-    )
-    app = create_app(engine, settings)
-    uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
+    app = create_app(engine, settings, loading_since)
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, log_config=_log_config(),
+                            timeout_graceful_shutdown=5, **uvicorn_options(settings, max_connections))
+    uvicorn.Server(config).run()
+
+
+def _log_config() -> dict[str, Any]:
+    """uvicorn's logging, with flashpack's own lines (warm-up, damage) through its handler."""
+    from uvicorn.config import LOGGING_CONFIG
+
+    config = copy.deepcopy(LOGGING_CONFIG)
+    config["loggers"]["flashpack"] = {"handlers": ["default"], "level": "INFO", "propagate": False}
+    return config

@@ -4,7 +4,10 @@
      "reasoning_content": str (assistant), "tool_calls": [{"name", "arguments": dict}] (assistant)}
     tools: [{"type": "function", "function": {"name", "description", "parameters"}}]
 
-Tool results go back as role=tool messages, which the template wraps in <tool_response> tags.
+Tool results go back as role=tool messages, which the template wraps in <tool_response> tags. An
+OpenAI assistant message that carries its reasoning inline (`<think>...</think>answer`, as some
+clients send a reply back) is split into reasoning_content and content, as the reply parser reads a
+reply: the template then places both, and neither holds a tag the chat encoder would keep as text.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from typing import Any
 from flashpack.runtime.server import anthropic_schemas as anth
 from flashpack.runtime.server import openai_schemas as oai
 from flashpack.runtime.server.errors import ApiError
+from flashpack.runtime.server.markers import THINK_CLOSE, THINK_OPEN
 
 
 @dataclass
@@ -26,6 +30,21 @@ class Conversation:
     def tool_parameters(self) -> dict[str, dict[str, Any] | None]:
         return {t["function"]["name"]: t["function"].get("parameters") for t in self.tools}
 
+    def text_length(self) -> int:
+        """Characters in every string of the messages and tools (keys included): what the client
+        sent, before the template adds to it."""
+        total, stack = 0, [self.messages, self.tools]
+        while stack:
+            value = stack.pop()
+            if isinstance(value, str):
+                total += len(value)
+            elif isinstance(value, dict):
+                total += sum(len(key) for key in value if isinstance(key, str))
+                stack.extend(value.values())
+            elif isinstance(value, list):
+                stack.extend(value)
+        return total
+
 
 def from_openai(request: oai.ChatCompletionRequest) -> Conversation:
     messages = []
@@ -33,7 +52,9 @@ def from_openai(request: oai.ChatCompletionRequest) -> Conversation:
         role = "system" if message.role == "developer" else message.role
         entry: dict[str, Any] = {"role": role, "content": _openai_text(message.content, f"messages.{index}.content")}
         if role == "assistant":
-            if message.reasoning_content:
+            if not message.reasoning_content and THINK_CLOSE in entry["content"]:
+                entry["reasoning_content"], entry["content"] = _inline_reasoning(entry["content"])
+            elif message.reasoning_content:
                 entry["reasoning_content"] = message.reasoning_content
             if message.tool_calls:
                 entry["tool_calls"] = [
@@ -113,6 +134,15 @@ def _openai_text(content: str | list[oai.ContentPart] | None, where: str) -> str
             raise ApiError(400, f"{where}: {part.type} content is not supported by this server", param=where)
         texts.append(part.text)
     return "".join(texts)
+
+
+def _inline_reasoning(content: str) -> tuple[str, str]:
+    """`<think>reasoning</think>answer` -> (reasoning, answer), at the last </think>."""
+    reasoning, _, answer = content.rpartition(THINK_CLOSE)
+    reasoning = reasoning.strip("\n")
+    if reasoning.startswith(THINK_OPEN):
+        reasoning = reasoning[len(THINK_OPEN):]
+    return reasoning.strip("\n"), answer.lstrip("\n")
 
 
 def _arguments(arguments: str | dict[str, Any]) -> dict[str, Any] | str:

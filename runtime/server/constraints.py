@@ -8,6 +8,10 @@ whitespace): a model that likes spaces must not be able to pad forever.
 
 Building the vocabulary view (`LLTokenizer`) takes about a second for a real vocabulary, so a
 `GrammarCompiler` does it once per engine and then compiles one matcher per request.
+
+A tool's parameters schema sits inside the call schema, so its local references (`#/$defs/City`,
+`#` itself) would point into the wrong document: each tool's schema moves whole under the call
+schema's `$defs` (as `tool_0`, `tool_1`, ...) with its references re-rooted there.
 """
 
 from __future__ import annotations
@@ -28,6 +32,8 @@ from flashpack.runtime.server.markers import CALL_CLOSE, CALL_OPEN, Markers
 
 _COMPACT = {"whitespace_flexible": False, "lenient": True}  # lenient: ignore keywords it cannot enforce
 _LEADING_NEWLINES = r"/\n{0,2}/"
+_DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples"})
+_NAMED_SCHEMAS = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"})
 
 
 class GrammarConstraint:
@@ -75,8 +81,14 @@ class GrammarCompiler:
 
         tools: [{"name": str, "parameters": JSON schema}], already validated.
         """
-        calls = [_call_schema(tool["name"], tool.get("parameters")) for tool in tools]
+        definitions: dict[str, Any] = {}
+        calls = []
+        for index, tool in enumerate(tools):
+            key = f"tool_{index}"
+            definitions[key] = _rerooted(_arguments_schema(tool.get("parameters")), f"#/$defs/{key}")
+            calls.append(_call_schema(tool["name"], {"$ref": f"#/$defs/{key}"}))
         schema = calls[0] if len(calls) == 1 else {"anyOf": calls}
+        schema = {**schema, "$defs": definitions}
         repeat = "+" if several else ""
         grammar = (
             f"start: {_LEADING_NEWLINES} (call_block){repeat}\n"
@@ -106,9 +118,32 @@ class GrammarCompiler:
             return self._ll_tokenizer
 
 
-def _call_schema(name: str, parameters: dict[str, Any] | None) -> dict[str, Any]:
+def _arguments_schema(parameters: dict[str, Any] | None) -> dict[str, Any]:
     # A function declared without parameters takes none (as OpenAI reads it): exactly {}.
-    arguments = parameters if parameters else {"type": "object", "properties": {}, "additionalProperties": False}
+    return parameters if parameters else {"type": "object", "properties": {}, "additionalProperties": False}
+
+
+def _rerooted(schema: Any, root: str) -> Any:
+    """`schema` with every local `$ref` ("#...") moved under `root`; values that are data (const,
+    enum, default, examples) are left as they are."""
+    if isinstance(schema, list):
+        return [_rerooted(item, root) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    moved = {}
+    for key, value in schema.items():
+        if key == "$ref" and isinstance(value, str) and value.startswith("#"):
+            moved[key] = root + value[1:]
+        elif key in _DATA_KEYWORDS:
+            moved[key] = value
+        elif key in _NAMED_SCHEMAS and isinstance(value, dict):  # its keys are names, not keywords
+            moved[key] = {name: _rerooted(item, root) for name, item in value.items()}
+        else:
+            moved[key] = _rerooted(value, root)
+    return moved
+
+
+def _call_schema(name: str, arguments: dict[str, Any]) -> dict[str, Any]:
     return {
         "type": "object",
         "properties": {"name": {"const": name}, "arguments": arguments},

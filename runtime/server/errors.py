@@ -56,6 +56,18 @@ def error_response(path: str, error: ApiError) -> JSONResponse:
     return JSONResponse(error_body(path, error), status_code=error.status, headers=headers)
 
 
+def body_parse_error(cause: BaseException) -> ApiError | None:
+    """Why FastAPI could not parse a body (it only says "There was an error parsing the body")."""
+    if isinstance(cause, UnicodeDecodeError):
+        return ApiError(400, f"the request body is not valid UTF-8: {cause.reason} at byte {cause.start}",
+                        code="invalid_encoding")
+    if isinstance(cause, RecursionError):
+        return ApiError(400, "the request body is nested too deeply", code="invalid_value")
+    if isinstance(cause, ValueError):  # e.g. an integer literal past Python's 4,300 digits
+        return ApiError(400, f"the request body is not valid JSON: {cause}", code="invalid_value")
+    return None
+
+
 def validation_error(exc: RequestValidationError) -> ApiError:
     """pydantic's first complaint as a 400: malformed JSON, a missing field, a wrong type or range."""
     errors = exc.errors()

@@ -1,10 +1,11 @@
-"""What every request passes before a route sees it: the API key and the body size limit.
+"""What every request passes before a route sees it: the API key, the body size limit, readiness.
 
 A plain ASGI middleware rather than Starlette's BaseHTTPMiddleware, which would buffer streaming
 responses and hide client disconnects from the routes. It also counts responses by route and status.
 
 Keys are accepted as `Authorization: Bearer <key>` (OpenAI) or `x-api-key: <key>` (Anthropic) and
-compared in constant time; /health is open so a load balancer can probe without the key.
+compared in constant time; /health is open so a load balancer can probe without the key. Until the
+warm-up is done (health.py) the API routes answer 503 with a Retry-After header.
 """
 
 from __future__ import annotations
@@ -16,10 +17,12 @@ from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from flashpack.runtime.server.errors import ApiError, error_body
+from flashpack.runtime.server.health import Health
 from flashpack.runtime.server.metrics import Metrics
 
 OPEN_PATHS = frozenset({"/health"})
 KNOWN_ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/v1/messages", "/health", "/metrics")
+API_PREFIX = "/v1/"
 
 
 class _TooLarge(HTTPException):
@@ -30,11 +33,14 @@ class _TooLarge(HTTPException):
 
 
 class GuardMiddleware:
-    def __init__(self, app: ASGIApp, api_key: str | None, max_request_bytes: int, metrics: Metrics):
+    def __init__(self, app: ASGIApp, api_key: str | None, max_request_bytes: int, metrics: Metrics, health: Health,
+                 retry_after_seconds: int):
         self.app = app
         self.api_key = api_key.encode() if api_key else None
         self.max_bytes = max_request_bytes
         self.metrics = metrics
+        self.health = health
+        self.retry_after = str(retry_after_seconds).encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -52,7 +58,7 @@ class GuardMiddleware:
         try:
             error = self._refusal(scope)
             if error is not None:
-                await _send_error(counting_send, path, error)
+                await _send_error(counting_send, path, error, self.retry_after)
                 return
             try:
                 await self.app(scope, self._limited(receive), counting_send)
@@ -68,7 +74,7 @@ class GuardMiddleware:
         if length is not None and length.isdigit() and int(length) > self.max_bytes:
             return _too_large(self.max_bytes)
         if self.api_key is None or scope["path"] in OPEN_PATHS:
-            return None
+            return self._not_ready(scope)
         given = headers.get("x-api-key")
         authorization = headers.get("authorization", b"")
         if given is None and authorization[:7].lower() == b"bearer ":
@@ -78,6 +84,11 @@ class GuardMiddleware:
                             code="invalid_api_key")
         if not hmac.compare_digest(given, self.api_key):
             return ApiError(401, "invalid API key", code="invalid_api_key")
+        return self._not_ready(scope)
+
+    def _not_ready(self, scope: Scope) -> ApiError | None:
+        if scope["path"].startswith(API_PREFIX) and self.health.loading:
+            return ApiError(503, "the server is warming up; retry shortly", code="loading")
         return None
 
     def _limited(self, receive: Receive) -> Receive:
@@ -100,10 +111,12 @@ def _too_large(limit: int) -> ApiError:
     return ApiError(413, f"the request body exceeds the server's limit of {limit} bytes", code="request_too_large")
 
 
-async def _send_error(send: Send, path: str, error: ApiError) -> None:
+async def _send_error(send: Send, path: str, error: ApiError, retry_after: bytes = b"") -> None:
     body = json.dumps(error_body(path, error)).encode()
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     if error.status == 401:
         headers.append((b"www-authenticate", b"Bearer"))
+    if error.status == 503 and retry_after:
+        headers.append((b"retry-after", retry_after))
     await send({"type": "http.response.start", "status": error.status, "headers": headers})
     await send({"type": "http.response.body", "body": body})

@@ -36,6 +36,19 @@ class Markers:
         return f"<[{single}]>" if single is not None else '"' + tag.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
-def prompt_opens_thinking(prompt: str) -> bool:
-    """True when the rendered prompt leaves a <think> block open (the template started it)."""
-    return prompt.rfind(THINK_OPEN) > prompt.rfind(THINK_CLOSE)
+def ids_open_thinking(prompt_ids: list[int], open_ids: list[int], close_ids: list[int]) -> bool:
+    """True when the prompt leaves a <think> block open (the template started it). Read from the ids,
+    not the text: marker text a client wrote is encoded as ordinary text (runtime/chat_encoding.py),
+    so where the tags are single tokens only the template's own can match."""
+    return _last_index(prompt_ids, open_ids) > _last_index(prompt_ids, close_ids)
+
+
+def _last_index(ids: list[int], sequence: list[int]) -> int:
+    """Where `sequence` last starts in `ids`; -1 if it does not occur."""
+    width = len(sequence)
+    if not width:
+        return -1
+    for start in range(len(ids) - width, -1, -1):
+        if ids[start] == sequence[0] and ids[start:start + width] == sequence:
+            return start
+    return -1

@@ -3,13 +3,18 @@
 Unknown fields are ignored, as clients send new ones first; wrong types and out-of-range values
 fail validation and come back as a 400 in OpenAI's error shape. Extensions beyond OpenAI's API:
 `chat_template_kwargs` (`enable_thinking`, as vLLM and SGLang take it), `max_thinking_tokens`, `top_k`.
+Every string in a body must be valid Unicode and nest at most request_text.MAX_DEPTH deep; a seed
+must fit in 64 bits.
 """
 
 from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from flashpack.runtime.sampling import SEED_RANGE
+from flashpack.runtime.server.request_text import checked_body
 
 TOOL_NAME = r"^[a-zA-Z0-9_.-]{1,64}$"
 
@@ -85,7 +90,7 @@ class _Sampling(_Model):
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, ge=0.0, le=1.0)
     top_k: int | None = Field(None, ge=0)
-    seed: int | None = None
+    seed: int | None = Field(None, ge=SEED_RANGE[0], le=SEED_RANGE[1])
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -93,6 +98,11 @@ class _Sampling(_Model):
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)  # accepted, not applied
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)  # accepted, not applied
     user: str | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_text(cls, data: Any) -> Any:
+        return checked_body(data)
 
     def stop_strings(self) -> tuple[str, ...]:
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])

@@ -21,7 +21,7 @@ from flashpack.runtime.sampling import SamplingParams
 from flashpack.runtime.server.chat_format import Conversation
 from flashpack.runtime.server.context import ServerContext
 from flashpack.runtime.server.errors import ApiError
-from flashpack.runtime.server.markers import THINK_CLOSE, THINK_OPEN, prompt_opens_thinking
+from flashpack.runtime.server.markers import THINK_CLOSE, THINK_OPEN, ids_open_thinking
 from flashpack.runtime.server.scheduler import Job
 from flashpack.runtime.server.thinking import ThinkingGate
 from flashpack.runtime.server.tool_calls import Piece, ReplyParser
@@ -67,9 +67,12 @@ class ReplyEnd:
     completion_tokens: int
 
 
-def render_prompt(ctx: ServerContext, conversation: Conversation, enable_thinking: bool | None) -> str:
+def encode_prompt(ctx: ServerContext, conversation: Conversation, enable_thinking: bool | None) -> list[int]:
+    """The conversation's prompt ids, the client's text encoded as text (PackTokenizer.encode_chat);
+    a conversation whose text alone cannot fit the context is refused before any of that work."""
+    ctx.check_prompt_size(conversation.text_length(), "messages")
     try:
-        return ctx.engine.tokenizer.render_chat(conversation.messages, conversation.tools or None, enable_thinking)
+        return ctx.engine.tokenizer.encode_chat(conversation.messages, conversation.tools or None, enable_thinking)
     except FlashpackError as error:
         raise ApiError(400, str(error)) from None
     except Exception as error:  # the template refused the conversation (jinja raise_exception, bad roles)
@@ -77,8 +80,7 @@ def render_prompt(ctx: ServerContext, conversation: Conversation, enable_thinkin
 
 
 def plan_chat(ctx: ServerContext, conversation: Conversation, options: ChatOptions, sampling: Sampling) -> ReplyPlan:
-    prompt = render_prompt(ctx, conversation, options.enable_thinking)
-    prompt_ids = ctx.engine.tokenizer.encode(prompt)
+    prompt_ids = encode_prompt(ctx, conversation, options.enable_thinking)
     params = sampling_params(ctx, len(prompt_ids), sampling)
     inner: TokenConstraint | None = None
     if options.forced_tools:
@@ -88,7 +90,8 @@ def plan_chat(ctx: ServerContext, conversation: Conversation, options: ChatOptio
     elif options.json_schema is not None:
         inner = ctx.grammars.json_schema(options.json_schema)
     thinking = options.enable_thinking is not False
-    starts_open = thinking and prompt_opens_thinking(prompt)
+    markers = ctx.grammars.markers
+    starts_open = thinking and ids_open_thinking(prompt_ids, markers.ids(THINK_OPEN), markers.ids(THINK_CLOSE))
     constraint = inner
     budget = options.thinking_budget
     if inner is not None and budget is None:
@@ -97,7 +100,6 @@ def plan_chat(ctx: ServerContext, conversation: Conversation, options: ChatOptio
     # template's default, it may start, unless a grammar waits for the answer.
     opening = "forced" if options.enable_thinking is True else ("allowed" if inner is None else "never")
     if thinking and (inner is not None or budget is not None or opening == "forced"):
-        markers = ctx.grammars.markers
         constraint = ThinkingGate(
             inner, markers.ids(THINK_OPEN), markers.ids(THINK_CLOSE), budget, starts_open,
             tuple(ctx.engine.tokenizer.stop_token_ids), opening,
@@ -106,6 +108,9 @@ def plan_chat(ctx: ServerContext, conversation: Conversation, options: ChatOptio
 
 
 def plan_completion(ctx: ServerContext, prompt: str | list[int], sampling: Sampling) -> ReplyPlan:
+    """The caller's raw prompt: text is encoded as written, marker text becoming markers."""
+    if isinstance(prompt, str):
+        ctx.check_prompt_size(len(prompt), "prompt")
     prompt_ids = ctx.engine.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
     vocab = len(ctx.engine.tokenizer.tokenizer)
     if not prompt_ids:

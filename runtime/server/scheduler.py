@@ -7,7 +7,9 @@
 The engine runs one sequence at a time, so requests wait their turn; a full queue is refused at
 once (429). A job whose client went away is cancelled: still queued, it is skipped; running, the
 generator's `cancelled` callable stops it after the current token. Any exception inside a job is
-delivered to that job's consumer; the worker itself keeps going.
+delivered to that job's consumer; the worker itself keeps going. A FlashpackError is the request's
+fault (400), except PackDamageError: the pack on disk failed a check, which is a 500 naming the
+damage and is also reported to `on_pack_damage` (the server's health turns to error).
 """
 
 from __future__ import annotations
@@ -17,10 +19,10 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
-from flashpack.errors import FlashpackError
+from flashpack.errors import FlashpackError, PackDamageError
 from flashpack.runtime.generate import GenerationEvent, Generator, TokenConstraint
 from flashpack.runtime.sampling import SamplingParams
 from flashpack.runtime.server.errors import ApiError
@@ -62,10 +64,12 @@ class Job:
 
 
 class Scheduler:
-    def __init__(self, generator: Generator, max_queue: int, metrics: Metrics):
+    def __init__(self, generator: Generator, max_queue: int, metrics: Metrics,
+                 on_pack_damage: Callable[[str], None] = lambda reason: None):
         self.generator = generator
         self.metrics = metrics
         self.max_queue = max_queue
+        self.on_pack_damage = on_pack_damage
         self._jobs: queue.Queue[Job | None] = queue.Queue()
         self._thread: threading.Thread | None = None
         self._waiting = 0  # queued, not yet picked up
@@ -125,6 +129,10 @@ class Scheduler:
                 if event.finish_reason is not None:
                     finish, timings = event.finish_reason, event.timings
                 job.put(event)
+        except PackDamageError as error:
+            log.error("the pack is damaged: %s", error)
+            self.on_pack_damage(str(error))
+            job.put(ApiError(500, f"the pack on disk is damaged: {error}", code="pack_damaged"))
         except FlashpackError as error:
             job.put(ApiError(400, str(error)))
         except Exception as error:  # one failing request must not take the worker down

@@ -18,6 +18,7 @@ import openai
 import uvicorn
 
 from flashpack.runtime.server import ServerSettings, create_app
+from flashpack.runtime.server.connections import uvicorn_options
 
 KEY = "test-key-0123"
 MODEL = "tiny"
@@ -51,16 +52,20 @@ class Served:
 
 
 @contextmanager
-def serving(engine: Any, settings: ServerSettings) -> Iterator[Served]:
+def serving(engine: Any, settings: ServerSettings, wait_ready: bool = True) -> Iterator[Served]:
+    """uvicorn with `settings`'s connection limits, as `serve` runs it; with wait_ready, only once
+    /health no longer says "loading" (the warm-up is done)."""
     app = create_app(engine, settings)
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on"))
+    config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on",
+                            **uvicorn_options(settings))
+    server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
+    deadline = time.monotonic() + 60
+    while not server.started or (wait_ready and app.state.flashpack.health.loading):
         if time.monotonic() > deadline or not thread.is_alive():
             raise RuntimeError("the test server did not start")
         time.sleep(0.02)

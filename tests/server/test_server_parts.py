@@ -171,23 +171,3 @@ def test_error_bodies_have_each_apis_shape():
     assert error_body("/v1/messages", error) == {"type": "error", "error": {"type": "not_found_error",
                                                                             "message": "no such model"}}
     assert json.dumps(error_body("/v1/messages/count_tokens", ApiError(529, "busy")))
-
-
-def test_serve_binds_loopback_and_takes_the_key_from_the_environment(monkeypatch, tiny_tokenizer):
-    import uvicorn
-
-    import flashpack.runtime.loader
-    from server_fakes import fake_engine
-    from flashpack.runtime.server import serve
-
-    ran = {}
-    monkeypatch.setattr(flashpack.runtime.loader, "load_engine", lambda pack, device, dtype, **store: fake_engine(tiny_tokenizer))
-    monkeypatch.setattr(uvicorn, "run", lambda app, host, port, **kwargs: ran.update(app=app, host=host, port=port))
-    monkeypatch.setenv("FLASHPACK_API_KEY", "from-env")
-    serve("/packs/tiny.pack")
-    settings = ran["app"].state.flashpack.settings
-    assert (ran["host"], ran["port"], settings.api_key, settings.model_name) == ("127.0.0.1", 8000, "from-env", "tiny.pack")
-    serve("/packs/tiny.pack", api_key="given", model_name="qwen", host="0.0.0.0", port=9000, max_queue=3)
-    settings = ran["app"].state.flashpack.settings
-    assert (ran["host"], ran["port"], settings.api_key, settings.model_name, settings.max_queue) == (
-        "0.0.0.0", 9000, "given", "qwen", 3)

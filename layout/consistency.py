@@ -169,12 +169,13 @@ def _check_dense_plan(cfg: TextConfig, dense: dict[str, TensorEntry], fp8_rows: 
 def _check_experts(cfg: TextConfig, manifest: Manifest, sizes, with_mtp: bool, problems: _Problems) -> None:
     experts = manifest.document["experts"]
     geometry = RecordGeometry(cfg.hidden_size, cfg.moe_intermediate_size)
+    record_bytes, stride = geometry.length, geometry.stride  # computed once: 25k records at real dimensions
     if (experts["hidden_size"], experts["intermediate_size"]) != (cfg.hidden_size, cfg.moe_intermediate_size):
         problems.add("geometry", f"experts are {experts['hidden_size']} x {experts['intermediate_size']}, the config "
                                  f"says hidden_size {cfg.hidden_size}, moe_intermediate_size {cfg.moe_intermediate_size}")
-    if (experts["record_bytes"], experts["record_stride"]) != (geometry.length, geometry.stride):
+    if (experts["record_bytes"], experts["record_stride"]) != (record_bytes, stride):
         problems.add("geometry", f"record_bytes {experts['record_bytes']} / record_stride {experts['record_stride']} "
-                                 f"are not the geometry's {geometry.length} / {geometry.stride}")
+                                 f"are not the geometry's {record_bytes} / {stride}")
     if [(p["name"], p["offset"], p["length"]) for p in experts["parts"]] != geometry.parts():
         problems.add("geometry", "experts.parts is not the record layout the geometry implies")
     layers = cfg.num_hidden_layers + (cfg.mtp_num_hidden_layers if with_mtp else 0)
@@ -190,12 +191,12 @@ def _check_experts(cfg: TextConfig, manifest: Manifest, sizes, with_mtp: bool, p
         seen.add(key)
         size = file_sizes[record.file]
         by_file[record.file].append(record.offset)
-        if record.length != geometry.length:
+        if record.length != record_bytes:
             problems.add("records", f"layer {record.layer} expert {record.expert}: length {record.length}, "
-                                    f"records are {geometry.length} bytes")
-        if record.offset % PAGE or (size is not None and record.offset + geometry.stride > size):
+                                    f"records are {record_bytes} bytes")
+        if record.offset % PAGE or (size is not None and record.offset + stride > size):
             problems.add("records", f"layer {record.layer} expert {record.expert}: offset {record.offset} is not "
-                                    f"a page boundary with a whole {geometry.stride}-byte record inside {record.file}")
+                                    f"a page boundary with a whole {stride}-byte record inside {record.file}")
     for layer, expert in sorted(expected - seen)[:_SHOWN_PER_RULE + 1]:
         problems.add("records", f"layer {layer} expert {expert}, which the config implies, has no record")
     for layer, expert in sorted(seen - expected)[:_SHOWN_PER_RULE + 1]:
@@ -203,7 +204,7 @@ def _check_experts(cfg: TextConfig, manifest: Manifest, sizes, with_mtp: bool, p
     for file, offsets in by_file.items():
         offsets.sort()
         for before, after in zip(offsets, offsets[1:]):
-            if after - before < geometry.stride:
+            if after - before < stride:
                 problems.add("records", f"{file}: records at {before} and {after} overlap")
 
 

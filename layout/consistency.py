@@ -24,6 +24,7 @@ from flashpack.layout.model_config import TextConfig
 from flashpack.layout.records import PAGE, RecordGeometry
 
 ROW_SCALE_SUFFIX = ".row_scale"
+TOKENIZER_DIRECTORY = "tokenizer"
 _SHOWN_PER_RULE = 5  # one bad stride makes every record wrong: name a few, count the rest
 _MAX_HEADER_BYTES = 100 << 20  # safetensors' own limit
 
@@ -63,6 +64,7 @@ def consistency_problems(manifest: Manifest, root: Path) -> list[str]:
     _check_ple(cfg, manifest, sizes, problems)
     for path in manifest.document["tokenizer"]["files"]:
         _listed(path, "tokenizer", sizes, problems)
+    _check_tokenizer_directory(root, sizes, problems)
     return problems.lines()
 
 
@@ -90,6 +92,15 @@ def _listed(path: str, role: str, sizes: dict[str, tuple[str, int]], problems: _
     if sizes[path][0] != role:
         problems.add("files", f"{path} is listed with role {sizes[path][0]}, it holds {role} data")
     return sizes[path][1]
+
+
+def _check_tokenizer_directory(root: Path, sizes, problems: _Problems) -> None:
+    """The tokenizer loader reads whatever files its directory holds: each must be a hashed one."""
+    directory = root / TOKENIZER_DIRECTORY
+    for path in sorted(directory.rglob("*")) if directory.is_dir() else []:
+        relative = path.relative_to(root).as_posix()
+        if path.is_file() and relative not in sizes:
+            problems.add("files", f"{relative} is in the pack but not in files (the tokenizer would read it unchecked)")
 
 
 def _check_config(cfg: TextConfig, problems: _Problems) -> None:

@@ -165,3 +165,9 @@ def test_block_digests_must_cover_their_file(edited):
         next(entry for entry in document["files"] if entry["path"] == "dense.safetensors")["block_bytes"] = 2 << 20
     refused(edited(coarser), r"dense.safetensors.xxh64 is 16 bytes, dense.safetensors's 1295464 bytes in blocks of "
                              r"2097152 need 8")
+
+
+def test_every_file_the_tokenizer_would_read_is_listed(edited):
+    root = edited(lambda document: None)
+    (root / "tokenizer" / "chat_template.jinja").write_text("{{ messages }}")  # AutoTokenizer would use it
+    refused(root, r"tokenizer/chat_template.jinja is in the pack but not in files \(the tokenizer would read it unchecked\)")

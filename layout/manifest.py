@@ -56,7 +56,7 @@ def validate_manifest(document: dict[str, Any]) -> None:
 
 @functools.cache
 def _schema_validator() -> jsonschema.Draft202012Validator:
-    """Built once: checking the schema itself on every load cost as much as a small manifest."""
+    """Built once a process: the schema itself needs checking only once."""
     schema = manifest_schema()
     jsonschema.Draft202012Validator.check_schema(schema)
     return jsonschema.Draft202012Validator(schema)

@@ -72,3 +72,27 @@ def test_serve_builds_settings_then_loads_then_runs(monkeypatch, tiny_pack, tiny
     assert (settings.api_key, settings.model_name, settings.max_queue) == ("from-env", "tiny-bf16", 3)
     limits = config.http.keywords["limits"]
     assert (limits.max_connections, limits.header_timeout) == (40, 2.5)
+
+
+@pytest.mark.parametrize("source, text_config, expected", [
+    ({"repo_id": "Qwen/Qwen3.8-Flash-Next", "path": "/cache/models--Qwen--Other/snapshots/ab12"},
+     {"_name_or_path": "ignored"}, "Qwen/Qwen3.8-Flash-Next"),
+    ({"repo_id": None, "path": "/anywhere/snap"}, {"_name_or_path": "Org/From-Config"}, "Org/From-Config"),
+    ({"repo_id": None, "path": "/anywhere/snap"}, {"name_or_path": "/models/local-model/"}, "local-model"),
+    ({"repo_id": None, "path": "/root/.cache/huggingface/hub/models--Qwen--Qwen3.8-Flash-Next/snapshots/0123abcd"},
+     {}, "Qwen/Qwen3.8-Flash-Next"),
+    ({"repo_id": None, "path": "/data/models--gpt2/snapshots/0123abcd"}, {}, "gpt2"),
+    ({"repo_id": None, "path": "/data/tiny-bf16"}, {}, "tiny-bf16"),
+    ({}, {}, "served-model"),
+])
+def test_the_default_model_id_is_the_models_name(source, text_config, expected):
+    from flashpack.runtime.server.model_name import model_name_from_manifest
+
+    document = {"source": source, "model": {"text_config": text_config}}
+    assert model_name_from_manifest(document, "/packs/served-model.pack/") == expected
+
+
+def test_the_default_model_id_of_a_real_pack_is_its_source_folder(tiny_pack):
+    from flashpack.runtime.server.model_name import pack_model_name
+
+    assert tiny_pack.name == "tiny.pack" and pack_model_name(tiny_pack) == "tiny-bf16"

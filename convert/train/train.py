@@ -1,0 +1,269 @@
+"""Train the demo model end to end: corpus, tokenizer, windows, model, loop, evaluation, snapshot.
+
+Deterministic given the seed: python's, numpy's and torch's generators are seeded, the tokenizer is
+trained on the corpus in its fixed order, and windows are read in a seeded order (windows.py). On a
+GPU the model is BF16 with float32 master weights (optimizer.py) and DeltaNet runs on
+flash-linear-attention's kernels when `fla` is importable (transformers picks them up itself);
+on a CPU everything is float32, for the smoke test.
+
+The schedule is fixed by `steps`, or by a wall-time budget: after `calibration_steps` the mean step
+time fixes the total so that training ends inside the budget (the record keeps the total, so a
+rerun with `steps` set replays the same schedule); training also stops at the budget whatever the
+estimate said.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import random
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from flashpack.convert.train import model_config
+from flashpack.convert.train.corpus import load_corpus
+from flashpack.convert.train.evaluate import evaluate, unigram_log_probs
+from flashpack.convert.train.export import canonical_tensors
+from flashpack.convert.train.optimizer import MasterWeightAdamW, Schedule
+from flashpack.convert.train.snapshot import check_output, write_snapshot
+from flashpack.convert.train.tokenizer import load_tokenizer, train_tokenizer
+from flashpack.convert.train.training_model import DemoModel, LossWeights
+from flashpack.convert.train.windows import Windows, token_stream
+from flashpack.errors import FlashpackError
+from flashpack.layout.model_config import TextConfig
+
+RECORD_NAME = "training-record.json"
+SNAPSHOT_NAME = "snapshot"
+
+
+@dataclass(frozen=True)
+class TrainSettings:
+    size: str = "demo"
+    seed: int = 0
+    sequence_length: int = 1024
+    batch_size: int = 32
+    peak_lr: float = 3e-3
+    warmup_steps: int = 100
+    weight_decay: float = 0.1
+    betas: tuple[float, float] = (0.9, 0.95)
+    clip_norm: float = 1.0
+    steps: int | None = None  # None: fixed by time_budget_s
+    time_budget_s: float = 450.0
+    calibration_steps: int = 30
+    losses: LossWeights = field(default_factory=LossWeights)
+    log_every: int = 25
+    eval_every: int = 250
+    eval_windows: int = 32  # held-out windows of the periodic evaluations (the final one reads all)
+    max_train_files: int | None = None
+    max_held_out_files: int | None = None
+    device: str = "auto"
+    tokenizer_dir: Path | None = None  # a tokenizer trained before on the same corpus, reused
+
+
+def train(out: Path, settings: TrainSettings, force: bool = False, log=print) -> dict[str, Any]:
+    """Train, evaluate, write out/snapshot and out/training-record.json; returns the record."""
+    out = Path(out)
+    record_path = out / RECORD_NAME
+    if record_path.exists() and not force:
+        raise FlashpackError(f"{record_path} already exists; pass --force to overwrite it")
+    check_output(out / SNAPSHOT_NAME, force)  # before training, not after it
+    device = _device(settings.device)
+    _seed_everything(settings.seed)
+    started = time.perf_counter()
+
+    corpus = load_corpus(settings.max_train_files, settings.max_held_out_files)
+    tokens = model_config.special_tokens(settings.size)
+    tokenizer_started = time.perf_counter()
+    if settings.tokenizer_dir is not None:
+        tokenizer = load_tokenizer(settings.tokenizer_dir, tokens)
+    else:
+        tokenizer = train_tokenizer((source.text for source in corpus.train), tokens)
+    tokenizer_s = time.perf_counter() - tokenizer_started
+    train_stream = token_stream(tokenizer, [s.text for s in corpus.train], tokens.endoftext)
+    held_out_stream = token_stream(tokenizer, [s.text for s in corpus.held_out], tokens.endoftext)
+    train_windows = Windows(train_stream, settings.sequence_length)
+    held_out = Windows(held_out_stream, settings.sequence_length)
+    unigram = unigram_log_probs(train_stream, tokens.vocab_size)
+    log(f"corpus: {len(corpus.train)} + {len(corpus.held_out)} files, {train_stream.numel():,} + "
+        f"{held_out_stream.numel():,} tokens; tokenizer {tokenizer_s:.1f} s")
+
+    text_config = model_config.text_config_dict(settings.size)
+    config = model_config.transformers_config(settings.size)
+    config._attn_implementation = "eager" if settings.losses.indexer else "sdpa"  # eager returns probabilities
+    model = DemoModel(config, text_config["mtp_num_hidden_layers"])
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    model.to(device=device, dtype=dtype).train()
+    optimizer = MasterWeightAdamW(model, settings.weight_decay, settings.betas, settings.clip_norm)
+
+    loop = _TrainingLoop(model, optimizer, settings, device)
+    curve, evals = loop.run(train_windows, held_out, unigram, log)
+    final = evaluate(model, held_out, unigram, settings.batch_size, device)
+    log("held-out: " + json.dumps({k: round(v, 4) for k, v in final.items()}))
+
+    summary = {
+        "corpus_version": corpus.version,
+        "seed": settings.seed,
+        "steps": loop.steps_done,
+        "tokens_seen": loop.tokens_seen,
+        "held_out_loss": final["loss"],
+        "unigram_loss": final["unigram_loss"],
+        "mtp_agreement": final["mtp_agreement_with_greedy"],
+    }
+    cfg = TextConfig.from_text_dict(text_config)
+    tensors = canonical_tensors(model.lm, model.mtp, cfg)
+    write_snapshot(out / SNAPSHOT_NAME, tensors, text_config, model_config.vision_config(settings.size),
+                   tokenizer, tokens, summary, force=force)
+    record = {
+        "settings": _jsonable(asdict(settings)),
+        "corpus": corpus.summary(),
+        "tokens": {"train": train_stream.numel(), "held_out": held_out_stream.numel(),
+                   "train_windows": train_windows.count, "held_out_windows": held_out.count,
+                   "bytes_per_token_held_out": corpus.summary()["held_out_bytes"] / max(1, held_out_stream.numel())},
+        "model": {"text_config": text_config, "parameters": model_config.parameter_counts(settings.size),
+                  "snapshot_bytes_by_part": model_config.byte_counts(settings.size)},
+        "schedule": {"total_steps": loop.schedule.total_steps if loop.schedule else None,
+                     "warmup_steps": settings.warmup_steps, "peak_lr": settings.peak_lr},
+        "steps": loop.steps_done,
+        "tokens_seen": loop.tokens_seen,
+        "epochs": loop.tokens_seen / max(1, train_stream.numel()),
+        "train_wall_s": loop.wall_s,
+        "tokens_per_s": loop.tokens_seen / max(loop.wall_s, 1e-9),
+        "total_wall_s": time.perf_counter() - started,
+        "tokenizer_s": tokenizer_s,
+        "loss_curve": curve,
+        "held_out_curve": evals,
+        "final": final,
+        "machine": _machine(device),
+    }
+    out.mkdir(parents=True, exist_ok=True)
+    record_path.write_text(json.dumps(record, indent=2) + "\n")
+    return record
+
+
+class _TrainingLoop:
+    def __init__(self, model: DemoModel, optimizer: MasterWeightAdamW, settings: TrainSettings, device: torch.device):
+        self.model, self.optimizer, self.settings, self.device = model, optimizer, settings, device
+        self.schedule = (
+            Schedule(settings.peak_lr, settings.warmup_steps, settings.steps) if settings.steps is not None else None
+        )
+        self.steps_done = self.tokens_seen = 0
+        self.wall_s = 0.0
+
+    def run(self, windows: Windows, held_out: Windows, unigram: torch.Tensor, log) -> tuple[list, list]:
+        settings, curve, evals = self.settings, [], []
+        sums: dict[str, float] = {}
+        started = time.perf_counter()
+        calibration_start = None
+        batches = windows.shuffled(settings.batch_size, settings.seed)
+        while True:
+            if self.schedule is not None and self.steps_done >= self.schedule.total_steps:
+                break
+            elapsed = time.perf_counter() - started
+            if settings.steps is None and elapsed >= settings.time_budget_s:
+                log(f"time budget reached at step {self.steps_done}")
+                break
+            epoch, batch = next(batches)
+            losses = self.model.losses(batch.to(self.device, non_blocking=True), settings.losses)
+            losses.total.backward()
+            lr = self._lr()
+            grad_norm = self.optimizer.step(lr)
+            self.optimizer.zero_grad()
+            self.steps_done += 1
+            self.tokens_seen += batch.shape[0] * settings.sequence_length
+            for name, value in dict(losses.values(), grad_norm=grad_norm).items():
+                sums[name] = sums.get(name, 0.0) + value
+
+            if self.schedule is None and self.steps_done == settings.calibration_steps // 3:
+                _synchronize(self.device)
+                calibration_start = (time.perf_counter(), self.steps_done)
+            if self.schedule is None and self.steps_done == settings.calibration_steps:
+                self.schedule = self._calibrated(started, calibration_start)
+                log(f"schedule: {self.schedule.total_steps} steps in {settings.time_budget_s:.0f} s")
+            if self.steps_done % settings.log_every == 0:
+                point = {"step": self.steps_done, "epoch": epoch, "tokens": self.tokens_seen, "lr": lr,
+                         "elapsed_s": round(time.perf_counter() - started, 2)}
+                point.update({name: round(value / settings.log_every, 5) for name, value in sums.items()})
+                curve.append(point)
+                sums = {}
+                log(json.dumps(point))
+            if self.steps_done % settings.eval_every == 0:
+                numbers = evaluate(self.model, held_out, unigram, settings.batch_size, self.device,
+                                   limit=settings.eval_windows)
+                evals.append({"step": self.steps_done, **{k: round(v, 5) for k, v in numbers.items()}})
+                log("eval " + json.dumps(evals[-1]))
+        _synchronize(self.device)
+        self.wall_s = time.perf_counter() - started
+        return curve, evals
+
+    def _lr(self) -> float:
+        if self.schedule is not None:
+            return self.schedule.lr(self.steps_done)
+        # Before calibration only the warm-up applies, which does not depend on the total.
+        return self.settings.peak_lr * (self.steps_done + 1) / self.settings.warmup_steps
+
+    def _calibrated(self, started: float, calibration_start: tuple[float, int]) -> Schedule:
+        _synchronize(self.device)
+        now = time.perf_counter()
+        first_time, first_step = calibration_start
+        step_s = (now - first_time) / (self.steps_done - first_step)
+        remaining = self.settings.time_budget_s - (now - started)
+        # Periodic evaluations take time too: leave them room at the calibrated step rate.
+        total = self.steps_done + int(remaining / step_s * 0.97)
+        return Schedule(self.settings.peak_lr, self.settings.warmup_steps, max(total, self.settings.warmup_steps + 1))
+
+
+def _device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise FlashpackError("--device cuda asked for, but torch sees no CUDA device")
+    if name not in ("cpu", "cuda"):
+        raise FlashpackError(f"unknown device {name!r}: choose auto, cpu or cuda")
+    return torch.device(name)
+
+
+def _seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def _machine(device: torch.device) -> dict[str, Any]:
+    import tokenizers
+    import transformers
+
+    try:
+        import fla
+
+        fla_version = getattr(fla, "__version__", "unknown")
+    except ImportError:
+        fla_version = None
+    return {
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
+        "cpu_threads": torch.get_num_threads(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "tokenizers": tokenizers.__version__,
+        "fla": fla_version,
+    }
+
+
+def _jsonable(value):
+    if isinstance(value, dict):
+        return {k: _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, Path):
+        return str(value)
+    return value

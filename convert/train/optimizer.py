@@ -46,8 +46,9 @@ class MasterWeightAdamW:
         self.inner = torch.optim.AdamW(groups, lr=0.0, betas=betas, fused=fused)
         self.clip_norm = clip_norm
 
-    def step(self, lr: float) -> float:
-        """Apply the gradients in the model's parameters; returns the gradient norm before clipping."""
+    def step(self, lr: float) -> torch.Tensor:
+        """Apply the gradients in the model's parameters; returns the gradient norm before clipping
+        (a device tensor: reading it would sync the step)."""
         for param, master in zip(self.params, self.masters):
             if master is not param:
                 master.grad = None if param.grad is None else param.grad.float()
@@ -59,7 +60,7 @@ class MasterWeightAdamW:
             for param, master in zip(self.params, self.masters):
                 if master is not param:
                     param.copy_(master)
-        return float(norm)
+        return norm
 
     def zero_grad(self) -> None:
         for param, master in zip(self.params, self.masters):

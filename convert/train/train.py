@@ -156,7 +156,7 @@ class _TrainingLoop:
 
     def run(self, windows: Windows, held_out: Windows, unigram: torch.Tensor, log) -> tuple[list, list]:
         settings, curve, evals = self.settings, [], []
-        sums: dict[str, float] = {}
+        sums: dict[str, torch.Tensor] = {}  # summed on the device, read at each log point only
         started = time.perf_counter()
         calibration_start = None
         batches = windows.shuffled(settings.batch_size, settings.seed)
@@ -175,8 +175,8 @@ class _TrainingLoop:
             self.optimizer.zero_grad()
             self.steps_done += 1
             self.tokens_seen += batch.shape[0] * settings.sequence_length
-            for name, value in dict(losses.values(), grad_norm=grad_norm).items():
-                sums[name] = sums.get(name, 0.0) + value
+            for name, value in dict(losses.detached(), grad_norm=grad_norm.float()).items():
+                sums[name] = sums[name] + value if name in sums else value
 
             if self.schedule is None and self.steps_done == settings.calibration_steps // 3:
                 _synchronize(self.device)
@@ -187,7 +187,7 @@ class _TrainingLoop:
             if self.steps_done % settings.log_every == 0:
                 point = {"step": self.steps_done, "epoch": epoch, "tokens": self.tokens_seen, "lr": lr,
                          "elapsed_s": round(time.perf_counter() - started, 2)}
-                point.update({name: round(value / settings.log_every, 5) for name, value in sums.items()})
+                point.update({name: round(float(value) / settings.log_every, 5) for name, value in sums.items()})
                 curve.append(point)
                 sums = {}
                 log(json.dumps(point))
@@ -248,8 +248,10 @@ def _machine(device: torch.device) -> dict[str, Any]:
         fla_version = getattr(fla, "__version__", "unknown")
     except ImportError:
         fla_version = None
+    on_gpu = device.type == "cuda"
     return {
-        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
+        "device": torch.cuda.get_device_name(device) if on_gpu else platform.processor() or "cpu",
+        "peak_device_memory_bytes": torch.cuda.max_memory_allocated(device) if on_gpu else None,
         "cpu_threads": torch.get_num_threads(),
         "python": platform.python_version(),
         "torch": torch.__version__,

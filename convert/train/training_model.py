@@ -39,8 +39,9 @@ class Losses:
     router: torch.Tensor
     indexer: torch.Tensor
 
-    def values(self) -> dict[str, float]:
-        return {name: float(getattr(self, name).detach()) for name in ("total", "main", "mtp", "router", "indexer")}
+    def detached(self) -> dict[str, torch.Tensor]:
+        """Each loss, detached, still on the device (reading them would sync the step)."""
+        return {name: getattr(self, name).detach().float() for name in ("total", "main", "mtp", "router", "indexer")}
 
 
 @dataclass

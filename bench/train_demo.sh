@@ -27,7 +27,7 @@ for path in sys.argv[1:]:
         print(f"{path}: no record"); continue
     f, m = r["final"], r["machine"]
     print(f"{path.split('/')[-2]:<10}{r['steps']:>7}{r['tokens_per_s']:>10.0f}{r['train_wall_s']:>9.1f}{r['total_wall_s']:>9.1f}"
-          f"{f['loss']:>10.4f}{f['unigram_loss']:>9.4f}{f['mtp_agreement_with_greedy']:>10.3f}{(m['peak_device_memory_bytes'] or 0)/1e9:>9.1f}")
+          f"{f['loss']:>10.4f}{f['unigram_loss']:>9.4f}{f['mtp_agreement_with_greedy']:>10.3f}{(m.get('peak_device_memory_bytes') or 0)/1e9:>9.1f}")
 PY
 }
 if [ "${MODE:-full}" = smoke ]; then

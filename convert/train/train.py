@@ -9,12 +9,14 @@ on a CPU everything is float32, for the smoke test.
 The schedule is fixed by `steps`, or by a wall-time budget: after `calibration_steps` the mean step
 time fixes the total so that training ends inside the budget (the record keeps the total, so a
 rerun with `steps` set replays the same schedule); training also stops at the budget whatever the
-estimate said.
+estimate said. A run whose losses turn non-finite stops and keeps the weights of its last finite
+log point (`stopped_early` in the record says so).
 """
 
 from __future__ import annotations
 
 import json
+import math
 import platform
 import random
 import time
@@ -47,7 +49,7 @@ class TrainSettings:
     seed: int = 0
     sequence_length: int = 1024
     batch_size: int = 32
-    peak_lr: float = 3e-3
+    peak_lr: float = 2e-3
     warmup_steps: int = 100
     weight_decay: float = 0.1
     betas: tuple[float, float] = (0.9, 0.95)
@@ -130,6 +132,7 @@ def train(out: Path, settings: TrainSettings, force: bool = False, log=print) ->
                      "warmup_steps": settings.warmup_steps, "peak_lr": settings.peak_lr},
         "steps": loop.steps_done,
         "tokens_seen": loop.tokens_seen,
+        "stopped_early": loop.stopped_early,
         "epochs": loop.tokens_seen / max(1, train_stream.numel()),
         "train_wall_s": loop.wall_s,
         "tokens_per_s": loop.tokens_seen / max(loop.wall_s, 1e-9),
@@ -153,6 +156,9 @@ class _TrainingLoop:
         )
         self.steps_done = self.tokens_seen = 0
         self.wall_s = 0.0
+        self.stopped_early: str | None = None
+        self._last_good: dict[str, torch.Tensor] | None = None
+        self._last_good_step = 0
 
     def run(self, windows: Windows, held_out: Windows, unigram: torch.Tensor, log) -> tuple[list, list]:
         settings, curve, evals = self.settings, [], []
@@ -160,6 +166,7 @@ class _TrainingLoop:
         started = time.perf_counter()
         calibration_start = None
         batches = windows.shuffled(settings.batch_size, settings.seed)
+        self._keep_last_good()
         while True:
             if self.schedule is not None and self.steps_done >= self.schedule.total_steps:
                 break
@@ -191,6 +198,10 @@ class _TrainingLoop:
                 curve.append(point)
                 sums = {}
                 log(json.dumps(point))
+                if not math.isfinite(point["total"]):
+                    self._restore_last_good(log)
+                    break
+                self._keep_last_good()
             if self.steps_done % settings.eval_every == 0:
                 numbers = evaluate(self.model, held_out, unigram, settings.batch_size, self.device,
                                    limit=settings.eval_windows)
@@ -199,6 +210,18 @@ class _TrainingLoop:
         _synchronize(self.device)
         self.wall_s = time.perf_counter() - started
         return curve, evals
+
+    def _keep_last_good(self) -> None:
+        """A copy of the weights at the last log point whose losses were finite (on the device)."""
+        self._last_good = {name: value.detach().clone() for name, value in self.model.state_dict().items()}
+        self._last_good_step = self.steps_done
+
+    def _restore_last_good(self, log) -> None:
+        """A diverged run stops and keeps the weights of its last finite log point."""
+        self.stopped_early = f"non-finite loss by step {self.steps_done}; weights of step {self._last_good_step} kept"
+        log(self.stopped_early)
+        if self._last_good is not None:
+            self.model.load_state_dict(self._last_good)
 
     def _lr(self) -> float:
         if self.schedule is not None:

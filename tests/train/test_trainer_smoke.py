@@ -67,6 +67,13 @@ def test_same_seed_same_losses(tmp_path):
     assert [p["total"] for p in first] == [p["total"] for p in second]
 
 
+def test_diverged_run_stops_and_keeps_its_last_finite_weights(tmp_path):
+    settings = TrainSettings(**{**SETTINGS.__dict__, "steps": 12, "log_every": 2, "warmup_steps": 1, "peak_lr": 1e3})
+    record = train(tmp_path, settings, log=lambda _line: None)
+    assert record["stopped_early"].startswith("non-finite loss by step 2")
+    assert record["steps"] == 2 and record["final"]["loss"] == pytest.approx(6.93, abs=0.1)  # the initial weights
+
+
 def test_refuses_to_replace_without_force_or_over_foreign_files(trained, tmp_path):
     out, _ = trained
     with pytest.raises(FlashpackError, match="already exists"):

@@ -1,14 +1,16 @@
 """`flashpack convert`: a checked source snapshot in, a complete pack out, or nothing at all.
 
-Everything is written into a hidden sibling directory that has no manifest until the very end,
-then renamed into place; an interrupted or failed convert never leaves something that looks like
-a pack. Memory stays bounded: tensors stream one at a time from memory-mapped shards.
+Before a byte is written, the source is checked (source.py: config, index, shard headers, files
+kept inside the snapshot) and so is OUT (out_path.py: apart from the source; only an empty
+directory or a pack may be replaced). Everything is written into a hidden sibling directory that
+has no manifest until the very end, then renamed into place (pack_swap.py); an interrupted or
+failed convert never leaves something that looks like a pack, and a full disk or a file-size limit
+is one line naming OUT. Memory stays bounded: tensors stream one at a time from the shards.
 """
 
 from __future__ import annotations
 
 import errno
-import os
 import shutil
 from pathlib import Path
 
@@ -18,19 +20,26 @@ from tqdm import tqdm
 from flashpack import __version__
 from flashpack.convert.dense_writer import write_dense, write_vision
 from flashpack.convert.expert_writer import write_experts
+from flashpack.convert.out_path import check_apart_from_source, check_replaceable, make_parents, remove_created
+from flashpack.convert.pack_swap import discard, move_into_place, settle_leftovers, staging_path
 from flashpack.convert.ple_writer import write_ple
 from flashpack.convert.source import SourceCheckpoint, resolve_snapshot
+from flashpack.convert.tokenizer_files import check_tokenizer, copy_tokenizer
 from flashpack.errors import FlashpackError
 from flashpack.layout.checksums import DIGESTS_SUFFIX, file_entries
 from flashpack.layout.manifest import FORMAT_NAME, FORMAT_VERSION, write_manifest
 from flashpack.layout.records import RecordGeometry
 
-TOKENIZER_DIR = "tokenizer"
-TOKENIZER_FILES = (
-    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
-    "chat_template.jinja", "chat_template.json", "vocab.json", "merges.txt", "added_tokens.json",
-)
 _HASH_CHUNK = 16 << 20
+# Errors of a write that the user can fix (room, quota, limits, permissions), each as one line.
+_DISK_ERRORS = {
+    errno.ENOSPC: "no space left on the device",
+    errno.EDQUOT: "disk quota exceeded",
+    errno.EFBIG: "a file outgrew the file-size limit (`ulimit -f`) or the file system's largest file",
+    errno.EACCES: "permission denied",
+    errno.EPERM: "operation not permitted",
+    errno.EROFS: "read-only file system",
+}
 
 
 def convert(
@@ -42,40 +51,61 @@ def convert(
     dense_fp8: bool = False,
     progress: bool = True,
 ) -> Path:
-    """Convert `source` (snapshot dir or hub repo id) into a pack at `out`; returns `out`."""
-    out = Path(out).resolve()
-    if out.exists() and not force:
-        raise FlashpackError(f"{out} already exists (use --force to replace it)")
+    """Convert `source` (snapshot dir or hub repo id) into a pack at `out`; returns `out`.
+
+    With `force`, an existing pack (or empty directory) at `out` is replaced; anything else there is
+    refused, as is an `out` that is, contains or lies inside the source.
+    """
+    out = Path(out).expanduser().resolve()
     root, repo_id = resolve_snapshot(source, revision)
+    check_apart_from_source(out, root)
+    settle_leftovers(out)
+    check_replaceable(out, force)
     checkpoint = SourceCheckpoint.open(root, repo_id)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    _check_free_space(checkpoint, out.parent)
-    staging = out.parent / f".{out.name}.partial-{os.getpid()}"
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir()
+    created: list[Path] = []
+    staging = staging_path(out)
     try:
+        created = make_parents(out)
+        _check_free_space(checkpoint, out.parent)
+        staging.mkdir()
         document = _write_pack(checkpoint, staging, revision, dense_fp8, progress)
         write_manifest(staging, document)
-        _replace(staging, out)
+        check_replaceable(out, force)  # again: OUT may have changed during an hour of converting
+        move_into_place(staging, out)
     except OSError as error:
-        shutil.rmtree(staging, ignore_errors=True)
-        if error.errno == errno.ENOSPC:
-            raise FlashpackError(f"no space left on the device while writing {out}") from None
+        _clean_up(staging, created)
+        if error.errno in _DISK_ERRORS:
+            raise FlashpackError(f"{_DISK_ERRORS[error.errno]} while writing {out}{_which_file(error, staging)}") from None
         raise
     except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
+        _clean_up(staging, created)
         raise
     return out
 
 
+def _which_file(error: OSError, staging: Path) -> str:
+    """` (experts/layer-003.bin)`: the pack file a write failed on, named as it is in the pack."""
+    if not error.filename:
+        return ""
+    path = Path(error.filename)
+    return f" ({path.relative_to(staging)})" if path.is_relative_to(staging) else f" ({path})"
+
+
+def _clean_up(staging: Path, created: list[Path]) -> None:
+    if staging.exists():
+        discard(staging)
+    remove_created(created)
+
+
 def _write_pack(checkpoint: SourceCheckpoint, pack: Path, revision: str | None, dense_fp8: bool, progress: bool) -> dict:
     cfg = checkpoint.config
+    tokenizer_files = copy_tokenizer(checkpoint.root, pack)
+    check_tokenizer(pack, checkpoint.root)  # first: a broken tokenizer fails in seconds, not after the experts
     source_files = _fingerprint(checkpoint, progress)
     records = write_experts(checkpoint, pack, progress)
     ple_tables = write_ple(checkpoint, pack, progress)
     dense = write_dense(checkpoint, pack, dense_fp8, progress)
     vision = write_vision(checkpoint, pack)
-    tokenizer_files = _copy_tokenizer(checkpoint.root, pack)
     geometry = RecordGeometry(cfg.hidden_size, cfg.moe_intermediate_size)
     return {
         "format": FORMAT_NAME,
@@ -121,18 +151,6 @@ def _fingerprint(checkpoint: SourceCheckpoint, progress: bool) -> list[dict]:
     return source_fingerprint(checkpoint.root, names, progress)
 
 
-def _copy_tokenizer(root: Path, pack: Path) -> list[str]:
-    copied = []
-    (pack / TOKENIZER_DIR).mkdir()
-    for name in TOKENIZER_FILES:
-        if (root / name).is_file():
-            shutil.copyfile(root / name, pack / TOKENIZER_DIR / name)
-            copied.append(f"{TOKENIZER_DIR}/{name}")
-    if not copied:
-        raise FlashpackError(f"{root} has no tokenizer files (tokenizer.json, tokenizer_config.json)")
-    return copied
-
-
 _ROLES = {"experts": "experts", "ple": "ple", "tokenizer": "tokenizer"}
 
 
@@ -161,13 +179,3 @@ def _check_free_space(checkpoint: SourceCheckpoint, directory: Path) -> None:
             f"no space left: the pack needs at least {needed / 2**30:.2f} GiB, {directory} has {free / 2**30:.2f} GiB free"
         )
 
-
-def _replace(staging: Path, out: Path) -> None:
-    """Move the finished pack into place; an old pack (with --force) goes only after that succeeds."""
-    if not out.exists():
-        staging.rename(out)
-        return
-    old = out.parent / f".{out.name}.old-{os.getpid()}"
-    out.rename(old)
-    staging.rename(out)
-    shutil.rmtree(old, ignore_errors=True)

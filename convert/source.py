@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import json
 import math
-import struct
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -27,6 +27,8 @@ from flashpack.convert.checkpoint_spec import (
     is_vision_key,
     iter_specs,
 )
+from flashpack.convert.safetensors_header import read_safetensors_header
+from flashpack.convert.snapshot_paths import snapshot_file
 from flashpack.errors import FlashpackError
 from flashpack.layout.dtypes import TORCH_DTYPES
 from flashpack.layout.model_config import TextConfig
@@ -79,7 +81,7 @@ class SourceCheckpoint:
 
     @classmethod
     def open(cls, root: Path, repo_id: str | None = None) -> "SourceCheckpoint":
-        config_path = root / "config.json"
+        config_path = snapshot_file(root, "config.json", "config file")
         if not config_path.is_file():
             raise FlashpackError(f"{root} has no config.json: not a Hugging Face snapshot")
         raw_config = _load_json(config_path)
@@ -207,34 +209,35 @@ def _is_quant_aux(key: str) -> bool:
 
 
 def _detect_quantization(root: Path, raw_config: dict) -> str:
-    quant = raw_config.get("quantization_config")
-    if quant is None and (root / "hf_quant_config.json").is_file():
-        quant = _load_json(root / "hf_quant_config.json").get("quantization", {})
+    quant, where = raw_config.get("quantization_config"), "config.json quantization_config"
+    if quant is None and (root / "hf_quant_config.json").exists():
+        document = _load_json(snapshot_file(root, "hf_quant_config.json", "quantization file"))
+        quant = document.get("quantization", {}) if isinstance(document, dict) else document
+        where = "hf_quant_config.json quantization"
     if quant is None:
         return "bf16"
+    if not isinstance(quant, dict):
+        raise FlashpackError(f"{where} must be an object, got {quant!r}")
     algo = str(quant.get("quant_algo", "")).upper()
     method = str(quant.get("quant_method", "modelopt")).lower()
     if method != "modelopt" or algo != "NVFP4":
         raise FlashpackError(f"unsupported quantization {method}/{algo}: flashpack reads BF16/FP16/FP32 or ModelOpt NVFP4")
-    if int(quant.get("group_size", 16)) != 16:
-        raise FlashpackError(f"NVFP4 group_size {quant.get('group_size')} is not 16")
+    if quant.get("group_size", 16) != 16:
+        raise FlashpackError(f"NVFP4 group_size {quant.get('group_size')!r} is not 16")
     return "nvfp4"
 
 
 def _index_tensors(root: Path) -> dict[str, StoredTensor]:
-    index_path = root / "model.safetensors.index.json"
-    if index_path.is_file():
-        weight_map = _load_json(index_path).get("weight_map")
-        if not isinstance(weight_map, dict) or not weight_map:
-            raise FlashpackError(f"{index_path.name} has no weight_map")
+    weight_map = _weight_map(root)
+    if weight_map is not None:
         files = sorted(set(weight_map.values()))
     elif (root / "model.safetensors").is_file():
-        files, weight_map = ["model.safetensors"], None
+        files = ["model.safetensors"]
     else:
         raise FlashpackError(f"{root} has neither model.safetensors.index.json nor model.safetensors")
     entries: dict[str, StoredTensor] = {}
     for file in files:
-        data_start, header = read_safetensors_header(root / file)
+        data_start, header = read_safetensors_header(snapshot_file(root, file, "shard"))
         for key, entry in header.items():
             begin, end = entry["data_offsets"]
             entries[key] = StoredTensor(file, entry["dtype"], tuple(entry["shape"]), data_start + begin, end - begin)
@@ -245,33 +248,26 @@ def _index_tensors(root: Path) -> dict[str, StoredTensor]:
     return entries
 
 
-def read_safetensors_header(path: Path) -> tuple[int, dict[str, dict]]:
-    """(offset where tensor data starts, tensor entries) of a safetensors file, after checking it is whole."""
-    if not path.is_file():
-        raise FlashpackError(f"shard {path.name} is missing from {path.parent}")
-    size = path.stat().st_size
-    with open(path, "rb") as handle:
-        prefix = handle.read(8)
-        if len(prefix) < 8:
-            raise FlashpackError(f"shard {path.name} is truncated ({size} bytes)")
-        header_length = struct.unpack("<Q", prefix)[0]
-        if header_length > size - 8:
-            raise FlashpackError(f"shard {path.name} is truncated: header claims {header_length} bytes, file has {size}")
-        try:
-            header = json.loads(handle.read(header_length))
-        except ValueError:
-            raise FlashpackError(f"shard {path.name} has a corrupt header") from None
-    header.pop("__metadata__", None)
-    data_end = max((entry["data_offsets"][1] for entry in header.values()), default=0)
-    if 8 + header_length + data_end > size:
-        raise FlashpackError(
-            f"shard {path.name} is truncated: {size} bytes, its header needs {8 + header_length + data_end}"
-        )
-    return 8 + header_length, header
+def _weight_map(root: Path) -> dict[str, str] | None:
+    """The index's tensor -> shard map (None without an index), its shape and names checked."""
+    name = "model.safetensors.index.json"
+    if not (root / name).exists():
+        return None
+    index = _load_json(snapshot_file(root, name, "index"))
+    if not isinstance(index, dict):
+        raise FlashpackError(f"{name} must be a JSON object, got {type(index).__name__}")
+    weight_map = index.get("weight_map")
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise FlashpackError(f"{name} has no weight_map object")
+    for key, file in weight_map.items():
+        if not isinstance(file, str):
+            raise FlashpackError(f"{name} maps {key} to {file!r}, not a shard file name")
+        snapshot_file(root, file, "shard")
+    return weight_map
 
 
-def _load_json(path: Path) -> dict:
+def _load_json(path: Path) -> Any:
     try:
-        return json.loads(path.read_text())
+        return json.loads(path.read_bytes())
     except ValueError as error:
         raise FlashpackError(f"{path.name} is not valid JSON: {error}") from None

@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 from flashpack.errors import FlashpackError
+from flashpack.layout.config_fields import MAX_PLE_HEADS, ConfigFields
 
 SUPPORTED_MODEL_TYPES = ("qwen4_exp", "qwen4_exp_text")
 LINEAR_ATTENTION = "linear_attention"
@@ -94,12 +96,23 @@ class TextConfig:
         return self.ple_layer_ids.index(one_indexed) if one_indexed in self.ple_layer_ids else None
 
     def ple_head_vocab_sizes(self, ple_index: int) -> list[int]:
-        """Prime row counts of each hash head, as transformers derives them."""
-        sizes = []
-        for head in range(self.ngram_heads):
-            global_head = ple_index * self.ngram_heads + head
-            sizes.append(_nth_prime_after(self.ngram_vocab_size_base - 1, global_head + 1))
-        return sizes
+        """Prime row counts of each hash head, as transformers derives them: global head g (heads
+        numbered across PLE layers) has the (g + 1)-th prime from ngram_vocab_size_base on."""
+        if not 0 <= ple_index < len(self.ple_layer_ids):
+            raise IndexError(f"PLE index {ple_index} outside the {len(self.ple_layer_ids)} PLE layers")
+        first = ple_index * self.ngram_heads
+        return list(self._ple_head_primes[first:first + self.ngram_heads])
+
+    @cached_property
+    def _ple_head_primes(self) -> tuple[int, ...]:
+        """Every PLE layer's head vocabularies in global head order, found in one scan: every tensor
+        spec of every PLE layer asks for them, and a scan from the base for each head would repeat
+        all the heads before it (minutes for a few dozen PLE layers)."""
+        primes, prime = [], self.ngram_vocab_size_base - 1
+        for _ in range(len(self.ple_layer_ids) * self.ngram_heads):
+            prime = _nth_prime_after(prime, 1)
+            primes.append(prime)
+        return tuple(primes)
 
     def ple_multipliers(self, ple_index: int) -> list[int]:
         """Odd per-position hash multipliers (splitmix64 of the seed), as transformers derives them."""
@@ -126,80 +139,83 @@ class TextConfig:
     @classmethod
     def from_checkpoint_config(cls, config: dict[str, Any]) -> "TextConfig":
         """Parse config.json of either model_type (`qwen4_exp` nests the text part)."""
+        if not isinstance(config, dict):
+            raise FlashpackError(f"config.json must be a JSON object, got {type(config).__name__}")
         model_type = config.get("model_type")
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise FlashpackError(
                 f"unsupported model_type {model_type!r}: flashpack reads {' or '.join(SUPPORTED_MODEL_TYPES)}"
             )
+        if model_type == "qwen4_exp" and not isinstance(config.get("text_config"), dict):
+            raise FlashpackError(
+                "config.json of model_type qwen4_exp needs a text_config object (the text model's config), "
+                f"got {config.get('text_config')!r}"
+            )
         text = dict(config["text_config"]) if model_type == "qwen4_exp" else dict(config)
         text.setdefault("model_type", "qwen4_exp_text")
-        return cls.from_text_dict(text)
+        return cls.from_text_dict(text, "config.json text_config" if model_type == "qwen4_exp" else "config.json")
 
     @classmethod
-    def from_text_dict(cls, text: dict[str, Any]) -> "TextConfig":
-        try:
-            return cls._from_text_dict(text)
-        except KeyError as missing:
-            raise FlashpackError(f"config.json lacks required text-config field {missing}") from None
-
-    @classmethod
-    def _from_text_dict(cls, text: dict[str, Any]) -> "TextConfig":
-        layers = int(text["num_hidden_layers"])
-        layer_types = text.get("layer_types") or [
-            LINEAR_ATTENTION if (i + 1) % text.get("full_attention_interval", 4) else INDEXED_ATTENTION
-            for i in range(layers)
-        ]
+    def from_text_dict(cls, text: dict[str, Any], where: str = "text config") -> "TextConfig":
+        """Parse and validate a text config; `where` names it in the one-line error a bad field gets."""
+        fields = ConfigFields(text, where)
+        layers = fields.integer("num_hidden_layers")
+        if text.get("layer_types"):
+            layer_types = fields.string_list("layer_types")
+        else:
+            interval = fields.integer("full_attention_interval", 4)
+            layer_types = [LINEAR_ATTENTION if (i + 1) % interval else INDEXED_ATTENTION for i in range(layers)]
         layer_types = tuple(INDEXED_ATTENTION if t == "full_attention" else t for t in layer_types)
         if len(layer_types) != layers:
-            raise FlashpackError(f"config.json lists {len(layer_types)} layer_types for {layers} layers")
-        rope = text.get("rope_parameters") or {}
-        eos = text.get("eos_token_id")
-        eos = eos[0] if isinstance(eos, list) else eos
-        hidden = int(text["hidden_size"])
-        hidden_act = text.get("hidden_act", "silu")
+            raise FlashpackError(f"{where} lists {len(layer_types)} layer_types for {layers} layers")
+        rope = fields.section("rope_parameters")
+        eos = -1 if text.get("eos_token_id") is None else fields.int_or_first("eos_token_id")
+        hidden = fields.integer("hidden_size")
+        attention_heads = fields.integer("num_attention_heads")
+        hidden_act = fields.string("hidden_act", "silu")
         cfg = cls(
-            vocab_size=int(text["vocab_size"]),
+            vocab_size=fields.integer("vocab_size"),
             hidden_size=hidden,
             num_hidden_layers=layers,
             layer_types=layer_types,
-            num_attention_heads=int(text["num_attention_heads"]),
-            num_key_value_heads=int(text["num_key_value_heads"]),
-            head_dim=int(text.get("head_dim") or hidden // int(text["num_attention_heads"])),
-            linear_conv_kernel_dim=int(text.get("linear_conv_kernel_dim", 4)),
-            linear_key_head_dim=int(text["linear_key_head_dim"]),
-            linear_value_head_dim=int(text["linear_value_head_dim"]),
-            linear_num_key_heads=int(text["linear_num_key_heads"]),
-            linear_num_value_heads=int(text["linear_num_value_heads"]),
-            moe_intermediate_size=int(text["moe_intermediate_size"]),
-            shared_expert_intermediate_size=int(text["shared_expert_intermediate_size"]),
-            num_experts=int(text["num_experts"]),
-            num_experts_per_tok=int(text["num_experts_per_tok"]),
-            norm_topk_prob=bool(text.get("norm_topk_prob", True)),
-            hc_count=int(text.get("hc_count", 4)),
-            hc_lowrank=int(text["hc_lowrank"]),
-            ple_layer_ids=tuple(sorted(set(text.get("ple_layer_ids") or []))),
-            ple_embed_dim=int(text.get("ple_embed_dim") or hidden),
-            ple_conv_kernel_size=int(text.get("ple_conv_kernel_size", 4)),
-            ngram_size=int(text.get("ngram_size", 3)),
-            heads_per_ngram=int(text.get("heads_per_ngram", 8)),
-            ngram_vocab_size_base=int(text.get("ngram_vocab_size_base", 20_000_000)),
-            make_ngram_vocab_size_divisible_by=int(text.get("make_ngram_vocab_size_divisible_by", 128)),
-            ngram_seed=int(text.get("seed", 1234)),
-            split_ngram_parts=int(text.get("split_ngram_parts", 512)),
-            indexer_n_heads=int(text["indexer_n_heads"]),
-            indexer_head_dim=int(text["indexer_head_dim"]),
-            indexer_budget=int(text["indexer_budget"]),
-            indexer_compress_ratio=int(text["indexer_compress_ratio"]),
-            rms_norm_eps=float(text.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(rope.get("rope_theta", text.get("rope_theta", 10_000.0))),
-            partial_rotary_factor=float(rope.get("partial_rotary_factor", 1.0)),
-            mrope_section=tuple(rope.get("mrope_section", [11, 11, 10])),
-            max_position_embeddings=int(text.get("max_position_embeddings", 32768)),
-            eos_token_id=int(eos) if eos is not None else -1,
+            num_attention_heads=attention_heads,
+            num_key_value_heads=fields.integer("num_key_value_heads"),
+            head_dim=fields.integer("head_dim", max(1, hidden // attention_heads)),
+            linear_conv_kernel_dim=fields.integer("linear_conv_kernel_dim", 4),
+            linear_key_head_dim=fields.integer("linear_key_head_dim"),
+            linear_value_head_dim=fields.integer("linear_value_head_dim"),
+            linear_num_key_heads=fields.integer("linear_num_key_heads"),
+            linear_num_value_heads=fields.integer("linear_num_value_heads"),
+            moe_intermediate_size=fields.integer("moe_intermediate_size"),
+            shared_expert_intermediate_size=fields.integer("shared_expert_intermediate_size"),
+            num_experts=fields.integer("num_experts"),
+            num_experts_per_tok=fields.integer("num_experts_per_tok"),
+            norm_topk_prob=fields.boolean("norm_topk_prob", True),
+            hc_count=fields.integer("hc_count", 4),
+            hc_lowrank=fields.integer("hc_lowrank"),
+            ple_layer_ids=tuple(sorted(set(fields.integer_list("ple_layer_ids", [])))),
+            ple_embed_dim=fields.integer("ple_embed_dim", hidden),
+            ple_conv_kernel_size=fields.integer("ple_conv_kernel_size", 4),
+            ngram_size=fields.integer("ngram_size", 3),
+            heads_per_ngram=fields.integer("heads_per_ngram", 8),
+            ngram_vocab_size_base=fields.integer("ngram_vocab_size_base", 20_000_000),
+            make_ngram_vocab_size_divisible_by=fields.integer("make_ngram_vocab_size_divisible_by", 128),
+            ngram_seed=fields.integer("seed", 1234),
+            split_ngram_parts=fields.integer("split_ngram_parts", 512),
+            indexer_n_heads=fields.integer("indexer_n_heads"),
+            indexer_head_dim=fields.integer("indexer_head_dim"),
+            indexer_budget=fields.integer("indexer_budget"),
+            indexer_compress_ratio=fields.integer("indexer_compress_ratio"),
+            rms_norm_eps=fields.number("rms_norm_eps", 1e-6, high=1.0),
+            rope_theta=rope.number("rope_theta", fields.number("rope_theta", 10_000.0)),
+            partial_rotary_factor=rope.number("partial_rotary_factor", 1.0, high=1.0),
+            mrope_section=rope.integer_list("mrope_section", [11, 11, 10]),
+            max_position_embeddings=fields.integer("max_position_embeddings", 32768),
+            eos_token_id=eos,
             hidden_act=hidden_act,
-            output_gate_type=text.get("output_gate_type") or hidden_act,
-            tie_word_embeddings=bool(text.get("tie_word_embeddings", False)),
-            mtp_num_hidden_layers=int(text.get("mtp_num_hidden_layers", 1)),
+            output_gate_type=fields.string("output_gate_type", hidden_act),
+            tie_word_embeddings=fields.boolean("tie_word_embeddings", False),
+            mtp_num_hidden_layers=fields.integer("mtp_num_hidden_layers", 1),
             raw=dict(text),
         )
         cfg.validate()
@@ -213,6 +229,10 @@ class TextConfig:
             problems.append(f"num_experts_per_tok {self.num_experts_per_tok} not in [1, {self.num_experts}]")
         if self.hidden_size % 16 or self.moe_intermediate_size % 16:
             problems.append("hidden_size and moe_intermediate_size must be multiples of 16 (NVFP4 blocks)")
+        if len(self.ple_layer_ids) * self.ngram_heads > MAX_PLE_HEADS:
+            problems.append(
+                f"{len(self.ple_layer_ids)} PLE layers x {self.ngram_heads} n-gram heads exceed {MAX_PLE_HEADS} hash heads"
+            )
         if self.ple_layer_ids and self.ple_embed_dim % self.ngram_heads:
             problems.append(f"ple_embed_dim {self.ple_embed_dim} not divisible by {self.ngram_heads} n-gram heads")
         if self.ple_layer_ids and self.eos_token_id < 0:

@@ -26,7 +26,7 @@ from starlette.responses import JSONResponse, PlainTextResponse
 
 from flashpack.runtime.loader import StoreOptions
 from flashpack.runtime.server import anthropic_routes, openai_routes
-from flashpack.runtime.server.connections import connection_cap, raise_open_file_limit, uvicorn_options
+from flashpack.runtime.server.connections import connection_budget, raise_open_file_limit, uvicorn_options
 from flashpack.runtime.server.context import ServerContext, context_of
 from flashpack.runtime.server.errors import ApiError, body_parse_error, error_response, validation_error
 from flashpack.runtime.server.guard import GuardMiddleware
@@ -119,13 +119,13 @@ def serve(
     loading_since = time.perf_counter()
     if host not in LOOPBACK and settings.api_key is None:
         log.warning("serving on %s without an API key: anyone who can reach this port can use the model", host)
-    max_connections = connection_cap(settings.max_connections, raise_open_file_limit())
-    if max_connections < settings.max_connections:
-        log.warning("open connections capped at %d, below the open-file limit", max_connections)
+    budget = connection_budget(settings.max_connections, raise_open_file_limit())
+    if budget.max_connections < settings.max_connections:
+        log.warning("open connections capped at %d, below the open-file limit", budget.max_connections)
     engine = load_engine(pack, device=device, dtype=dtype, store=store, verify_records=verify_records)
     app = create_app(engine, settings, loading_since)
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, log_config=_log_config(),
-                            timeout_graceful_shutdown=5, **uvicorn_options(settings, max_connections))
+                            timeout_graceful_shutdown=5, **uvicorn_options(settings, budget))
     uvicorn.Server(config).run()
 
 

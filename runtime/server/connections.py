@@ -11,8 +11,8 @@ enough of them accept() fails with EMFILE: the event loop then logs every failed
   request longest; if every connection has a request in flight, the new one is answered 503 and
   closed at once (no log line per refusal: counted in `ConnectionLimits.refused`).
 
-`serve` raises the soft open-file limit to the hard one and keeps the cap below it
-(`connection_cap`), so accept() itself never runs out of descriptors.
+`serve` raises the soft open-file limit to the hard one and fits the cap and the listen backlog
+under it (`connection_budget`), so accept() itself never runs out of descriptors.
 """
 
 from __future__ import annotations
@@ -29,6 +29,10 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 from flashpack.runtime.server.settings import ServerSettings
 
 RESERVED_FILES = 256  # descriptors left for the pack's files, the engine and the interpreter
+MIN_BACKLOG, MAX_BACKLOG = 8, 2048  # uvicorn's default backlog is the most
+# A connection closed to make room frees its descriptor some turns of the event loop after it was
+# accepted, while each turn may accept a backlog more: room is kept for this many backlogs.
+BACKLOGS_IN_FLIGHT = 5
 _BUSY_BODY = json.dumps({"error": {"message": "too many open connections; retry shortly", "type": "server_error",
                                      "param": None, "code": "too_many_connections"}}).encode()
 _BUSY = (b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\nconnection: close\r\n"
@@ -107,16 +111,29 @@ class GuardedH11Protocol(H11Protocol):
         return True
 
 
-def protocol_factory(limits: ConnectionLimits) -> Any:
-    """What uvicorn.Config(http=...) takes: builds a GuardedH11Protocol bound to `limits`."""
-    return functools.partial(GuardedH11Protocol, limits=limits)
+@dataclass(frozen=True)
+class ConnectionBudget:
+    max_connections: int
+    backlog: int  # the listen backlog, which is also how many connections asyncio accepts in one turn
 
 
-def uvicorn_options(settings: ServerSettings, max_connections: int | None = None) -> dict[str, Any]:
-    """uvicorn.Config keyword arguments for `settings`'s connection limits."""
-    limits = ConnectionLimits(max_connections or settings.max_connections, settings.header_timeout)
-    return {"http": protocol_factory(limits), "timeout_keep_alive": settings.keep_alive_timeout,
-            "h11_max_incomplete_event_size": settings.max_header_bytes}
+def connection_budget(wanted: int, open_file_limit: int) -> ConnectionBudget:
+    """`wanted` connections, fewer if that many would not fit under the open-file limit beside
+    RESERVED_FILES (a quarter of a small limit) and BACKLOGS_IN_FLIGHT backlogs of fresh accepts."""
+    reserve = RESERVED_FILES if open_file_limit >= 4 * RESERVED_FILES else open_file_limit // 4
+    room = max(1, open_file_limit - reserve)
+    backlog = min(MAX_BACKLOG, max(MIN_BACKLOG, room // (2 * BACKLOGS_IN_FLIGHT)))
+    return ConnectionBudget(max(1, min(wanted, room - BACKLOGS_IN_FLIGHT * backlog)), backlog)
+
+
+def uvicorn_options(settings: ServerSettings, budget: ConnectionBudget | None = None) -> dict[str, Any]:
+    """uvicorn.Config keyword arguments for `settings`'s connection limits; without a budget, the one
+    for the current open-file limit."""
+    if budget is None:
+        budget = connection_budget(settings.max_connections, resource.getrlimit(resource.RLIMIT_NOFILE)[0])
+    limits = ConnectionLimits(budget.max_connections, settings.header_timeout)
+    return {"http": functools.partial(GuardedH11Protocol, limits=limits), "backlog": budget.backlog,
+            "timeout_keep_alive": settings.keep_alive_timeout, "h11_max_incomplete_event_size": settings.max_header_bytes}
 
 
 def raise_open_file_limit() -> int:
@@ -130,9 +147,3 @@ def raise_open_file_limit() -> int:
         except (ValueError, OSError):
             pass  # the kernel's cap (nr_open) can sit below the hard limit: keep what we have
     return soft
-
-
-def connection_cap(wanted: int, open_file_limit: int) -> int:
-    """`wanted`, held below the open-file limit with RESERVED_FILES to spare (half of a small limit)."""
-    reserve = RESERVED_FILES if open_file_limit > 2 * RESERVED_FILES else open_file_limit // 2
-    return max(1, min(wanted, open_file_limit - reserve))

@@ -64,6 +64,9 @@ def test_out_equal_to_the_source_is_refused_and_the_source_kept(tiny_snapshot, t
     _cli_refuses([str(snap), str(snap), "--force"], f"OUT {snap} is the source {snap}")
     with pytest.raises(FlashpackError, match="is the source"):
         convert(str(snap), snap, force=True, progress=False)
+    real = subprocess.run([sys.executable, "-m", "flashpack.cli", "convert", str(snap), str(snap), "--force"],
+                          capture_output=True, text=True, timeout=300)
+    assert real.returncode == 2 and real.stderr.startswith("error: OUT ") and len(real.stderr.splitlines()) == 1, real.stderr
     assert _tree(snap) == before
     assert _hidden_leftovers(snap) == []
 

@@ -274,6 +274,8 @@ _POSITIVE_SECONDS = click.FloatRange(min=0, min_open=True)
               "request head (default: 10).")
 @click.option("--keep-alive-timeout", type=_POSITIVE_SECONDS, help="Seconds an idle keep-alive connection "
               "stays open (default: 5).")
+@click.option("--body-timeout", type=_POSITIVE_SECONDS, help="Seconds a request body may pause between chunks "
+              "before a 408 (default: 30).")
 @click.option("--max-header-bytes", type=click.IntRange(min=1024), help="Largest request head (default: 16384).")
 @click.option("--log-level", type=click.Choice(["critical", "error", "warning", "info", "debug", "trace"]),
               default="info", show_default=True)
@@ -282,9 +284,9 @@ _POSITIVE_SECONDS = click.FloatRange(min=0, min_open=True)
 def serve(pack: Path, host: str, port: int, api_key: str | None, device: str, dtype: str, model_name: str | None,
           max_request_bytes: int | None, max_queue: int | None, max_context: int | None,
           default_max_tokens: int | None, max_connections: int | None, header_timeout: float | None,
-          keep_alive_timeout: float | None, max_header_bytes: int | None, log_level: str, vram_budget: str | None,
-          ram_budget: str | None, policy: str, hot_set: str | None, no_direct_io: bool,
-          no_verify_records: bool) -> None:
+          keep_alive_timeout: float | None, body_timeout: float | None, max_header_bytes: int | None,
+          log_level: str, vram_budget: str | None, ram_budget: str | None, policy: str, hot_set: str | None,
+          no_direct_io: bool, no_verify_records: bool) -> None:
     """Serve PACK over OpenAI- and Anthropic-compatible HTTP APIs. Every option is checked before the
     model loads."""
     import socket
@@ -303,7 +305,7 @@ def serve(pack: Path, host: str, port: int, api_key: str | None, device: str, dt
     given = {"max_request_bytes": max_request_bytes, "max_queue": max_queue, "max_context": max_context,
              "default_max_tokens": default_max_tokens, "max_connections": max_connections,
              "header_timeout": header_timeout, "keep_alive_timeout": keep_alive_timeout,
-             "max_header_bytes": max_header_bytes}
+             "body_timeout": body_timeout, "max_header_bytes": max_header_bytes}
     settings = ServerSettings(model_name=model_name if model_name is not None else pack_model_name(pack),
                               api_key=api_key, **{name: value for name, value in given.items() if value is not None})
     run_server(pack, settings, host=host, port=port, device=device, dtype=dtype, log_level=log_level,

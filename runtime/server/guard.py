@@ -1,15 +1,18 @@
-"""What every request passes before a route sees it: the API key, the body size limit, readiness.
+"""What every request passes before a route sees it: the API key, readiness, the body's size and pace.
 
 A plain ASGI middleware rather than Starlette's BaseHTTPMiddleware, which would buffer streaming
 responses and hide client disconnects from the routes. It also counts responses by route and status.
 
 Keys are accepted as `Authorization: Bearer <key>` (OpenAI) or `x-api-key: <key>` (Anthropic) and
 compared in constant time; /health is open so a load balancer can probe without the key. Until the
-warm-up is done (health.py) the API routes answer 503 with a Retry-After header.
+warm-up is done (health.py) the API routes answer 503 with a Retry-After header. A body larger than
+the limit is refused (413) by its content-length before it is read, or as it arrives; one that
+pauses longer than `body_timeout` seconds between chunks is answered 408.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
 
@@ -25,19 +28,21 @@ KNOWN_ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/v1/me
 API_PREFIX = "/v1/"
 
 
-class _TooLarge(HTTPException):
-    """An HTTPException so that FastAPI's body parsing passes it on as it is (413, not 400)."""
+class _BodyRefused(HTTPException):
+    """An HTTPException so that FastAPI's body parsing passes it on as it is (not as a 400)."""
 
-    def __init__(self, limit: int):
-        super().__init__(413, _too_large(limit).message)
+    def __init__(self, error: ApiError):
+        super().__init__(error.status, error.message)
+        self.error = error
 
 
 class GuardMiddleware:
-    def __init__(self, app: ASGIApp, api_key: str | None, max_request_bytes: int, metrics: Metrics, health: Health,
-                 retry_after_seconds: int):
+    def __init__(self, app: ASGIApp, api_key: str | None, max_request_bytes: int, body_timeout: float,
+                 metrics: Metrics, health: Health, retry_after_seconds: int):
         self.app = app
         self.api_key = api_key.encode() if api_key else None
         self.max_bytes = max_request_bytes
+        self.body_timeout = body_timeout
         self.metrics = metrics
         self.health = health
         self.retry_after = str(retry_after_seconds).encode()
@@ -62,9 +67,9 @@ class GuardMiddleware:
                 return
             try:
                 await self.app(scope, self._limited(receive), counting_send)
-            except _TooLarge:
+            except _BodyRefused as refused:
                 if not status_seen:
-                    await _send_error(counting_send, path, _too_large(self.max_bytes))
+                    await _send_error(counting_send, path, refused.error)
         finally:
             self.metrics.count_request(route, status_seen[0] if status_seen else 499)
 
@@ -92,16 +97,24 @@ class GuardMiddleware:
         return None
 
     def _limited(self, receive: Receive) -> Receive:
-        """Count body bytes as they arrive: a chunked body has no content-length to check up front."""
-        received = 0
+        """Count body bytes as they arrive (a chunked body has no content-length to check up front) and
+        time the pauses between them; once the body is complete, waits (for a disconnect) are free."""
+        received, complete = 0, False
 
         async def wrapped() -> Message:
-            nonlocal received
-            message = await receive()
+            nonlocal received, complete
+            if complete:
+                return await receive()
+            try:
+                message = await asyncio.wait_for(receive(), self.body_timeout)
+            except asyncio.TimeoutError:
+                raise _BodyRefused(ApiError(408, f"the request body paused for more than {self.body_timeout:g} s",
+                                            code="request_timeout")) from None
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
+                complete = not message.get("more_body", False)
                 if received > self.max_bytes:
-                    raise _TooLarge(self.max_bytes)
+                    raise _BodyRefused(_too_large(self.max_bytes))
             return message
 
         return wrapped

@@ -31,6 +31,7 @@ class ServerSettings:
     max_connections: int = 512
     header_timeout: float = 10.0  # seconds a connection may take to send a whole request head
     keep_alive_timeout: float = 5.0  # seconds an idle keep-alive connection stays open
+    body_timeout: float = 30.0  # seconds a request body may pause between chunks before a 408
     max_header_bytes: int = 16 * 2**10  # a request head (request line and headers) above this: 400
     retry_after_seconds: int = 5  # the Retry-After of a 503 while the engine warms up
     stats: StatsProvider | None = None  # extra metrics (the expert store's per-tier hits); see metrics.py
@@ -50,7 +51,7 @@ class ServerSettings:
             raise FlashpackError(f"default_max_tokens must be at least 1, got {self.default_max_tokens}")
         if self.max_connections < 1:
             raise FlashpackError(f"max_connections must be at least 1, got {self.max_connections}")
-        for name in ("header_timeout", "keep_alive_timeout"):
+        for name in ("header_timeout", "keep_alive_timeout", "body_timeout"):
             if not getattr(self, name) > 0:
                 raise FlashpackError(f"{name} must be a positive number of seconds, got {getattr(self, name)}")
         if self.max_header_bytes < 1024:

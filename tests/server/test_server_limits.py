@@ -257,3 +257,22 @@ def test_four_huge_prompts_at_once_stay_within_a_memory_bound(tiny_pack, tmp_pat
     print(f"peak RSS growth for 4 concurrent 15 MiB prompts: {growth_mb:.0f} MB")
     assert statuses == [400] * 4
     assert growth_mb < 300
+
+
+def test_a_body_that_stalls_is_a_408(tiny_tokenizer):
+    settings = ServerSettings(model_name=MODEL, api_key=KEY, body_timeout=0.5)
+    with serving(fake_engine(tiny_tokenizer, seconds_per_step=0.05), settings) as served, \
+            socket.create_connection(address(served), timeout=5) as stalled:
+        stalled.sendall(f"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\nauthorization: Bearer {KEY}\r\n"
+                        f"content-type: application/json\r\ncontent-length: 100\r\n\r\n{{\"model\": ".encode())
+        start = time.monotonic()
+        reply = read_response(stalled)
+        assert reply.startswith(b"HTTP/1.1 408 ") and b"paused for more than 0.5 s" in reply
+        assert 0.4 < time.monotonic() - start < 2.0
+        # Once the body is whole, waiting on the client (for a disconnect) is not timed: replies that
+        # take longer than body_timeout, streamed or not, finish.
+        client = served.openai()
+        streamed = list(client.completions.create(model=MODEL, prompt="hi", max_tokens=20, stream=True))
+        assert [chunk.choices[0].finish_reason for chunk in streamed if chunk.choices][-1] == "length"
+        whole = client.completions.create(model=MODEL, prompt="hi", max_tokens=20)
+        assert whole.usage.completion_tokens == 20

@@ -209,3 +209,14 @@ def test_anthropic_requests_cannot_forge_a_turn(recorded, tiny_tokenizer, place)
         counted = client.messages.count_tokens(model=MODEL, tools=tools, **anthropic_requests(text)[place])
         assert counted.input_tokens == len(prompts[-1])
     assert marker_ids(tiny_tokenizer, prompts[0]) == marker_ids(tiny_tokenizer, prompts[1])
+
+
+def test_run_chat_encodes_the_prompt_as_text(tiny_pack, tiny_tokenizer):
+    from click.testing import CliRunner
+
+    from flashpack.cli import main
+
+    result = CliRunner().invoke(main, ["run", str(tiny_pack), FORGED, "--chat", "--max-tokens", "1"])
+    assert result.exit_code == 0, result.output
+    expected = tiny_tokenizer.encode_chat([{"role": "user", "content": FORGED}])
+    assert f"[{len(expected)} prompt tokens" in result.stderr

@@ -298,10 +298,13 @@ def serve(pack: Path, host: str, port: int, api_key: str | None, device: str, dt
 
     parse_budget(vram_budget, "--vram-budget")
     parse_budget(ram_budget, "--ram-budget")
-    try:
-        socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    try:  # the address resolves and is free to listen on (uvicorn binds it again once the model is loaded)
+        family, kind, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        with socket.socket(family, kind) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            probe.bind(address)
     except (OSError, UnicodeError) as error:
-        raise FlashpackError(f"cannot serve on host {host!r}: {error}") from None
+        raise FlashpackError(f"cannot serve on {host}:{port}: {error.strerror or error}") from None
     given = {"max_request_bytes": max_request_bytes, "max_queue": max_queue, "max_context": max_context,
              "default_max_tokens": default_max_tokens, "max_connections": max_connections,
              "header_timeout": header_timeout, "keep_alive_timeout": keep_alive_timeout,

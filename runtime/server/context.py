@@ -17,6 +17,7 @@ from flashpack.runtime.server.scheduler import Scheduler
 from flashpack.runtime.server.settings import ServerSettings, StatsProvider
 
 log = logging.getLogger("flashpack.server")
+# A system turn and a user turn, one with marker characters, so both of the chat encoder's paths run.
 _WARM_UP_CONVERSATION = [{"role": "system", "content": "<warm-up>"}, {"role": "user", "content": "Hello."}]
 
 
@@ -82,7 +83,7 @@ class ServerContext:
         try:
             self.grammars.warm()  # the vocabulary view for grammars: ~1 s for a real vocabulary
             tokenizer = self.engine.tokenizer
-            _ = tokenizer.max_chars_per_token
+            tokenizer.max_chars_per_token  # a scan of the vocabulary, cached
             if getattr(tokenizer.tokenizer, "chat_template", None):
                 tokenizer.encode_chat(_WARM_UP_CONVERSATION)
             engine_warm_up = getattr(self.engine, "warm_up", None)

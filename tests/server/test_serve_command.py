@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import socket
+
 import pytest
 import uvicorn
 from click.testing import CliRunner
@@ -23,7 +25,7 @@ def no_load(monkeypatch):
 @pytest.mark.parametrize("options, message", [
     (["--port", "70000"], "'--port': 70000 is not in the range 1<=x<=65535"),
     (["--port", "0"], "'--port': 0 is not in the range"),
-    (["--host", "no-such-host.invalid"], "cannot serve on host 'no-such-host.invalid'"),
+    (["--host", "no-such-host.invalid"], "cannot serve on no-such-host.invalid:8000"),
     (["--vram-budget", "12 parsecs"], "cannot read --vram-budget '12 parsecs'"),
     (["--api-key", "   "], "the API key must not be blank"),
     (["--max-queue", "-1"], "'--max-queue': -1 is not in the range x>=0"),
@@ -38,6 +40,16 @@ def test_a_bad_option_is_one_line_and_exit_2_before_the_model_loads(no_load, tin
     assert result.exit_code == 2, result.output
     lines = result.output.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], result.output
+
+
+def test_a_port_in_use_is_refused_before_loading(no_load, tiny_pack):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = CliRunner().invoke(main, ["serve", str(tiny_pack), "--port", str(port)])
+    assert result.exit_code == 2
+    assert result.output.strip() == f"error: cannot serve on 127.0.0.1:{port}: Address already in use"
 
 
 def test_a_folder_that_is_no_pack_is_refused_before_loading(no_load, tmp_path):

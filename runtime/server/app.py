@@ -57,8 +57,8 @@ def create_app(engine: Any, settings: ServerSettings | None = None, loading_sinc
     app = FastAPI(title="flashpack", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.flashpack = ctx
     app.add_middleware(GuardMiddleware, api_key=settings.api_key, max_request_bytes=ctx.max_request_bytes,
-                       body_timeout=settings.body_timeout, metrics=ctx.metrics, health=ctx.health,
-                       retry_after_seconds=settings.retry_after_seconds)
+                       max_header_bytes=settings.max_header_bytes, body_timeout=settings.body_timeout,
+                       metrics=ctx.metrics, health=ctx.health, retry_after_seconds=settings.retry_after_seconds)
     _add_error_handlers(app)
     app.include_router(openai_routes.router)
     app.include_router(anthropic_routes.router)

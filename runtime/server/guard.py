@@ -1,4 +1,5 @@
-"""What every request passes before a route sees it: the API key, readiness, the body's size and pace.
+"""What every request passes before a route sees it: the head's size, the API key, readiness, the
+body's size and pace.
 
 A plain ASGI middleware rather than Starlette's BaseHTTPMiddleware, which would buffer streaming
 responses and hide client disconnects from the routes. It also counts responses by route and status.
@@ -37,11 +38,12 @@ class _BodyRefused(HTTPException):
 
 
 class GuardMiddleware:
-    def __init__(self, app: ASGIApp, api_key: str | None, max_request_bytes: int, body_timeout: float,
-                 metrics: Metrics, health: Health, retry_after_seconds: int):
+    def __init__(self, app: ASGIApp, api_key: str | None, max_request_bytes: int, max_header_bytes: int,
+                 body_timeout: float, metrics: Metrics, health: Health, retry_after_seconds: int):
         self.app = app
         self.api_key = api_key.encode() if api_key else None
         self.max_bytes = max_request_bytes
+        self.max_header_bytes = max_header_bytes
         self.body_timeout = body_timeout
         self.metrics = metrics
         self.health = health
@@ -74,6 +76,12 @@ class GuardMiddleware:
             self.metrics.count_request(route, status_seen[0] if status_seen else 499)
 
     def _refusal(self, scope: Scope) -> ApiError | None:
+        # h11 bounds a head that arrives in pieces (max_incomplete_event_size), not one that arrives whole.
+        head_bytes = len(scope.get("raw_path", b"")) + len(scope.get("query_string", b"")) + sum(
+            len(name) + len(value) + 4 for name, value in scope["headers"])
+        if head_bytes > self.max_header_bytes:
+            return ApiError(431, f"the request head is {head_bytes} bytes, over the server's limit of "
+                            f"{self.max_header_bytes}", code="request_header_fields_too_large")
         headers = {k.decode("latin-1").lower(): v for k, v in scope["headers"]}
         length = headers.get("content-length")
         if length is not None and length.isdigit() and int(length) > self.max_bytes:

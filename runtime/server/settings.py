@@ -32,7 +32,7 @@ class ServerSettings:
     header_timeout: float = 10.0  # seconds a connection may take to send a whole request head
     keep_alive_timeout: float = 5.0  # seconds an idle keep-alive connection stays open
     body_timeout: float = 30.0  # seconds a request body may pause between chunks before a 408
-    max_header_bytes: int = 16 * 2**10  # a request head (request line and headers) above this: 400
+    max_header_bytes: int = 16 * 2**10  # a request head (path and headers) above this: 431 (400 if it trickles in)
     retry_after_seconds: int = 5  # the Retry-After of a 503 while the engine warms up
     stats: StatsProvider | None = None  # extra metrics (the expert store's per-tier hits); see metrics.py
 

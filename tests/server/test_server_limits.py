@@ -276,3 +276,21 @@ def test_a_body_that_stalls_is_a_408(tiny_tokenizer):
         assert [chunk.choices[0].finish_reason for chunk in streamed if chunk.choices][-1] == "length"
         whole = client.completions.create(model=MODEL, prompt="hi", max_tokens=20)
         assert whole.usage.completion_tokens == 20
+
+
+def test_a_head_over_the_limit_is_refused_whole_or_in_pieces(tiny_tokenizer):
+    settings = ServerSettings(model_name=MODEL, api_key=KEY, max_header_bytes=2048)
+    with serving(fake_engine(tiny_tokenizer), settings) as served:
+        with socket.create_connection(address(served), timeout=5) as whole:
+            whole.sendall(b"GET /health HTTP/1.1\r\nhost: x\r\nx-big: " + b"a" * 5000 + b"\r\n\r\n")
+            assert read_response(whole).startswith(b"HTTP/1.1 431 ")
+        with socket.create_connection(address(served), timeout=5) as pieces:
+            pieces.sendall(b"GET /health HTTP/1.1\r\nhost: x\r\n")
+            for _ in range(10):
+                try:
+                    pieces.sendall(b"x-big: " + b"a" * 500 + b"\r\n")
+                except OSError:
+                    break
+                time.sleep(0.02)
+            assert read_response(pieces).startswith(b"HTTP/1.1 400 ")
+        assert served.raw("GET", "/health")[0] == 200

@@ -3,8 +3,9 @@
 Deterministic given the seed: python's, numpy's and torch's generators are seeded, the tokenizer is
 trained on the corpus in its fixed order, and windows are read in a seeded order (windows.py). On a
 GPU the model is BF16 with float32 master weights (optimizer.py) and DeltaNet runs on
-flash-linear-attention's kernels when `fla` is importable (transformers picks them up itself);
-on a CPU everything is float32, for the smoke test.
+flash-linear-attention's kernels when `fla` is importable (transformers picks them up itself; fla-core
+0.6.0 refuses their backward on Hopper under Triton < 3.7.1, see demo_model/TRAINING.md); on a CPU
+everything is float32, for the smoke test.
 
 The schedule is fixed by `steps`, or by a wall-time budget: after `calibration_steps` the mean step
 time fixes the total so that training ends inside the budget (the record keeps the total, so a

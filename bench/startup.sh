@@ -3,6 +3,7 @@
 # real-width pack of LAYERS layers and EXPERTS experts a layer. Cold and warm page cache loads; first
 # requests with and without the engine's warm-up, on empty compile caches and on the caches a first
 # process left; `flashpack run`'s one-shot path with and without decode graphs. Results: $OUT/startup.jsonl.
+# STAGES picks the measurements and their order (default: all, listed below).
 # Run with carry ["wheels"] (transformers 5.23, fla-core, jsonschema; /work/.library/device/README.md).
 set -o pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site wheels/*.whl || exit 1
@@ -18,16 +19,23 @@ stamp built
 drop() { sync; echo 3 > /proc/sys/vm/drop_caches 2>/dev/null || echo "(cannot drop the page cache)"; }
 caches() { export TRITON_CACHE_DIR=/tmp/cache-$1/triton TORCHINDUCTOR_CACHE_DIR=/tmp/cache-$1/inductor; }
 measure() { timeout ${T:-150} python3 bench/startup.py $W/full.pack --json $J "$@" 2>&1 | grep -v Warning | tail -12; }
-caches load; drop; stamp "load, cold page cache"; measure --mode load --label cold
-stamp "load, warm page cache"; measure --mode load --label warm
-caches a; stamp "requests, empty caches, no warm-up"; measure --mode requests --label fresh
-caches b; stamp "requests, empty caches, warm-up"; measure --mode requests --warm-up --label fresh-warm-up
-caches b; stamp "requests, second start, warm-up"; measure --mode requests --warm-up --label second-warm-up
-caches c; stamp "one-shot graphs, empty caches"; measure --mode one-shot --tokens 24 --label graphs-fresh
-caches c; stamp "one-shot graphs, second process"; measure --mode one-shot --tokens 24 --label graphs-second
-caches d; stamp "one-shot eager, empty caches"; measure --mode one-shot --tokens 24 --no-cuda-graphs --label eager-fresh
-caches d; stamp "one-shot eager 128, second process"; measure --mode one-shot --tokens 128 --no-cuda-graphs --label eager-128
-caches c; stamp "one-shot graphs 128, warm caches"; measure --mode one-shot --tokens 128 --label graphs-128
+STAGES=${STAGES:-"cold warm fresh fresh-warm-up second-warm-up second-no-fla-cache graphs-fresh graphs-second eager-fresh eager-128 graphs-128"}
+for stage in $STAGES; do
+  stamp $stage
+  case $stage in
+    cold) caches load; drop; measure --mode load --label cold ;;  # page cache dropped first
+    warm) caches load; measure --mode load --label warm ;;
+    fresh) caches a; measure --mode requests --label fresh ;;  # empty compile caches, no warm-up
+    fresh-warm-up) caches b; measure --mode requests --warm-up --label fresh-warm-up ;;
+    second-warm-up) caches b; measure --mode requests --warm-up --label second-warm-up ;;  # the caches fresh-warm-up left
+    second-no-fla-cache) caches b; FLA_CACHE_RESULTS=0 measure --mode requests --warm-up --label second-no-fla-cache ;;
+    graphs-fresh) caches c; measure --mode one-shot --tokens 24 --label graphs-fresh ;;
+    graphs-second) caches c; measure --mode one-shot --tokens 24 --label graphs-second ;;
+    eager-fresh) caches d; measure --mode one-shot --tokens 24 --no-cuda-graphs --label eager-fresh ;;
+    eager-128) caches ${EAGER_CACHES:-d}; measure --mode one-shot --tokens 128 --no-cuda-graphs --label eager-128 ;;
+    graphs-128) caches ${GRAPH_CACHES:-c}; measure --mode one-shot --tokens 128 --label graphs-128 ;;
+  esac
+done
 stamp done
 python3 - "$J" <<'EOF'
 import json, sys

@@ -7,17 +7,13 @@ flash-linear-attention's kernels when `fla` is importable (transformers picks th
 0.6.0 refuses their backward on Hopper under Triton < 3.7.1, see demo_model/TRAINING.md); on a CPU
 everything is float32, for the smoke test.
 
-The schedule is fixed by `steps`, or by a wall-time budget: after `calibration_steps` the mean step
-time fixes the total so that training ends inside the budget (the record keeps the total, so a
-rerun with `steps` set replays the same schedule); training also stops at the budget whatever the
-estimate said. A run whose losses turn non-finite stops and keeps the weights of its last finite
-log point (`stopped_early` in the record says so).
+The loop itself (schedule, logging, the divergence guard) is loop.py. A schedule fixed by a time
+budget is written into the record as its total steps, so a rerun with `steps` set replays it.
 """
 
 from __future__ import annotations
 
 import json
-import math
 import platform
 import random
 import time
@@ -32,7 +28,8 @@ from flashpack.convert.train import model_config
 from flashpack.convert.train.corpus import load_corpus
 from flashpack.convert.train.evaluate import evaluate, unigram_log_probs
 from flashpack.convert.train.export import canonical_tensors
-from flashpack.convert.train.optimizer import MasterWeightAdamW, Schedule
+from flashpack.convert.train.loop import TrainingLoop
+from flashpack.convert.train.optimizer import MasterWeightAdamW
 from flashpack.convert.train.snapshot import check_output, write_snapshot
 from flashpack.convert.train.tokenizer import load_tokenizer, train_tokenizer
 from flashpack.convert.train.training_model import DemoModel, LossWeights
@@ -103,7 +100,7 @@ def train(out: Path, settings: TrainSettings, force: bool = False, log=print) ->
     model.to(device=device, dtype=dtype).train()
     optimizer = MasterWeightAdamW(model, settings.weight_decay, settings.betas, settings.clip_norm)
 
-    loop = _TrainingLoop(model, optimizer, settings, device)
+    loop = TrainingLoop(model, optimizer, settings, device)
     curve, evals = loop.run(train_windows, held_out, unigram, log)
     final = evaluate(model, held_out, unigram, settings.batch_size, device)
     log("held-out: " + json.dumps({k: round(v, 4) for k, v in final.items()}))
@@ -149,98 +146,6 @@ def train(out: Path, settings: TrainSettings, force: bool = False, log=print) ->
     return record
 
 
-class _TrainingLoop:
-    def __init__(self, model: DemoModel, optimizer: MasterWeightAdamW, settings: TrainSettings, device: torch.device):
-        self.model, self.optimizer, self.settings, self.device = model, optimizer, settings, device
-        self.schedule = (
-            Schedule(settings.peak_lr, settings.warmup_steps, settings.steps) if settings.steps is not None else None
-        )
-        self.steps_done = self.tokens_seen = 0
-        self.wall_s = 0.0
-        self.stopped_early: str | None = None
-        self._last_good: dict[str, torch.Tensor] | None = None
-        self._last_good_step = 0
-
-    def run(self, windows: Windows, held_out: Windows, unigram: torch.Tensor, log) -> tuple[list, list]:
-        settings, curve, evals = self.settings, [], []
-        sums: dict[str, torch.Tensor] = {}  # summed on the device, read at each log point only
-        started = time.perf_counter()
-        calibration_start = None
-        batches = windows.shuffled(settings.batch_size, settings.seed)
-        self._keep_last_good()
-        while True:
-            if self.schedule is not None and self.steps_done >= self.schedule.total_steps:
-                break
-            elapsed = time.perf_counter() - started
-            if settings.steps is None and elapsed >= settings.time_budget_s:
-                log(f"time budget reached at step {self.steps_done}")
-                break
-            epoch, batch = next(batches)
-            losses = self.model.losses(batch.to(self.device, non_blocking=True), settings.losses)
-            losses.total.backward()
-            lr = self._lr()
-            grad_norm = self.optimizer.step(lr)
-            self.optimizer.zero_grad()
-            self.steps_done += 1
-            self.tokens_seen += batch.shape[0] * settings.sequence_length
-            for name, value in dict(losses.detached(), grad_norm=grad_norm.float()).items():
-                sums[name] = sums[name] + value if name in sums else value
-
-            if self.schedule is None and self.steps_done == settings.calibration_steps // 3:
-                _synchronize(self.device)
-                calibration_start = (time.perf_counter(), self.steps_done)
-            if self.schedule is None and self.steps_done == settings.calibration_steps:
-                self.schedule = self._calibrated(started, calibration_start)
-                log(f"schedule: {self.schedule.total_steps} steps in {settings.time_budget_s:.0f} s")
-            if self.steps_done % settings.log_every == 0:
-                point = {"step": self.steps_done, "epoch": epoch, "tokens": self.tokens_seen, "lr": lr,
-                         "elapsed_s": round(time.perf_counter() - started, 2)}
-                point.update({name: round(float(value) / settings.log_every, 5) for name, value in sums.items()})
-                curve.append(point)
-                sums = {}
-                log(json.dumps(point))
-                if not math.isfinite(point["total"]):
-                    self._restore_last_good(log)
-                    break
-                self._keep_last_good()
-            if self.steps_done % settings.eval_every == 0:
-                numbers = evaluate(self.model, held_out, unigram, settings.batch_size, self.device,
-                                   limit=settings.eval_windows)
-                evals.append({"step": self.steps_done, **{k: round(v, 5) for k, v in numbers.items()}})
-                log("eval " + json.dumps(evals[-1]))
-        _synchronize(self.device)
-        self.wall_s = time.perf_counter() - started
-        return curve, evals
-
-    def _keep_last_good(self) -> None:
-        """A copy of the weights at the last log point whose losses were finite (on the device)."""
-        self._last_good = {name: value.detach().clone() for name, value in self.model.state_dict().items()}
-        self._last_good_step = self.steps_done
-
-    def _restore_last_good(self, log) -> None:
-        """A diverged run stops and keeps the weights of its last finite log point."""
-        self.stopped_early = f"non-finite loss by step {self.steps_done}; weights of step {self._last_good_step} kept"
-        log(self.stopped_early)
-        if self._last_good is not None:
-            self.model.load_state_dict(self._last_good)
-
-    def _lr(self) -> float:
-        if self.schedule is not None:
-            return self.schedule.lr(self.steps_done)
-        # Before calibration only the warm-up applies, which does not depend on the total.
-        return self.settings.peak_lr * (self.steps_done + 1) / self.settings.warmup_steps
-
-    def _calibrated(self, started: float, calibration_start: tuple[float, int]) -> Schedule:
-        _synchronize(self.device)
-        now = time.perf_counter()
-        first_time, first_step = calibration_start
-        step_s = (now - first_time) / (self.steps_done - first_step)
-        remaining = self.settings.time_budget_s - (now - started)
-        # Periodic evaluations take time too: leave them room at the calibrated step rate.
-        total = self.steps_done + int(remaining / step_s * 0.97)
-        return Schedule(self.settings.peak_lr, self.settings.warmup_steps, max(total, self.settings.warmup_steps + 1))
-
-
 def _device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -255,11 +160,6 @@ def _seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
-
-
-def _synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
 
 
 def _machine(device: torch.device) -> dict[str, Any]:

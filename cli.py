@@ -195,8 +195,8 @@ def verify(pack: Path, reference: str, dtype: str, device: str, prompts: tuple[s
 @_store_options
 @click.option("--store-stats", is_flag=True, help="Print the expert store's counters (JSON) on stderr at the end.")
 @click.option("--cuda-graphs", type=click.Choice(["auto", "on", "off"]), default="auto", show_default=True,
-              help="Decode from CUDA graphs on a GPU. auto: when --max-tokens is large enough to pay for building "
-              "them (runtime/loader.py decode_graphs_pay); off decodes eagerly from the first token.")
+              help="Decode from CUDA graphs on a GPU. auto: when --max-tokens times the model's layers pays for "
+              "building them (2,048: from 43 tokens at 48 layers; runtime/loader.py); off decodes eagerly.")
 @_one_line_errors
 def run(pack: Path, prompt: str, chat: bool, think: bool | None, max_tokens: int, temperature: float, top_k: int,
         top_p: float, seed: int | None, stop: tuple[str, ...], device: str, dtype: str, vram_budget: str | None,
@@ -205,13 +205,12 @@ def run(pack: Path, prompt: str, chat: bool, think: bool | None, max_tokens: int
     """Generate from PACK for PROMPT, streaming text to stdout; tokens/s on stderr at the end."""
     import json
 
-    from flashpack.runtime.loader import decode_graphs_pay, load_engine
+    from flashpack.runtime.loader import load_engine
     from flashpack.runtime.sampling import SamplingParams
 
-    graphs = decode_graphs_pay(max_tokens) if cuda_graphs == "auto" else cuda_graphs == "on"
     engine = load_engine(pack, device=device, dtype=dtype, verify_records=not no_verify_records,
                          store=_store_settings(vram_budget, ram_budget, policy, hot_set, no_direct_io),
-                         cuda_graphs=graphs)
+                         cuda_graphs=cuda_graphs != "off", decode_tokens=max_tokens if cuda_graphs == "auto" else None)
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
                             stop_strings=stop)
     turn = [{"role": "user", "content": prompt}]

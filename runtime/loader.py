@@ -67,17 +67,19 @@ class LoadedEngine:
         return self.store.stats.to_dict() if self.store is not None else None
 
 
-# Generated tokens from which decoding from CUDA graphs pays for building them in a one-shot run. At
-# real dimensions on the H200 machine a layer decodes in ~4.4 ms eagerly and ~0.14 ms from graphs;
-# building the graphs of a step took ~7 s with the compile caches of an earlier process and ~34 s
-# without (bench/startup.sh): at 48 layers eager decoding is ~4.7 tok/s against ~150, so graphs pay
-# after ~50 tokens with warm caches and ~170 on a first run. A server builds them once, at start.
-GRAPHS_MIN_TOKENS = 64
+# Decoding from CUDA graphs pays for building them once a run's new tokens times its decoder layers
+# reach this. On the H200 machine (real widths, bench/startup.sh) a layer decodes in ~4.5 ms eagerly
+# and ~0.4 ms from graphs, and building a step's graphs took ~8 s with the compile caches an earlier
+# process left: ~1,900 layer-tokens to break even. So at 48 layers graphs pay from ~43 tokens, and a
+# 4-layer benchmark pack's short runs decode eagerly. (With empty caches building takes ~35 s; the
+# caches are kept between processes, runtime/compile_cache.py.)
+GRAPHS_MIN_LAYER_TOKENS = 2048
 
 
-def decode_graphs_pay(max_tokens: int) -> bool:
-    """Whether a run of at most `max_tokens` new tokens should decode from CUDA graphs."""
-    return max_tokens >= GRAPHS_MIN_TOKENS
+def decode_graphs_pay(max_tokens: int, layers: int) -> bool:
+    """Whether a run of at most `max_tokens` new tokens through `layers` decoder layers should decode
+    from CUDA graphs."""
+    return max_tokens * layers >= GRAPHS_MIN_LAYER_TOKENS
 
 
 def parse_dtype(name: str, device: torch.device) -> torch.dtype:
@@ -108,14 +110,19 @@ def load_engine(
     compile_layers: bool = True,
     layers_per_graph: int = LAYERS_PER_GRAPH,
     fused_mix: bool = True,
+    decode_tokens: int | None = None,
 ) -> LoadedEngine:
     """`cuda_graphs`: on a GPU, replay the fixed-shape work of decode steps from CUDA graphs
     (runtime/model/decode_graphs.py), `layers_per_graph` layers a graph; off, every kernel is
     issued from Python (for comparison). `compile_layers`: fuse the graphs' small kernels with
     torch.compile first (the first decode steps of a process compile; later processes reuse
     Inductor's disk cache). `fused_mix`: on a GPU, one-token hyper-connection mixes as two Triton
-    kernels each (Qwen4ExpModel.fuse_hyper_connections); off, the module's own code (for comparison)."""
+    kernels each (Qwen4ExpModel.fuse_hyper_connections); off, the module's own code (for comparison).
+    `decode_tokens`: the most tokens this engine will decode, where known (a one-shot run): CUDA
+    graphs are then built only if that many pay for building them (`decode_graphs_pay`)."""
     pack = Pack.open(pack_path)
+    if decode_tokens is not None:
+        cuda_graphs = cuda_graphs and decode_graphs_pay(decode_tokens, pack.manifest.config.num_hidden_layers)
     torch_device = parse_device(device)
     torch_dtype = parse_dtype(dtype, torch_device)
     tiered = None

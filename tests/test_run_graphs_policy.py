@@ -9,9 +9,19 @@ from flashpack.cli import main
 from flashpack.runtime import loader
 
 
+def _pays_from(layers: int) -> int:
+    return -(-loader.GRAPHS_MIN_LAYER_TOKENS // layers)
+
+
+def test_graphs_pay_from_fewer_tokens_the_more_layers_a_token_crosses():
+    assert _pays_from(48) == 43 and _pays_from(8) == 256
+    assert loader.decode_graphs_pay(43, 48) and not loader.decode_graphs_pay(42, 48)
+
+
 @pytest.mark.parametrize(("flags", "expected"), [
     (["--max-tokens", "8"], False),
-    (["--max-tokens", str(loader.GRAPHS_MIN_TOKENS)], True),
+    (["--max-tokens", str(_pays_from(8))], True),  # the tiny pack has 8 layers
+    (["--max-tokens", str(_pays_from(8) - 1)], False),
     (["--max-tokens", "8", "--cuda-graphs", "on"], True),
     (["--max-tokens", "4096", "--cuda-graphs", "off"], False),
 ])
@@ -20,8 +30,10 @@ def test_run_asks_for_graphs_only_where_they_pay(tiny_pack, monkeypatch, flags, 
     real = loader.load_engine
 
     def recording(*args, **kwargs):
-        seen["cuda_graphs"] = kwargs["cuda_graphs"]
-        return real(*args, **kwargs)
+        engine = real(*args, **kwargs)
+        seen["cuda_graphs"] = kwargs["cuda_graphs"] and (kwargs["decode_tokens"] is None or loader.decode_graphs_pay(
+            kwargs["decode_tokens"], engine.model.config.num_hidden_layers))
+        return engine
 
     monkeypatch.setattr(loader, "load_engine", recording)
     result = CliRunner().invoke(main, ["run", str(tiny_pack), "hello", *flags])

@@ -453,10 +453,10 @@ def bench(pack: Path, vram_budget: str | None, ram_budget: str | None, policy: s
 
 @main.command()
 @click.option("--workdir", type=click.Path(path_type=Path), default=Path("flashpack-demo"), show_default=True)
-@click.option("--keep", is_flag=True, help="Keep the generated snapshot and pack.")
+@click.option("--keep", is_flag=True, help="Keep the pack it converts.")
 @_one_line_errors
 def demo(workdir: Path, keep: bool) -> None:
-    """The main job on a tiny generated model: synth, convert, inspect, verify, run, serve."""
+    """The main job on the embedded model (trained on code): convert, inspect, verify, run, serve."""
     from flashpack.demo import run_demo
 
     run_demo(workdir, keep=keep)

@@ -1,9 +1,12 @@
-"""`flashpack demo`: the main job end to end on the embedded default, a tiny generated model.
+"""`flashpack demo`: the main job end to end on the embedded model, a small qwen4_exp trained on code.
 
-    synth tiny -> convert -> inspect --check -> verify against transformers -> run -> serve + one
-    chat request through the official openai client -> stop
+    demo_model/snapshot (BF16) -> convert (NVFP4 experts) -> inspect --check -> verify against
+    transformers -> run a code prompt -> serve, and complete the same prompt with the official
+    openai client -> stop
 
 Each step calls the same keyword function as its CLI command, so the demo exercises the real path.
+The model was trained on the Python sources of transformers (demo_model/TRAINING.md): it continues
+code; it was never taught to chat.
 """
 
 from __future__ import annotations
@@ -16,6 +19,9 @@ import click
 
 from flashpack.errors import FlashpackError
 
+CODE_PROMPT = "import torch\nfrom torch import nn\n\n\nclass"
+CODE_TOKENS = 64
+
 
 def _step(title: str) -> None:
     click.secho(f"\n== {title}", bold=True)
@@ -23,45 +29,53 @@ def _step(title: str) -> None:
 
 def run_demo(workdir: Path, keep: bool = False, echo: Callable[[str], None] = click.echo) -> None:
     from flashpack.convert.pipeline import convert
-    from flashpack.convert.synth import synthesize
-    from flashpack.layout.inspect import find_corrupt_records, summarize
-    from flashpack.layout.pack import Pack
+    from flashpack.demo_model import snapshot_path, training_record
+    from flashpack.layout.inspect import summarize
+    from flashpack.layout.integrity import check_pack
     from flashpack.runtime.loader import load_engine
     from flashpack.runtime.sampling import SamplingParams
 
     created = not workdir.exists()
-    snapshot, pack_path = workdir / "tiny-snapshot", workdir / "tiny.pack"
-    for path in (snapshot, pack_path):
-        if path.exists():
-            raise FlashpackError(f"{path} already exists: remove it or give the demo another --workdir")
+    pack_path = workdir / "demo.pack"
+    if pack_path.exists():
+        raise FlashpackError(f"{pack_path} already exists: remove it or give the demo another --workdir")
     workdir.mkdir(parents=True, exist_ok=True)
-    _step("synth: a random tiny qwen4_exp snapshot in the real checkpoint layout")
-    synthesize("tiny", snapshot, format="bf16", seed=0, force=True)
+    snapshot = snapshot_path()
+    _step("the embedded model: a small qwen4_exp trained on Python code")
+    echo(_describe(training_record()))
     echo(f"snapshot at {snapshot}")
-    _step("convert: snapshot -> pack")
-    convert(str(snapshot), pack_path, force=True, progress=False)
+    _step("convert: BF16 snapshot -> pack (routed experts quantised to NVFP4)")
+    convert(str(snapshot), pack_path, progress=False)
     echo(f"pack at {pack_path}")
-    _step("inspect --check")
-    pack = Pack.open(pack_path)
-    for line in summarize(pack).lines():
+    _step("inspect --check: every byte against its hash")
+    report = check_pack(pack_path, progress=False)
+    for line in summarize(report.pack).lines() + report.problems + report.checked:
         echo(line)
-    corrupt = find_corrupt_records(pack, progress=False)
-    echo(f"{len(pack.manifest.expert_records()) - len(corrupt)} records intact, {len(corrupt)} corrupt")
+    if not report.passed:
+        raise click.ClickException("the pack failed its checks")
     _step("verify: every layer against the transformers reference, FP32")
     _verify(pack_path, snapshot, echo)
-    _step("run: greedy generation from the pack")
+    _step("run: greedy continuation of a code prompt from the pack")
     engine = load_engine(pack_path)
-    prompt = engine.tokenizer.render_chat([{"role": "user", "content": "Write a haiku about experts."}])
-    result = engine.generator.generate(engine.tokenizer.encode(prompt), SamplingParams(max_tokens=24))
-    echo(f"{result.text!r}  ({result.completion_tokens} tokens, {result.decode_tokens_per_second:.1f} tok/s)")
-    _step("serve: OpenAI-compatible server on 127.0.0.1, one chat request with the openai client")
+    result = engine.generator.generate(engine.tokenizer.encode(CODE_PROMPT), SamplingParams(max_tokens=CODE_TOKENS))
+    echo(CODE_PROMPT + result.text)
+    echo(f"[{result.completion_tokens} tokens, {result.decode_tokens_per_second:.1f} tok/s]")
+    _step("serve: OpenAI-compatible server on 127.0.0.1, the same prompt through the openai client")
     _serve_once(engine, echo)
     if not keep:  # only what the demo wrote: the workdir goes too if the demo made it and it is now empty
-        shutil.rmtree(snapshot, ignore_errors=True)
         shutil.rmtree(pack_path, ignore_errors=True)
         if created and not any(workdir.iterdir()):
             workdir.rmdir()
-    click.secho("\ndemo finished: synth, convert, inspect, verify, run and serve all worked", fg="green")
+    click.secho("\ndemo finished: convert, inspect, verify, run and serve all worked", fg="green")
+
+
+def _describe(record: dict) -> str:
+    corpus, final = record["corpus"], record["final"]
+    return (f"trained on the {corpus['train_files']:,} Python files of {corpus['distribution']} {corpus['version']} "
+            f"({record['tokens_seen'] / 1e6:.1f} M tokens in {record['train_wall_s']:.0f} s); on the "
+            f"{corpus['held_out_files']} held-out files: {final['loss']:.3f} nats/token (a unigram model: "
+            f"{final['unigram_loss']:.3f}), MTP head agreeing with the model's next-next token "
+            f"{final['mtp_agreement_with_greedy']:.0%} of the time")
 
 
 def _verify(pack_path: Path, snapshot: Path, echo: Callable[[str], None]) -> None:
@@ -86,20 +100,18 @@ def _serve_once(engine, echo: Callable[[str], None]) -> None:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    app = create_app(engine, ServerSettings(model_name="tiny", api_key="demo-key"))
+    app = create_app(engine, ServerSettings(model_name="demo", api_key="demo-key"))
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     try:
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + 60
         while (not server.started or app.state.flashpack.health.loading) and time.monotonic() < deadline:
             time.sleep(0.05)  # until the warm-up is done: /v1 routes answer 503 before
         client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="demo-key")
-        reply = client.chat.completions.create(
-            model="tiny", messages=[{"role": "user", "content": "Hello!"}], max_tokens=16, temperature=0
-        )
-        echo(f"http://127.0.0.1:{port} answered: {reply.choices[0].message.content!r} "
-             f"({reply.usage.completion_tokens} tokens)")
+        reply = client.completions.create(model="demo", prompt=CODE_PROMPT, max_tokens=CODE_TOKENS, temperature=0)
+        echo(f"http://127.0.0.1:{port}/v1/completions answered ({reply.usage.completion_tokens} tokens):")
+        echo(CODE_PROMPT + reply.choices[0].text)
     finally:
         server.should_exit = True
         thread.join(timeout=10)

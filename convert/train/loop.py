@@ -12,21 +12,19 @@ from __future__ import annotations
 import json
 import math
 import time
-from typing import TYPE_CHECKING
 
 import torch
 
 from flashpack.convert.train.evaluate import evaluate
 from flashpack.convert.train.optimizer import MasterWeightAdamW, Schedule
+from flashpack.convert.train.settings import TrainSettings
 from flashpack.convert.train.training_model import DemoModel
 from flashpack.convert.train.windows import Windows
 
-if TYPE_CHECKING:  # train.py imports this module
-    from flashpack.convert.train.train import TrainSettings
 
 
 class TrainingLoop:
-    def __init__(self, model: DemoModel, optimizer: MasterWeightAdamW, settings: "TrainSettings", device: torch.device):
+    def __init__(self, model: DemoModel, optimizer: MasterWeightAdamW, settings: TrainSettings, device: torch.device):
         self.model, self.optimizer, self.settings, self.device = model, optimizer, settings, device
         self.schedule = (
             Schedule(settings.peak_lr, settings.warmup_steps, settings.steps) if settings.steps is not None else None

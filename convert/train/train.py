@@ -17,7 +17,7 @@ import json
 import platform
 import random
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -32,37 +32,14 @@ from flashpack.convert.train.loop import TrainingLoop
 from flashpack.convert.train.optimizer import MasterWeightAdamW
 from flashpack.convert.train.snapshot import check_output, write_snapshot
 from flashpack.convert.train.tokenizer import load_tokenizer, train_tokenizer
-from flashpack.convert.train.training_model import DemoModel, LossWeights
+from flashpack.convert.train.settings import TrainSettings
+from flashpack.convert.train.training_model import DemoModel
 from flashpack.convert.train.windows import Windows, token_stream
 from flashpack.errors import FlashpackError
 from flashpack.layout.model_config import TextConfig
 
 RECORD_NAME = "training-record.json"
 SNAPSHOT_NAME = "snapshot"
-
-
-@dataclass(frozen=True)
-class TrainSettings:
-    size: str = "demo"
-    seed: int = 0
-    sequence_length: int = 1024
-    batch_size: int = 32
-    peak_lr: float = 2e-3
-    warmup_steps: int = 100
-    weight_decay: float = 0.1
-    betas: tuple[float, float] = (0.9, 0.95)
-    clip_norm: float = 1.0
-    steps: int | None = None  # None: fixed by time_budget_s
-    time_budget_s: float = 450.0
-    calibration_steps: int = 30
-    losses: LossWeights = field(default_factory=LossWeights)
-    log_every: int = 25
-    eval_every: int = 250
-    eval_windows: int = 32  # held-out windows of the periodic evaluations (the final one reads all)
-    max_train_files: int | None = None
-    max_held_out_files: int | None = None
-    device: str = "auto"
-    tokenizer_dir: Path | None = None  # a tokenizer trained before on the same corpus, reused
 
 
 def train(out: Path, settings: TrainSettings, force: bool = False, log=print) -> dict[str, Any]:

@@ -44,19 +44,34 @@ def chat_template() -> str:
     return (resources.files(_PACKAGE) / "chat_template.jinja").read_text()
 
 
-def build_tokenizer(tokens: TokenIds) -> Tokenizer:
-    trainer = trainers.BpeTrainer(
+def bpe_trainer(tokens: TokenIds) -> trainers.BpeTrainer:
+    """A byte-level BPE trainer for tokens.base regular tokens (the specials come after)."""
+    return trainers.BpeTrainer(
         vocab_size=tokens.base,
         min_frequency=2,
         show_progress=False,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         special_tokens=[],
     )
-    trained = _qwen_pipeline(models.BPE(**_BPE_OPTIONS))
-    trained.train_from_iterator(_corpus(), trainer=trainer)
-    vocab, merges = _filled(trained, tokens.base)
-    tokenizer = _qwen_pipeline(models.BPE(vocab=vocab, merges=merges, **_BPE_OPTIONS))
-    del vocab, merges  # a 248k vocabulary costs ~100 MB of Python objects; keep the peak low
+
+
+def qwen_pipeline(model: models.BPE | None = None) -> Tokenizer:
+    """A tokenizer with the normaliser, pre-tokenizer and decoder transformers' Qwen tokenizers
+    build, around `model` (an empty BPE to train when None)."""
+    tokenizer = Tokenizer(model or models.BPE(**_BPE_OPTIONS))
+    tokenizer.normalizer = normalizers.NFC()
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    tokenizer.decoder = decoders.ByteLevel()
+    return tokenizer
+
+
+def add_specials(tokenizer: Tokenizer, tokens: TokenIds) -> Tokenizer:
+    """Qwen's special-token block after the BPE tokens, then reserved specials up to vocab_size."""
     tokenizer.add_tokens(
         [
             AddedToken(text, special=text not in NOT_SKIPPED_ON_DECODE, normalized=False)
@@ -68,8 +83,21 @@ def build_tokenizer(tokens: TokenIds) -> Tokenizer:
     return tokenizer
 
 
+def build_tokenizer(tokens: TokenIds) -> Tokenizer:
+    trained = qwen_pipeline()
+    trained.train_from_iterator(_corpus(), trainer=bpe_trainer(tokens))
+    vocab, merges = _filled(trained, tokens.base)
+    tokenizer = qwen_pipeline(models.BPE(vocab=vocab, merges=merges, **_BPE_OPTIONS))
+    del vocab, merges  # a 248k vocabulary costs ~100 MB of Python objects; keep the peak low
+    return add_specials(tokenizer, tokens)
+
+
 def write_tokenizer(folder: Path, tokens: TokenIds, model_max_length: int) -> None:
-    tokenizer = build_tokenizer(tokens)
+    save_tokenizer(build_tokenizer(tokens), folder, tokens, model_max_length)
+
+
+def save_tokenizer(tokenizer: Tokenizer, folder: Path, tokens: TokenIds, model_max_length: int) -> None:
+    """tokenizer.json and a Qwen2Tokenizer tokenizer_config.json carrying the chat template."""
     tokenizer.save(str(folder / "tokenizer.json"))
     decoder = {}
     for offset, text in enumerate(tokens.all_specials()):
@@ -100,19 +128,6 @@ def write_tokenizer(folder: Path, tokens: TokenIds, model_max_length: int) -> No
 
 def _corpus() -> list[str]:
     return json.loads((resources.files(_PACKAGE) / "corpus.json").read_text())["texts"]
-
-
-def _qwen_pipeline(model: models.BPE) -> Tokenizer:
-    tokenizer = Tokenizer(model)
-    tokenizer.normalizer = normalizers.NFC()
-    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
-        [
-            pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated", invert=False),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-        ]
-    )
-    tokenizer.decoder = decoders.ByteLevel()
-    return tokenizer
 
 
 def _filled(trained: Tokenizer, size: int) -> tuple[dict[str, int], list[tuple[str, str]]]:

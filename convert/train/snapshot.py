@@ -24,8 +24,9 @@ from flashpack.convert.synth.init_values import ValueSource
 from flashpack.convert.synth.shard_writer import DiskTensor, write_sharded
 from flashpack.convert.synth.snapshot_files import TRANSFORMERS_VERSION, write_json
 from flashpack.convert.synth.special_tokens import TokenIds
+from flashpack.convert.synth.tokenizer import save_tokenizer
 from flashpack.convert.synth.vision import iter_vision_tensors
-from flashpack.convert.train.tokenizer import TOKENIZER_FILES, save_tokenizer
+from flashpack.convert.train.tokenizer import TOKENIZER_FILES
 from flashpack.errors import FlashpackError
 from flashpack.layout.model_config import TextConfig
 

@@ -95,7 +95,7 @@ def resolve_plan(options: SynthOptions) -> SynthPlan:
 
     vision = None
     if not options.text_only:
-        vision = _vision_config(preset.get("vision_config", {}), out_hidden_size=cfg.hidden_size)
+        vision = vision_config(preset.get("vision_config", {}), out_hidden_size=cfg.hidden_size)
     return SynthPlan(
         options=options,
         description=preset.get("description", ""),
@@ -149,8 +149,9 @@ def _shrink_ple(text: dict[str, Any], rows_per_head: int | None) -> bool:
     return True
 
 
-def _vision_config(preset_vision: dict[str, Any], out_hidden_size: int) -> dict[str, Any]:
-    # Real Qwen vision towers share these; only the sizes come from the preset.
+def vision_config(preset_vision: dict[str, Any], out_hidden_size: int) -> dict[str, Any]:
+    """A small vision tower's config (flashpack runs text only; the tower lets the multimodal form
+    load whole): what real Qwen vision towers share, the sizes from `preset_vision`."""
     vision = {
         "model_type": "qwen4_exp_vision",
         "depth": 1,

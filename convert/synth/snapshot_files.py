@@ -10,10 +10,13 @@ readers can tell a synthetic snapshot, and a shrunk PLE, from a real one.
 from __future__ import annotations
 
 import json
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
 from flashpack.convert.synth.presets import SynthPlan
+from flashpack.convert.synth.special_tokens import TokenIds
+from flashpack.errors import FlashpackError
 
 TRANSFORMERS_VERSION = "5.23.0"
 
@@ -38,30 +41,37 @@ def synth_record(plan: SynthPlan, routing: dict[str, Any] | None) -> dict[str, A
 def config_json(plan: SynthPlan, quantization: dict[str, Any] | None, record: dict[str, Any]) -> dict[str, Any]:
     text = dict(plan.text_config)
     if plan.options.text_only:
-        config = dict(text, architectures=["Qwen4ExpForCausalLM"])
+        config = dict(text, architectures=["Qwen4ExpForCausalLM"], transformers_version=TRANSFORMERS_VERSION)
     else:
-        tokens = plan.tokens
-        config = {
-            "architectures": ["Qwen4ExpForConditionalGeneration"],
-            "model_type": "qwen4_exp",
-            "dtype": "bfloat16",
-            "image_token_id": tokens.id_of("<|image_pad|>"),
-            "video_token_id": tokens.id_of("<|video_pad|>"),
-            "vision_start_token_id": tokens.id_of("<|vision_start|>"),
-            "vision_end_token_id": tokens.id_of("<|vision_end|>"),
-            "tie_word_embeddings": False,
-            "text_config": text,
-            "vision_config": plan.vision_config,
-        }
-    config["transformers_version"] = TRANSFORMERS_VERSION
+        config = multimodal_config(text, plan.vision_config, plan.tokens)
     if quantization is not None:
         config["quantization_config"] = quantization
     config["flashpack_synth"] = record
     return config
 
 
+def multimodal_config(text: dict[str, Any], vision: dict[str, Any], tokens: TokenIds) -> dict[str, Any]:
+    """config.json of the multimodal form, as the real checkpoints nest it."""
+    return {
+        "architectures": ["Qwen4ExpForConditionalGeneration"],
+        "model_type": "qwen4_exp",
+        "dtype": "bfloat16",
+        "image_token_id": tokens.id_of("<|image_pad|>"),
+        "video_token_id": tokens.id_of("<|video_pad|>"),
+        "vision_start_token_id": tokens.id_of("<|vision_start|>"),
+        "vision_end_token_id": tokens.id_of("<|vision_end|>"),
+        "tie_word_embeddings": False,
+        "text_config": text,
+        "vision_config": vision,
+        "transformers_version": TRANSFORMERS_VERSION,
+    }
+
+
 def generation_config(plan: SynthPlan) -> dict[str, Any]:
-    tokens = plan.tokens
+    return qwen_generation_config(plan.tokens)
+
+
+def qwen_generation_config(tokens: TokenIds) -> dict[str, Any]:
     # Chat turns end with <|im_end|>; documents with <|endoftext|> (also the config's eos, which PLE
     # uses as the n-gram boundary): generation stops at either, as in Qwen's own releases.
     return {
@@ -74,6 +84,25 @@ def generation_config(plan: SynthPlan) -> dict[str, Any]:
         "top_p": 0.95,
         "transformers_version": TRANSFORMERS_VERSION,
     }
+
+
+def check_snapshot_output(out: Path, force: bool, snapshot_files: Collection[str]) -> None:
+    """Raise unless a snapshot may be written at `out`: absent, empty, or (with `force`) holding
+    only a snapshot's files (`snapshot_files` and shards), so nothing else of the user's is lost."""
+    if not out.exists():
+        return
+    if not out.is_dir():
+        raise FlashpackError(f"{out} exists and is not a directory")
+    entries = list(out.iterdir())
+    if not entries:
+        return
+    if not force:
+        raise FlashpackError(f"{out} already exists; pass --force to overwrite it")
+    foreign = [e.name for e in entries if e.name not in snapshot_files and not e.name.endswith(".safetensors")]
+    if foreign:
+        raise FlashpackError(
+            f"refusing to overwrite {out}: it holds files a snapshot does not ({', '.join(sorted(foreign)[:3])})"
+        )
 
 
 def readme(plan: SynthPlan, record: dict[str, Any], total_bytes: int, shards: int) -> str:

@@ -22,6 +22,7 @@ from flashpack.convert.synth.router_skew import RouterSkew
 from flashpack.convert.synth.shard_writer import write_sharded
 from flashpack.convert.synth.snapshot_files import (
     config_json,
+    check_snapshot_output,
     generation_config,
     readme,
     synth_record,
@@ -79,7 +80,7 @@ def synthesize(
     )
     plan = resolve_plan(options)
     out = Path(out)
-    _prepare_output(out, force)
+    check_snapshot_output(out, force, _SNAPSHOT_FILES)
     staging = out.with_name(out.name + ".partial")
     if staging.exists():
         shutil.rmtree(staging)
@@ -102,23 +103,6 @@ def synthesize(
         shutil.rmtree(out)
     staging.rename(out)
     return out
-
-
-def _prepare_output(out: Path, force: bool) -> None:
-    if not out.exists():
-        return
-    if not out.is_dir():
-        raise FlashpackError(f"{out} exists and is not a directory")
-    entries = list(out.iterdir())
-    if not entries:
-        return
-    if not force:
-        raise FlashpackError(f"{out} already exists; pass --force to overwrite it")
-    foreign = [e.name for e in entries if e.name not in _SNAPSHOT_FILES and not e.name.endswith(".safetensors")]
-    if foreign:
-        raise FlashpackError(
-            f"refusing to overwrite {out}: it holds files a snapshot does not ({', '.join(sorted(foreign)[:3])})"
-        )
 
 
 def _write_quant_config(folder: Path, plan: SynthPlan) -> dict | None:

@@ -15,6 +15,7 @@ from typing import Any
 from transformers import Qwen4ExpTextConfig
 
 from flashpack.convert.checkpoint_spec import iter_specs
+from flashpack.convert.synth.presets import vision_config as synth_vision_config
 from flashpack.convert.synth.special_tokens import TokenIds, token_ids
 from flashpack.convert.synth.vision import iter_vision_tensors
 from flashpack.errors import FlashpackError
@@ -98,23 +99,6 @@ SIZES: dict[str, dict[str, Any]] = {
     },
 }
 
-# synth's small random vision tower (flashpack runs text only); lets the multimodal form load whole.
-VISION_CONFIG: dict[str, Any] = {
-    "model_type": "qwen4_exp_vision",
-    "depth": 1,
-    "hidden_size": 32,
-    "intermediate_size": 64,
-    "num_heads": 2,
-    "in_channels": 3,
-    "patch_size": 16,
-    "spatial_merge_size": 2,
-    "temporal_patch_size": 2,
-    "num_position_embeddings": 16,
-    "hidden_act": "gelu_pytorch_tanh",
-    "initializer_range": 0.02,
-}
-
-
 def special_tokens(size: str) -> TokenIds:
     return token_ids(_size(size)["vocab_size"], None, SPECIAL_TAIL)
 
@@ -136,7 +120,7 @@ def text_config_dict(size: str) -> dict[str, Any]:
 
 
 def vision_config(size: str) -> dict[str, Any]:
-    return dict(VISION_CONFIG, out_hidden_size=_size(size)["hidden_size"])
+    return synth_vision_config({}, out_hidden_size=_size(size)["hidden_size"])  # synth's small random tower
 
 
 def transformers_config(size: str) -> Qwen4ExpTextConfig:

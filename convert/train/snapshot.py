@@ -22,7 +22,13 @@ from tokenizers import Tokenizer
 from flashpack.convert.checkpoint_spec import checkpoint_key, iter_specs
 from flashpack.convert.synth.init_values import ValueSource
 from flashpack.convert.synth.shard_writer import DiskTensor, write_sharded
-from flashpack.convert.synth.snapshot_files import TRANSFORMERS_VERSION, write_json
+from flashpack.convert.synth.snapshot_files import (
+    TRANSFORMERS_VERSION,
+    check_snapshot_output,
+    multimodal_config,
+    qwen_generation_config,
+    write_json,
+)
 from flashpack.convert.synth.special_tokens import TokenIds
 from flashpack.convert.synth.tokenizer import save_tokenizer
 from flashpack.convert.synth.vision import iter_vision_tensors
@@ -59,7 +65,7 @@ def write_snapshot(
     cfg = TextConfig.from_text_dict(text_config)
     index = write_sharded(staging, _disk_tensors(cfg, tensors, vision_config), SHARD_BYTES)
     write_json(staging / "config.json", _config(text_config, vision_config, tokens, summary))
-    write_json(staging / "generation_config.json", _generation_config(tokens))
+    write_json(staging / "generation_config.json", qwen_generation_config(tokens))
     save_tokenizer(tokenizer, staging, tokens, model_max_length=cfg.max_position_embeddings)
     shards = len(set(index["weight_map"].values()))
     (staging / "README.md").write_text(_readme(cfg, summary, index["metadata"]["total_size"], shards))
@@ -83,34 +89,7 @@ def _disk_tensors(cfg: TextConfig, tensors: dict[str, torch.Tensor], vision_conf
 
 
 def _config(text: dict[str, Any], vision: dict[str, Any], tokens: TokenIds, summary: dict[str, Any]) -> dict[str, Any]:
-    return {
-        "architectures": ["Qwen4ExpForConditionalGeneration"],
-        "model_type": FORM,
-        "dtype": "bfloat16",
-        "image_token_id": tokens.id_of("<|image_pad|>"),
-        "video_token_id": tokens.id_of("<|video_pad|>"),
-        "vision_start_token_id": tokens.id_of("<|vision_start|>"),
-        "vision_end_token_id": tokens.id_of("<|vision_end|>"),
-        "tie_word_embeddings": False,
-        "text_config": text,
-        "vision_config": vision,
-        "transformers_version": TRANSFORMERS_VERSION,
-        "flashpack_demo": summary,
-    }
-
-
-def _generation_config(tokens: TokenIds) -> dict[str, Any]:
-    # Generation stops at a chat turn's <|im_end|> or a document's <|endoftext|>, as in Qwen's releases.
-    return {
-        "bos_token_id": tokens.endoftext,
-        "eos_token_id": [tokens.im_end, tokens.endoftext],
-        "pad_token_id": tokens.endoftext,
-        "do_sample": True,
-        "temperature": 0.6,
-        "top_k": 20,
-        "top_p": 0.95,
-        "transformers_version": TRANSFORMERS_VERSION,
-    }
+    return {**multimodal_config(text, vision, tokens), "flashpack_demo": summary}
 
 
 def _readme(cfg: TextConfig, summary: dict[str, Any], total_bytes: int, shards: int) -> str:
@@ -139,17 +118,4 @@ def _readme(cfg: TextConfig, summary: dict[str, Any], total_bytes: int, shards: 
 
 def check_output(out: Path, force: bool) -> None:
     """Raise unless a snapshot may be written at `out` (the trainer asks before it trains)."""
-    if not out.exists():
-        return
-    if not out.is_dir():
-        raise FlashpackError(f"{out} exists and is not a directory")
-    entries = list(out.iterdir())
-    if not entries:
-        return
-    if not force:
-        raise FlashpackError(f"{out} already exists; pass --force to overwrite it")
-    foreign = [e.name for e in entries if e.name not in _SNAPSHOT_FILES and not e.name.endswith(".safetensors")]
-    if foreign:
-        raise FlashpackError(
-            f"refusing to overwrite {out}: it holds files a snapshot does not ({', '.join(sorted(foreign)[:3])})"
-        )
+    check_snapshot_output(out, force, _SNAPSHOT_FILES)

@@ -48,11 +48,18 @@ class LoadedEngine:
     store: object | None = None  # runtime.store.TieredStore (or ResidentExperts) when tiers are in use
 
     def warm_up(self) -> dict[str, float]:
-        """Compile, tune and capture at start what the first requests need (Generator.warm_up):
-        prompts of each shape class a first request may bring (short, a few hundred tokens, past
-        the QSA indexer's budget, several query chunks past it), through one layer of each kind
-        and the PLE layers, then decode steps through every layer. Returns the seconds each part
-        took."""
+        """Compile, tune and capture at start what the first requests need (`warm_up_plan`,
+        Generator.warm_up). Returns the seconds each part took; on a CPU, where nothing is
+        compiled or tuned per shape, it does nothing."""
+        if self.model.device.type != "cuda":
+            return {}
+        lengths, depth = self.warm_up_plan()
+        return self.generator.warm_up(lengths, prompt_depth=depth)
+
+    def warm_up_plan(self) -> tuple[list[int], int]:
+        """(prompt lengths, layers they run through): a prompt of each shape class a first request
+        may bring (short, a few hundred tokens, past the QSA indexer's budget, several query chunks
+        past it), through one layer of each kind and the PLE layers."""
         cfg = self.model.config
         limit = (self.generator.max_context or cfg.max_position_embeddings) - 8
         past_budget = cfg.indexer_budget + 2 * cfg.indexer_compress_ratio + 1
@@ -60,7 +67,7 @@ class LoadedEngine:
         lengths = sorted({min(length, limit) for length in candidates})
         first_attention = next((i for i in range(cfg.num_hidden_layers) if not cfg.is_linear(i)), 0)
         depth = max(first_attention + 1, *cfg.ple_layer_ids, 1)
-        return self.generator.warm_up(lengths, prompt_depth=min(depth, cfg.num_hidden_layers))
+        return lengths, min(depth, cfg.num_hidden_layers)
 
     def stats(self) -> dict | None:
         self.model.settle()

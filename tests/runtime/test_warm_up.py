@@ -14,7 +14,9 @@ def test_a_warmed_engine_answers_exactly_as_a_cold_one(tiny_pack):
     params = SamplingParams(max_tokens=6, stop_token_ids=())
     cold = load_engine(tiny_pack).generator.generate(prompt, params)
     engine = load_engine(tiny_pack)
-    seconds = engine.warm_up()
+    assert engine.warm_up() == {}  # on a CPU nothing is compiled per shape: nothing to do
+    lengths, depth = engine.warm_up_plan()  # what a GPU engine runs, run here through the same path
+    seconds = engine.generator.warm_up(lengths, prompt_depth=depth)
     cfg = engine.model.config
     assert "decode" in seconds and len(seconds) >= 4  # a few prompt classes, then decode
     assert f"prompt_{cfg.indexer_budget + 2 * cfg.indexer_compress_ratio + 1}" in seconds  # past the QSA budget

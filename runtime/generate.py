@@ -5,6 +5,10 @@
 Stops: a stop token (end of turn), a stop string (cut before it), `max_tokens`, a constraint that
 has terminated, or the caller cancelling. The step function is the engine's `forward`; a
 `TokenConstraint` (grammar-constrained decoding) may mask logits before each choice.
+
+Asked for (a LogprobRequest), events also carry the model's own log-probabilities (runtime/logprobs.py):
+of each sampled token, of the stop token that ended the reply, and of the prompt's tokens; `score`
+reports a prompt's alone, sampling nothing. Not asked for, nothing of that is computed.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import torch
 
 from flashpack.errors import FlashpackError
 from flashpack.runtime.detokenize import IncrementalDetokenizer, StopStringFilter
+from flashpack.runtime.logprobs import LogprobRequest, TokenLogprob, prompt_logprobs, token_logprobs
 from flashpack.runtime.sampling import Sampler, SamplingParams
 
 
@@ -37,6 +42,8 @@ class GenerationEvent:
     token_id: int | None = None
     finish_reason: str | None = None  # "stop", "length", "cancelled" on the last event
     timings: dict[str, float] | None = None  # on the last event: first_token_seconds, total_seconds
+    logprob: TokenLogprob | None = None  # token_id's; on the last event, the stop token's that ended it
+    prompt_logprobs: list[TokenLogprob] | None = None  # prompt tokens 1..T-1, on an event of its own
 
 
 @dataclass
@@ -76,42 +83,46 @@ class Generator:
         params: SamplingParams,
         constraint: TokenConstraint | None = None,
         cancelled: Callable[[], bool] = lambda: False,
+        logprobs: LogprobRequest | None = None,
     ) -> Iterator[GenerationEvent]:
-        """Yield text pieces; the last event carries the finish reason."""
-        limit = self.max_context or self.model.config.max_position_embeddings
-        if not prompt_ids:
-            raise FlashpackError("the prompt is empty")
-        if len(prompt_ids) + 1 > limit:
-            raise FlashpackError(f"prompt of {len(prompt_ids)} tokens exceeds the context limit of {limit}")
+        """Yield text pieces; the last event carries the finish reason. With `logprobs.prompt`, the
+        first event carries the prompt's log-probabilities and no text."""
+        limit = self._checked_limit(prompt_ids, room=1)
         stop_ids = set(params.stop_token_ids) | set(self.tokenizer.stop_token_ids)
         detok = IncrementalDetokenizer(self.tokenizer.tokenizer)
         stops = StopStringFilter(params.stop_strings)
         state = self._fresh_state(min(limit, len(prompt_ids) + min(params.max_tokens, RESERVE_MAX_TOKENS) + 1))
         start = time.perf_counter()
-        logits = self.model.forward(torch.tensor(prompt_ids), state, last_only=True).logits[-1]
+        prefill = self.model.forward(torch.tensor(prompt_ids), state, last_only=True)
+        logits = prefill.logits[-1]
+        if logprobs is not None and logprobs.prompt:
+            yield GenerationEvent("", prompt_logprobs=prompt_logprobs(self.model, prefill.streams, prompt_ids,
+                                                                      logprobs.top_n))
         # sampled where the logits are: on a GPU only the token id comes back (a top-p cut sorts the
         # whole vocabulary: 41 ms a token on a 2-core CPU for 248k entries, bench/sampling.py)
         sampler = Sampler(params, device=logits.device)
         generated, first_token_seconds = 0, 0.0
-        finish = "length"
+        finish, stop_logprob = "length", None
         while True:
+            raw = logits  # the unmodified model's: what logprobs report
             if constraint is not None:
                 logits = constraint.mask(logits.float())
             token = sampler(logits.float())
             generated += 1
             if generated == 1:
                 first_token_seconds = time.perf_counter() - start
+            reported = None if logprobs is None else token_logprobs(raw[None], torch.tensor([token]), logprobs.top_n)[0]
             if token in stop_ids:
-                finish = "stop"
+                finish, stop_logprob = "stop", reported
                 break
             if constraint is not None:
                 constraint.accept(token)
             text = stops.push(detok.push(token))
             if stops.stopped:
-                yield GenerationEvent(text, token)
+                yield GenerationEvent(text, token, logprob=reported)
                 finish = "stop"
                 break
-            yield GenerationEvent(text, token)
+            yield GenerationEvent(text, token, logprob=reported)
             if constraint is not None and constraint.is_terminated():
                 finish = "stop"
                 break
@@ -122,7 +133,27 @@ class Generator:
                 break
             logits = self.model.forward(torch.tensor([token]), state, last_only=True).logits[-1]
         timings = {"first_token_seconds": first_token_seconds, "total_seconds": time.perf_counter() - start}
-        yield GenerationEvent(stops.flush(), None, finish, timings)
+        yield GenerationEvent(stops.flush(), None, finish, timings, logprob=stop_logprob)
+
+    def score(self, prompt_ids: list[int], top_n: int = 0) -> Iterator[GenerationEvent]:
+        """The prompt's own log-probabilities, nothing sampled (`echo` with `max_tokens` 0): one
+        event, finish reason "length", carrying them."""
+        self._checked_limit(prompt_ids, room=0)
+        state = self._fresh_state(len(prompt_ids))
+        start = time.perf_counter()
+        prefill = self.model.forward(torch.tensor(prompt_ids), state, last_only=True)
+        found = prompt_logprobs(self.model, prefill.streams, prompt_ids, top_n)
+        timings = {"first_token_seconds": 0.0, "total_seconds": time.perf_counter() - start}
+        yield GenerationEvent("", None, "length", timings, prompt_logprobs=found)
+
+    def _checked_limit(self, prompt_ids: list[int], room: int) -> int:
+        """The context limit, once the prompt is known to fit it with `room` tokens to spare."""
+        limit = self.max_context or self.model.config.max_position_embeddings
+        if not prompt_ids:
+            raise FlashpackError("the prompt is empty")
+        if len(prompt_ids) + room > limit:
+            raise FlashpackError(f"prompt of {len(prompt_ids)} tokens exceeds the context limit of {limit}")
+        return limit
 
     def _fresh_state(self, tokens: int):
         """The one sequence state, reset in place with room for `tokens`: the engine runs one

@@ -25,7 +25,7 @@ from starlette.exceptions import HTTPException
 from starlette.responses import JSONResponse, PlainTextResponse
 
 from flashpack.runtime.loader import StoreOptions
-from flashpack.runtime.server import anthropic_routes, openai_routes
+from flashpack.runtime.server import anthropic_routes, openai_completions, openai_routes
 from flashpack.runtime.server.connections import connection_budget, raise_open_file_limit, uvicorn_options
 from flashpack.runtime.server.context import ServerContext, context_of
 from flashpack.runtime.server.errors import ApiError, body_parse_error, error_response, validation_error
@@ -61,6 +61,7 @@ def create_app(engine: Any, settings: ServerSettings | None = None, loading_sinc
                        metrics=ctx.metrics, health=ctx.health, retry_after_seconds=settings.retry_after_seconds)
     _add_error_handlers(app)
     app.include_router(openai_routes.router)
+    app.include_router(openai_completions.router)
     app.include_router(anthropic_routes.router)
 
     @app.get("/health")

@@ -7,7 +7,8 @@ its schema whatever the model would have preferred. JSON is generated compactly 
 whitespace): a model that likes spaces must not be able to pad forever.
 
 Building the vocabulary view (`LLTokenizer`) takes about a second for a real vocabulary, so a
-`GrammarCompiler` does it once per engine and then compiles one matcher per request.
+`GrammarCompiler` does it once per engine and then compiles one matcher per request; the same view
+gives each token's exact bytes to the log-probabilities a reply reports (`token_bytes`).
 
 A tool's parameters schema sits inside the call schema, so its local references (`#/$defs/City`,
 `#` itself) would point into the wrong document: each tool's schema moves whole under the call
@@ -108,6 +109,10 @@ class GrammarCompiler:
             raise ApiError(400, f"the schema cannot be enforced: {_first_line([matcher.get_error()])}",
                            code="invalid_schema")
         return GrammarConstraint(matcher, self.stop_ids)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """A token's bytes as the tokenizer writes them (a special token as its text): what logprobs report."""
+        return self._vocabulary().decode_bytes([token_id])
 
     def _vocabulary(self) -> llguidance.LLTokenizer:
         with self._lock:

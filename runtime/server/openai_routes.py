@@ -1,8 +1,11 @@
-"""OpenAI routes: /v1/chat/completions, /v1/completions, /v1/models.
+"""OpenAI routes: /v1/chat/completions, /v1/models (/v1/completions: openai_completions.py).
 
-Streaming sends `chat.completion.chunk` (or `text_completion`) objects as `data:` lines and ends
-with `data: [DONE]`; reasoning goes in `reasoning_content`, tool calls in `tool_calls` deltas (each
-call whole, in one delta, once its closing tag has been generated).
+Streaming sends `chat.completion.chunk` objects as `data:` lines and ends with `data: [DONE]`;
+reasoning goes in `reasoning_content`, tool calls in `tool_calls` deltas (each call whole, in one
+delta, once its closing tag has been generated). With `logprobs: true` each generated token's
+log-probability (and its `top_logprobs` most likely alternatives) comes in `logprobs.content`,
+reasoning and tool-call tokens included, the end-of-turn token not; streamed, a chunk carries those
+of the tokens generated since the chunk before.
 """
 
 from __future__ import annotations
@@ -15,16 +18,18 @@ from typing import Any
 from fastapi import APIRouter, Request
 from starlette.concurrency import run_in_threadpool
 
+from flashpack.runtime.logprobs import LogprobRequest, TokenLogprob
 from flashpack.runtime.server.chat_format import from_openai
 from flashpack.runtime.server.context import ServerContext, context_of
 from flashpack.runtime.server.errors import ApiError, openai_error_body
+from flashpack.runtime.server.openai_logprobs import chat_entry, chat_logprobs
 from flashpack.runtime.server.openai_schemas import ChatCompletionRequest, CompletionRequest
-from flashpack.runtime.server.replies import ChatOptions, ReplyEnd, ReplyPlan, Sampling, plan_chat, plan_completion, run_reply
+from flashpack.runtime.server.replies import ChatOptions, ReplyEnd, ReplyItem, Sampling, plan_chat, run_reply
 from flashpack.runtime.server.sse import data_event, sse_response
 from flashpack.runtime.server.tool_calls import Piece
 
 router = APIRouter()
-_FINISH = {"stop": "stop", "length": "length", "tool_calls": "tool_calls", "cancelled": "stop"}
+FINISH_REASONS = {"stop": "stop", "length": "length", "tool_calls": "tool_calls", "cancelled": "stop"}
 
 
 @router.get("/v1/models")
@@ -45,16 +50,19 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     ctx.check_model(body.model)
     conversation = from_openai(body)
     options = _chat_options(body, set(conversation.tool_parameters()))
-    plan = await run_in_threadpool(plan_chat, ctx, conversation, options, _sampling(body))
+    logprobs = _chat_logprobs(body)
+    plan = await run_in_threadpool(plan_chat, ctx, conversation, options, sampling_of(body), logprobs)
     reply = run_reply(ctx, plan, None if body.stream else request)
-    meta = _meta("chatcmpl", ctx)
+    meta = response_meta("chatcmpl", ctx)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return sse_response(_chat_chunks(reply, meta, include_usage))
-    reasoning, text, calls, end = [], [], [], None
+        return sse_response(_chat_chunks(ctx, reply, meta, include_usage))
+    reasoning, text, calls, scored, end = [], [], [], [], None
     async for item in reply:
         if isinstance(item, ReplyEnd):
             end = item
+        elif isinstance(item, TokenLogprob):
+            scored.append(chat_entry(item, ctx.grammars.token_bytes))
         elif item.kind == "tool_call":
             calls.append(_tool_call(item))
         else:
@@ -64,49 +72,33 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
         message["reasoning_content"] = "".join(reasoning)
     if calls:
         message["tool_calls"] = calls
-    choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": _FINISH[end.finish]}
-    return {**meta, "object": "chat.completion", "choices": [choice], "usage": _usage(end)}
+    choice = {"index": 0, "message": message, "logprobs": chat_logprobs(scored) if logprobs else None,
+              "finish_reason": FINISH_REASONS[end.finish]}
+    return {**meta, "object": "chat.completion", "choices": [choice], "usage": usage_of(end)}
 
 
-@router.post("/v1/completions")
-async def completions(body: CompletionRequest, request: Request):
-    ctx = context_of(request)
-    ctx.check_model(body.model)
-    prompt = body.prompt
-    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
-        if len(prompt) != 1:
-            raise ApiError(400, "one prompt per request is supported", param="prompt")
-        prompt = prompt[0]
-    plan = await run_in_threadpool(plan_completion, ctx, prompt, _sampling(body))
-    reply = run_reply(ctx, plan, None if body.stream else request)
-    echo = _prompt_text(ctx, plan) if body.echo else ""
-    meta = _meta("cmpl", ctx)
-    if body.stream:
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return sse_response(_completion_chunks(reply, meta, echo, include_usage))
-    texts, end = [echo], None
-    async for item in reply:
-        if isinstance(item, ReplyEnd):
-            end = item
-        else:
-            texts.append(item.text)
-    choice = {"text": "".join(texts), "index": 0, "logprobs": None, "finish_reason": _FINISH[end.finish]}
-    return {**meta, "object": "text_completion", "choices": [choice], "usage": _usage(end)}
+async def _chat_chunks(ctx: ServerContext, reply: AsyncIterator[ReplyItem], meta: dict,
+                       include_usage: bool) -> AsyncIterator[str]:
+    scored: list[dict[str, Any]] = []  # logprobs of tokens not yet sent
 
-
-async def _chat_chunks(reply: AsyncIterator[Piece | ReplyEnd], meta: dict, include_usage: bool) -> AsyncIterator[str]:
     def chunk(delta: dict[str, Any], finish: str | None = None) -> str:
-        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+        logprobs = chat_logprobs(scored[:]) if scored else None
+        scored.clear()
+        choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
         return data_event({**meta, "object": "chat.completion.chunk", "choices": [choice]})
 
     yield chunk({"role": "assistant", "content": ""})
     calls = 0
     try:
         async for item in reply:
-            if isinstance(item, ReplyEnd):
-                yield chunk({}, _FINISH[item.finish])
+            if isinstance(item, TokenLogprob):
+                scored.append(chat_entry(item, ctx.grammars.token_bytes))
+            elif isinstance(item, ReplyEnd):
+                if scored:  # tokens whose text never showed (held back, then cut): their own chunk
+                    yield chunk({})
+                yield chunk({}, FINISH_REASONS[item.finish])
                 if include_usage:
-                    yield data_event({**meta, "object": "chat.completion.chunk", "choices": [], "usage": _usage(item)})
+                    yield data_event({**meta, "object": "chat.completion.chunk", "choices": [], "usage": usage_of(item)})
             elif item.kind == "tool_call":
                 yield chunk({"tool_calls": [{"index": calls, **_tool_call(item)}]})
                 calls += 1
@@ -114,26 +106,6 @@ async def _chat_chunks(reply: AsyncIterator[Piece | ReplyEnd], meta: dict, inclu
                 yield chunk({"reasoning_content": item.text})
             else:
                 yield chunk({"content": item.text})
-    except ApiError as error:
-        yield data_event(openai_error_body(error))
-    yield "data: [DONE]\n\n"
-
-
-async def _completion_chunks(reply: AsyncIterator[Piece | ReplyEnd], meta: dict, echo: str, include_usage: bool) -> AsyncIterator[str]:
-    def chunk(text: str, finish: str | None = None) -> str:
-        choice = {"text": text, "index": 0, "logprobs": None, "finish_reason": finish}
-        return data_event({**meta, "object": "text_completion", "choices": [choice]})
-
-    if echo:
-        yield chunk(echo)
-    try:
-        async for item in reply:
-            if isinstance(item, ReplyEnd):
-                yield chunk("", _FINISH[item.finish])
-                if include_usage:
-                    yield data_event({**meta, "object": "text_completion", "choices": [], "usage": _usage(item)})
-            else:
-                yield chunk(item.text)
     except ApiError as error:
         yield data_event(openai_error_body(error))
     yield "data: [DONE]\n\n"
@@ -167,7 +139,13 @@ def _chat_options(body: ChatCompletionRequest, tool_names: set[str]) -> ChatOpti
     return options
 
 
-def _sampling(body: ChatCompletionRequest | CompletionRequest) -> Sampling:
+def _chat_logprobs(body: ChatCompletionRequest) -> LogprobRequest | None:
+    if body.top_logprobs is not None and not body.logprobs:
+        raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs", code="invalid_value")
+    return LogprobRequest(body.top_logprobs or 0) if body.logprobs else None
+
+
+def sampling_of(body: ChatCompletionRequest | CompletionRequest) -> Sampling:
     max_tokens = body.max_tokens
     if isinstance(body, ChatCompletionRequest) and body.max_completion_tokens is not None:
         max_tokens = body.max_completion_tokens
@@ -180,12 +158,12 @@ def _tool_call(piece: Piece) -> dict[str, Any]:
             "function": {"name": call.name, "arguments": call.arguments_json}}
 
 
-def _usage(end: ReplyEnd) -> dict[str, int]:
+def usage_of(end: ReplyEnd) -> dict[str, int]:
     return {"prompt_tokens": end.prompt_tokens, "completion_tokens": end.completion_tokens,
             "total_tokens": end.prompt_tokens + end.completion_tokens}
 
 
-def _meta(prefix: str, ctx: ServerContext) -> dict[str, Any]:
+def response_meta(prefix: str, ctx: ServerContext) -> dict[str, Any]:
     return {"id": f"{prefix}-{uuid.uuid4().hex}", "created": int(time.time()), "model": ctx.settings.model_name}
 
 
@@ -193,6 +171,3 @@ def _model_card(ctx: ServerContext) -> dict[str, Any]:
     return {"id": ctx.settings.model_name, "object": "model", "created": int(ctx.started), "owned_by": "flashpack",
             "max_model_len": ctx.context_limit}
 
-
-def _prompt_text(ctx: ServerContext, plan: ReplyPlan) -> str:
-    return ctx.engine.tokenizer.tokenizer.decode(plan.prompt_ids, skip_special_tokens=False)

@@ -5,18 +5,26 @@ fail validation and come back as a 400 in OpenAI's error shape. Extensions beyon
 `chat_template_kwargs` (`enable_thinking`, as vLLM and SGLang take it), `max_thinking_tokens`, `top_k`.
 Every string in a body must be valid Unicode and nest at most request_text.MAX_DEPTH deep; a seed
 must fit in 64 bits.
+
+Log-probabilities: `/v1/completions` takes `logprobs: N` (the N most likely alternatives per position)
+and `echo` (the prompt's own, with `max_tokens` 0 nothing is generated); chat takes `logprobs: true` and
+`top_logprobs: N`. N is at most MAX_LOGPROBS on both (OpenAI allows 5 on completions and 20 on chat,
+vLLM 20 on both). A completions prompt may be a batch, at most MAX_PROMPTS prompts, run one after another.
 """
 
 from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
 from flashpack.runtime.sampling import SEED_RANGE
 from flashpack.runtime.server.request_text import checked_body
 
 TOOL_NAME = r"^[a-zA-Z0-9_.-]{1,64}$"
+MAX_LOGPROBS = 20
+MAX_PROMPTS = 64
 
 
 class _Model(BaseModel):
@@ -119,12 +127,38 @@ class ChatCompletionRequest(_Sampling):
     response_format: ResponseFormat | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     max_thinking_tokens: int | None = Field(None, ge=1)
-    logprobs: Literal[False] | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
 
 
 class CompletionRequest(_Sampling):
-    prompt: str | list[str] | list[int] = Field(min_length=1)
-    max_tokens: int | None = Field(16, ge=1)
+    prompt: str | list[str] | list[StrictInt] | list[list[StrictInt]]
+    max_tokens: int | None = Field(16, ge=0)  # 0: only with echo, the prompt's logprobs and nothing generated
     echo: bool = False
-    logprobs: Literal[0] | None = None
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     suffix: Literal[""] | None = None
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _prompt_form(cls, value: Any) -> Any:
+        """One clear complaint for a prompt of no known form (pydantic would list one per form)."""
+        if isinstance(value, str) or (isinstance(value, list) and _is_ids(value) and value):
+            return value
+        if isinstance(value, list) and value and (all(isinstance(p, str) for p in value)
+                                                  or all(isinstance(p, list) and _is_ids(p) for p in value)):
+            if len(value) > MAX_PROMPTS:
+                raise PydanticCustomError("too_many_prompts", "at most {limit} prompts a request, got {count}",
+                                          {"limit": MAX_PROMPTS, "count": len(value)})
+            return value
+        raise PydanticCustomError("prompt_form", "a prompt is a string, a non-empty list of token ids, or a "
+                                  "non-empty list of either (a batch)")
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts of this request, one a choice, in order."""
+        if isinstance(self.prompt, str) or not isinstance(self.prompt[0], (str, list)):
+            return [self.prompt]
+        return list(self.prompt)
+
+
+def _is_ids(values: list) -> bool:
+    return all(isinstance(v, int) and not isinstance(v, bool) for v in values)

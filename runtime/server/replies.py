@@ -3,6 +3,10 @@
 Both APIs go through here; their route modules only translate fields in and events out.
 
     plan_chat / plan_completion -> ReplyPlan -> run_reply -> Piece ... Piece, ReplyEnd
+
+A plan that asks for log-probabilities also yields, in order among the pieces, PromptLogprobs (the
+prompt's, first) and one TokenLogprob per generated token (before that token's pieces); the stop
+token that ended the reply, if one did, has its own on the ReplyEnd.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from starlette.requests import Request
 
 from flashpack.errors import FlashpackError
 from flashpack.runtime.generate import GenerationEvent, TokenConstraint
+from flashpack.runtime.logprobs import LogprobRequest, TokenLogprob
 from flashpack.runtime.sampling import SamplingParams
 from flashpack.runtime.server.chat_format import Conversation
 from flashpack.runtime.server.context import ServerContext
@@ -52,11 +57,12 @@ class ChatOptions:
 @dataclass
 class ReplyPlan:
     prompt_ids: list[int]
-    params: SamplingParams
+    params: SamplingParams | None  # None: score the prompt only (echo with max_tokens 0)
     constraint: TokenConstraint | None = None
     thinking: bool = False  # read <think> blocks as reasoning
     starts_in_thinking: bool = False
     tools: bool = False  # read <tool_call> blocks as calls
+    logprobs: LogprobRequest | None = None
 
 
 @dataclass
@@ -65,6 +71,15 @@ class ReplyEnd:
     stop_sequence: str | None
     prompt_tokens: int
     completion_tokens: int
+    stop_logprob: TokenLogprob | None = None  # the stop token's that ended the reply (when asked for)
+
+
+@dataclass
+class PromptLogprobs:
+    entries: list[TokenLogprob]  # the prompt's tokens 1..T-1, each given those before it
+
+
+ReplyItem = Piece | TokenLogprob | PromptLogprobs | ReplyEnd
 
 
 def encode_prompt(ctx: ServerContext, conversation: Conversation, enable_thinking: bool | None) -> list[int]:
@@ -79,7 +94,8 @@ def encode_prompt(ctx: ServerContext, conversation: Conversation, enable_thinkin
         raise ApiError(400, f"the chat template could not render these messages: {error}", param="messages") from None
 
 
-def plan_chat(ctx: ServerContext, conversation: Conversation, options: ChatOptions, sampling: Sampling) -> ReplyPlan:
+def plan_chat(ctx: ServerContext, conversation: Conversation, options: ChatOptions, sampling: Sampling,
+              logprobs: LogprobRequest | None = None) -> ReplyPlan:
     prompt_ids = encode_prompt(ctx, conversation, options.enable_thinking)
     params = sampling_params(ctx, len(prompt_ids), sampling)
     inner: TokenConstraint | None = None
@@ -104,11 +120,14 @@ def plan_chat(ctx: ServerContext, conversation: Conversation, options: ChatOptio
             inner, markers.ids(THINK_OPEN), markers.ids(THINK_CLOSE), budget, starts_open,
             tuple(ctx.engine.tokenizer.stop_token_ids), opening,
         )
-    return ReplyPlan(prompt_ids, params, constraint, thinking, starts_open, options.parse_tools or bool(options.forced_tools))
+    return ReplyPlan(prompt_ids, params, constraint, thinking, starts_open, options.parse_tools or bool(options.forced_tools),
+                     logprobs)
 
 
-def plan_completion(ctx: ServerContext, prompt: str | list[int], sampling: Sampling) -> ReplyPlan:
-    """The caller's raw prompt: text is encoded as written, marker text becoming markers."""
+def plan_completion(ctx: ServerContext, prompt: str | list[int], sampling: Sampling,
+                    logprobs: LogprobRequest | None = None) -> ReplyPlan:
+    """The caller's raw prompt: text is encoded as written, marker text becoming markers. With
+    `max_tokens` 0 the plan only scores the prompt (its caller checks that echo asked for that)."""
     if isinstance(prompt, str):
         ctx.check_prompt_size(len(prompt), "prompt")
     prompt_ids = ctx.engine.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
@@ -117,15 +136,24 @@ def plan_completion(ctx: ServerContext, prompt: str | list[int], sampling: Sampl
         raise ApiError(400, "the prompt is empty", param="prompt")
     if any(not 0 <= token < vocab for token in prompt_ids):
         raise ApiError(400, f"prompt token ids must be in [0, {vocab})", param="prompt")
-    return ReplyPlan(prompt_ids, sampling_params(ctx, len(prompt_ids), sampling))
+    if sampling.max_tokens == 0:
+        _check_fits(ctx, len(prompt_ids), room=0)
+        return ReplyPlan(prompt_ids, None, logprobs=logprobs)
+    return ReplyPlan(prompt_ids, sampling_params(ctx, len(prompt_ids), sampling), logprobs=logprobs)
+
+
+def _check_fits(ctx: ServerContext, prompt_tokens: int, room: int) -> None:
+    """Refuse a prompt that leaves less than `room` tokens of the context."""
+    limit = ctx.context_limit
+    if limit - prompt_tokens < room:
+        raise ApiError(400, f"This model's maximum context length is {limit} tokens; the prompt has {prompt_tokens}.",
+                       param="messages", code="context_length_exceeded")
 
 
 def sampling_params(ctx: ServerContext, prompt_tokens: int, sampling: Sampling) -> SamplingParams:
+    _check_fits(ctx, prompt_tokens, room=1)
     limit = ctx.context_limit
     room = limit - prompt_tokens
-    if room < 1:
-        raise ApiError(400, f"This model's maximum context length is {limit} tokens; the prompt has {prompt_tokens}.",
-                       param="messages", code="context_length_exceeded")
     max_tokens = sampling.max_tokens
     if max_tokens is not None and max_tokens > room:
         raise ApiError(400, f"This model's maximum context length is {limit} tokens; you requested "
@@ -144,25 +172,31 @@ def sampling_params(ctx: ServerContext, prompt_tokens: int, sampling: Sampling) 
         raise ApiError(400, str(error), code="invalid_value") from None
 
 
-def run_reply(ctx: ServerContext, plan: ReplyPlan, request: Request | None = None) -> AsyncIterator[Piece | ReplyEnd]:
+def run_reply(ctx: ServerContext, plan: ReplyPlan, request: Request | None = None) -> AsyncIterator[ReplyItem]:
     """Queue the generation now (a full queue raises here, before any response starts); iterate the
     result for its pieces, then one ReplyEnd.
 
     With `request`, a client that disconnects cancels the generation (non-streaming replies; a
     streaming reply is cancelled by its response closing the iterator).
     """
-    job = ctx.scheduler.submit(plan.prompt_ids, plan.params, plan.constraint)
+    job = ctx.scheduler.submit(plan.prompt_ids, plan.params, plan.constraint, plan.logprobs)
     return _reply(ctx, plan, job, request)
 
 
-async def _reply(ctx: ServerContext, plan: ReplyPlan, job: Job, request: Request | None) -> AsyncIterator[Piece | ReplyEnd]:
+async def _reply(ctx: ServerContext, plan: ReplyPlan, job: Job, request: Request | None) -> AsyncIterator[ReplyItem]:
     parser = ReplyParser(plan.thinking, plan.starts_in_thinking, plan.tools)
     token_ids: list[int] = []
-    finish, calls = "stop", 0
+    finish, calls, stop_logprob = "stop", 0, None
     try:
         async for event in _events(job, request):
+            if event.prompt_logprobs is not None:
+                yield PromptLogprobs(event.prompt_logprobs)
             if event.token_id is not None:
                 token_ids.append(event.token_id)
+                if event.logprob is not None:
+                    yield event.logprob
+            elif event.logprob is not None:
+                stop_logprob = event.logprob
             pieces = parser.push(event.text)
             if event.finish_reason is not None:
                 finish = event.finish_reason
@@ -172,10 +206,10 @@ async def _reply(ctx: ServerContext, plan: ReplyPlan, job: Job, request: Request
                 yield piece
     finally:
         job.cancel()  # a no-op once finished; stops the worker if our consumer went away
-    stop_sequence = _matched_stop(ctx, token_ids, plan.params.stop_strings) if finish == "stop" else None
+    stop_sequence = _matched_stop(ctx, token_ids, plan.params.stop_strings) if finish == "stop" and plan.params else None
     if calls and finish == "stop":
         finish = "tool_calls"
-    yield ReplyEnd(finish, stop_sequence, len(plan.prompt_ids), len(token_ids))
+    yield ReplyEnd(finish, stop_sequence, len(plan.prompt_ids), len(token_ids), stop_logprob)
 
 
 async def _events(job: Job, request: Request | None) -> AsyncIterator[GenerationEvent]:

@@ -5,8 +5,10 @@
             +------ asyncio.Queue per job <-- call_soon_threadsafe ----+
 
 The engine runs one sequence at a time, so requests wait their turn; a full queue is refused at
-once (429). A job whose client went away is cancelled: still queued, it is skipped; running, the
-generator's `cancelled` callable stops it after the current token. Any exception inside a job is
+once (429). A job without sampling parameters only scores its prompt (Generator.score: `echo` with
+`max_tokens` 0); a job's LogprobRequest asks the generator for log-probabilities. A job whose client
+went away is cancelled: still queued, it is skipped; running, the generator's `cancelled` callable
+stops it after the current token. Any exception inside a job is
 delivered to that job's consumer; the worker itself keeps going. A FlashpackError is the request's
 fault (400), except PackDamageError: the pack on disk failed a check, which is a 500 naming the
 damage and is also reported to `on_pack_damage` (the server's health turns to error).
@@ -19,11 +21,12 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 
 from flashpack.errors import FlashpackError, PackDamageError
 from flashpack.runtime.generate import GenerationEvent, Generator, TokenConstraint
+from flashpack.runtime.logprobs import LogprobRequest
 from flashpack.runtime.sampling import SamplingParams
 from flashpack.runtime.server.errors import ApiError
 from flashpack.runtime.server.metrics import Metrics
@@ -35,9 +38,10 @@ _END = object()
 @dataclass
 class Job:
     prompt_ids: list[int]
-    params: SamplingParams
+    params: SamplingParams | None  # None: score the prompt, sample nothing
     constraint: TokenConstraint | None
     loop: asyncio.AbstractEventLoop
+    logprobs: LogprobRequest | None = None
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     cancel_event: threading.Event = field(default_factory=threading.Event)
     enqueued_at: float = field(default_factory=time.perf_counter)
@@ -95,10 +99,12 @@ class Scheduler:
         self._thread = None
 
     def submit(
-        self, prompt_ids: list[int], params: SamplingParams, constraint: TokenConstraint | None = None,
+        self, prompt_ids: list[int], params: SamplingParams | None, constraint: TokenConstraint | None = None,
+        logprobs: LogprobRequest | None = None,
     ) -> Job:
-        """Queue a generation (call from the event loop); a full queue raises a 429."""
-        job = Job(prompt_ids, params, constraint, asyncio.get_running_loop())
+        """Queue a generation, or with no `params` a prompt to score (call from the event loop); a
+        full queue raises a 429."""
+        job = Job(prompt_ids, params, constraint, asyncio.get_running_loop(), logprobs)
         with self._lock:
             if self._waiting + self._running > self.max_queue:
                 raise ApiError(429, "the server is busy: too many requests are waiting; retry later", code="queue_full")
@@ -124,7 +130,7 @@ class Scheduler:
         self.metrics.generation_started(time.perf_counter() - job.enqueued_at)
         generated, finish, timings = 0, "error", None
         try:
-            for event in self.generator.stream(job.prompt_ids, job.params, job.constraint, job.cancel_event.is_set):
+            for event in self._events(job):
                 generated += event.token_id is not None
                 if event.finish_reason is not None:
                     finish, timings = event.finish_reason, event.timings
@@ -141,6 +147,12 @@ class Scheduler:
         finally:
             self.metrics.generation_finished(len(job.prompt_ids), generated, finish, timings)
             job.put(_END)
+
+    def _events(self, job: Job) -> Iterator[GenerationEvent]:
+        if job.params is None:
+            return self.generator.score(job.prompt_ids, job.logprobs.top_n if job.logprobs else 0)
+        return self.generator.stream(job.prompt_ids, job.params, job.constraint, job.cancel_event.is_set,
+                                     logprobs=job.logprobs)
 
     def _drain(self) -> None:
         """Cancel everything still queued (shutdown)."""

@@ -94,8 +94,9 @@ def routing(demo_prompt: dict, demo_pack: Path, synth_pack: Path, synth_text: Te
     synth.observe_routing(synth_routing)
     for window in held_out_windows(synth_text, corpus, settings.windows, settings.window_length).windows:
         synth(window[:settings.window_length], synth.new_state())
-    texts = [code_text(source)[:settings.trace_prompt_chars].rpartition("\n")[0] + "\n"
-             for source in spread(corpus.held_out, settings.trace_prompts)]
+    # From files that go on past the prompt, so the model has code to continue, not an end of file.
+    long_files = tuple(text for text in map(code_text, corpus.held_out) if len(text) > 2 * settings.trace_prompt_chars)
+    texts = [text[:settings.trace_prompt_chars].rpartition("\n")[0] + "\n" for text in spread(long_files, settings.trace_prompts)]
     workload = write_workload(work / "workload.jsonl", texts, settings.trace_tokens)
     traces = {name: trace_pack(pack, workload, work / f"{name}.trace.json", settings.trace_tokens)
               for name, pack in (("demo", demo_pack), ("synth", synth_pack))}

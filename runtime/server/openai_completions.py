@@ -70,7 +70,8 @@ class _Choice:
     def take(self, item: ReplyItem) -> str | None:
         """Note one item of the reply; return the text it adds to the choice (None: nothing yet)."""
         if isinstance(item, PromptLogprobs):
-            self.logprobs.add_prompt(self.plan.prompt_ids, item.entries)
+            if self.logprobs is not None:  # echo with max_tokens 0 scores the prompt, asked for logprobs or not
+                self.logprobs.add_prompt(self.plan.prompt_ids, item.entries)
             return None
         if isinstance(item, TokenLogprob):
             self.logprobs.add(item.token_id, item, shows=item.token_id not in self.special_ids)

@@ -142,6 +142,24 @@ def test_streamed_batch_through_the_openai_client_equals_the_whole_reply(served)
             assert streamed[choice.index][key] == getattr(choice.logprobs, key)
 
 
+@pytest.mark.parametrize("echo, logprobs, max_tokens", [
+    (True, None, 0), (True, None, 2), (False, None, 2), (True, 0, 0), (True, 2, 2), (False, 1, 2)])
+def test_every_mix_of_echo_logprobs_and_max_tokens_streamed_or_not(served, echo, logprobs, max_tokens):
+    args = {"model": MODEL, "prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0, "echo": echo,
+            "logprobs": logprobs}
+    client = served.openai()
+    whole = client.completions.create(**args).choices[0]
+    assert whole.text.startswith(PROMPT) == echo
+    assert (whole.logprobs is None) == (logprobs is None)
+    if logprobs is not None:
+        tokens = len(served.engine.tokenizer.encode(PROMPT)) * echo + max_tokens
+        assert len(whole.logprobs.token_logprobs) in (tokens, tokens - 1)  # one fewer if a stop token came first
+    chunks = [chunk.choices[0] for chunk in client.completions.create(**args, stream=True)]
+    assert "".join(chunk.text for chunk in chunks) == whole.text
+    if logprobs is not None:
+        assert [v for c in chunks if c.logprobs for v in c.logprobs.token_logprobs] == whole.logprobs.token_logprobs
+
+
 def test_a_stop_token_that_ends_the_reply_has_its_entry_but_no_text(tiny_tokenizer):
     engine = scripted_engine(tiny_tokenizer, "hello world")
     with serving(engine, ServerSettings(model_name=MODEL, api_key=KEY)) as served:

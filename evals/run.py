@@ -2,10 +2,10 @@
 code task's score means beside the demo model's recorded held-out loss.
 
 lm-eval sends the pack's own token ids (the pack's tokenizer, `tokenized_requests`), one prompt at a
-time unless `batch_size` says more; each document of the code task starts after the model's
-end-of-text id (the token the training stream put between files), as the training record's windows
-did not need to. The held-out loss of the record is in nats per token over its 1,024-token windows;
-in bits per byte it is loss / ln 2 / (bytes per token), the form lm-eval's `bits_per_byte` takes.
+time unless `batch_size` says more; each document of the code task is scored after the model's
+end-of-text id (`custom_prefix_token_id`: the token the training stream put before every file). The
+record's held-out loss is in nats per token over its 1,024-token windows; in bits per byte it is
+loss / ln 2 / (bytes per token), the unit of lm-eval's `bits_per_byte`.
 """
 
 from __future__ import annotations

@@ -1,0 +1,76 @@
+"""EngineConfig: every setting of how the engine runs a step, with its default and why.
+
+The CLI's flags build one (`run`, `serve`, `bench`, `verify`); `bench --set KEY=VALUE` changes any
+field by name (runtime/engine/settings.py), `store.KEY=VALUE` the store's. Each engine holds its
+own, so two engines with different settings can live in one process.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from flashpack.errors import FlashpackError
+from flashpack.runtime.store.config import StoreConfig
+
+DTYPES = ("auto", "bfloat16", "bf16", "float32", "fp32")
+EXPERT_SOURCES = ("auto", "store", "pack")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    # "cpu", "cuda" or "cuda:N".
+    device: str = "cpu"
+    # The engine's dtype: "auto" is BF16 on a GPU and FP32 on a CPU, where BF16 matmuls are emulated.
+    dtype: str = "auto"
+    # Where routed experts come from: "store" through the tiered store (budgets, policy, prefetch;
+    # every expert resident on the device when the budget holds them all), "pack" decoded from the
+    # pack on each use (the plain path). "auto": the store on a GPU, and on a CPU when any store
+    # setting differs from its default, else the pack.
+    experts: str = "auto"
+    # On a GPU, replay decode steps' fixed-shape work from CUDA graphs (runtime/engine/decode_graphs.py).
+    cuda_graphs: bool = True
+    # A run that knows how many tokens it decodes builds graphs only when its new tokens times its
+    # decoder layers reach this: a layer decodes in ~4.5 ms eagerly and ~0.4 ms from graphs on an
+    # H200, and building a step's graphs takes ~8 s with warm compile caches.
+    graphs_min_layer_tokens: int = 2048
+    # Fuse each graph's small kernels with torch.compile before capturing it.
+    compile_layers: bool = True
+    # TorchInductor's combo kernels: independent small kernels of a piece launched as one (a decode
+    # step's kernels are mostly launch and tail, not work).
+    combo_kernels: bool = True
+    # Decoder layers per CUDA graph: one a layer keeps the GPU on layer L while the host launches L + 1.
+    layers_per_graph: int = 1
+    # One-token hyper-connection mixes as two Triton kernels each (GPU only) instead of the module's code.
+    fused_mix: bool = True
+    # BF16 projections of up to this many tokens take the matvec kernel, more cuBLAS.
+    dense_matvec_max_tokens: int = 1
+    # Decode through a store: the next layer's router, applied to this layer's input, names experts
+    # to load ahead.
+    prefetch: bool = True
+    # Start those prefetches while this layer's own loads land (True) or once they have (False).
+    prefetch_during_loads: bool = True
+    # Also read from disk into the host cache the records the layer after next is predicted to pick
+    # (a disk read takes about as long as a layer).
+    read_ahead: bool = True
+    # Programs of the kernel that stages the next layer's host records on a side stream: 16 already
+    # reach 0.92 of the pinned copy rate on an H200, and the rest of the SMs stay with the layer.
+    staging_programs: int = 32
+    # Of the next layer's predicted host records, how many a graph's last layer stages beside its own
+    # experts (the rest cross at the next graph's start): a graph joins what it forks, so more hold
+    # its end back; none leaves the link idle through the experts.
+    staged_beside_experts: int = 1
+    store: StoreConfig = field(default_factory=StoreConfig)
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise FlashpackError(f"unknown dtype {self.dtype!r}: use one of {', '.join(DTYPES)}")
+        if self.experts not in EXPERT_SOURCES:
+            raise FlashpackError(f"unknown expert source {self.experts!r}: use one of {', '.join(EXPERT_SOURCES)}")
+        minimums = {"layers_per_graph": 1, "staging_programs": 1, "graphs_min_layer_tokens": 0,
+                    "dense_matvec_max_tokens": 0, "staged_beside_experts": 0}
+        for name, least in minimums.items():
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < least:
+                raise FlashpackError(f"engine {name} must be a whole number of at least {least}, got {value!r}")
+        if not isinstance(self.store, StoreConfig):
+            raise FlashpackError("engine store must be a StoreConfig")

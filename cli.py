@@ -50,23 +50,32 @@ def _budget_options(command):
 
 
 def _store_options(command):
-    """The budgets, --policy, --hot-set, --no-direct-io, --no-verify-records."""
+    """The budgets, --policy, --hot-set, --no-direct-io, --no-verify-records, --set."""
     return _with(_BUDGET_OPTIONS + [
-        click.option("--policy", type=click.Choice(["lfu", "lru", "lfu-decay"]), default="lfu", show_default=True),
+        click.option("--policy", type=click.Choice(["lfu", "lru", "lfu-decay"]), help="Eviction policy of the "
+                     "expert tiers [default: lfu]; on a CPU, giving it (or any store option) routes experts "
+                     "through the store."),
         click.option("--hot-set", help="Pre-warm VRAM, then RAM, from this manifest profile (flashpack profile); "
                      "'*' pre-warms every record the two tiers hold."),
         click.option("--no-direct-io", is_flag=True, help="Read records through the page cache, not O_DIRECT."),
         click.option("--no-verify-records", is_flag=True, help="Skip the xxh64 check of records on first read."),
+        click.option("--set", "settings", multiple=True, metavar="KEY=VALUE", help="Any engine setting by name, "
+                     "store.KEY for the store's (repeatable; README: Configuration). Applied after the other flags."),
     ], command)
 
 
-def _store_settings(vram_budget: str | None, ram_budget: str | None, policy: str, hot_set: str | None,
-                    no_direct_io: bool):
-    from flashpack.runtime.loader import StoreOptions
+def _engine_config(device: str, dtype: str, vram_budget: str | None = None, ram_budget: str | None = None,
+                   policy: str | None = None, hot_set: str | None = None, no_direct_io: bool = False,
+                   no_verify_records: bool = False, settings: tuple[str, ...] = (), **engine):
+    """The EngineConfig the flags name: the store's flags into its StoreConfig, `engine` (EngineConfig
+    fields) as given, then each --set on top."""
+    from flashpack.runtime.engine.config import EngineConfig
+    from flashpack.runtime.engine.settings import with_settings
+    from flashpack.runtime.store.config import StoreConfig
 
-    if vram_budget is None and ram_budget is None and hot_set is None:
-        return None
-    return StoreOptions(vram_budget, ram_budget, policy, hot_set, not no_direct_io)
+    store = StoreConfig(vram_budget=vram_budget, ram_budget=ram_budget, hot_set=hot_set, direct_io=not no_direct_io,
+                        verify_records=not no_verify_records, **({"policy": policy} if policy is not None else {}))
+    return with_settings(EngineConfig(device=device, dtype=dtype, store=store, **engine), settings)
 
 
 @click.group()
@@ -196,21 +205,22 @@ def verify(pack: Path, reference: str, dtype: str, device: str, prompts: tuple[s
 @click.option("--store-stats", is_flag=True, help="Print the expert store's counters (JSON) on stderr at the end.")
 @click.option("--cuda-graphs", type=click.Choice(["auto", "on", "off"]), default="auto", show_default=True,
               help="Decode from CUDA graphs on a GPU. auto: when --max-tokens times the model's layers pays for "
-              "building them (2,048: from 43 tokens at 48 layers; runtime/loader.py); off decodes eagerly.")
+              "building them (2,048: from 43 tokens at 48 layers; EngineConfig.graphs_min_layer_tokens); off "
+              "decodes eagerly.")
 @_one_line_errors
 def run(pack: Path, prompt: str, chat: bool, think: bool | None, max_tokens: int, temperature: float, top_k: int,
         top_p: float, seed: int | None, stop: tuple[str, ...], device: str, dtype: str, vram_budget: str | None,
-        ram_budget: str | None, policy: str, hot_set: str | None, no_direct_io: bool, no_verify_records: bool,
-        store_stats: bool, cuda_graphs: str) -> None:
+        ram_budget: str | None, policy: str | None, hot_set: str | None, no_direct_io: bool, no_verify_records: bool,
+        settings: tuple[str, ...], store_stats: bool, cuda_graphs: str) -> None:
     """Generate from PACK for PROMPT, streaming text to stdout; tokens/s on stderr at the end."""
     import json
 
-    from flashpack.runtime.loader import load_engine
+    from flashpack.runtime.engine.build import load_engine
     from flashpack.runtime.sampling import SamplingParams
 
-    engine = load_engine(pack, device=device, dtype=dtype, verify_records=not no_verify_records,
-                         store=_store_settings(vram_budget, ram_budget, policy, hot_set, no_direct_io),
-                         cuda_graphs=cuda_graphs != "off", decode_tokens=max_tokens if cuda_graphs == "auto" else None)
+    config = _engine_config(device, dtype, vram_budget, ram_budget, policy, hot_set, no_direct_io, no_verify_records,
+                            settings, cuda_graphs=cuda_graphs != "off")
+    engine = load_engine(pack, config, decode_tokens=max_tokens if cuda_graphs == "auto" else None)
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
                             stop_strings=stop)
     turn = [{"role": "user", "content": prompt}]
@@ -284,8 +294,8 @@ def serve(pack: Path, host: str, port: int, api_key: str | None, device: str, dt
           max_request_bytes: int | None, max_queue: int | None, max_context: int | None,
           default_max_tokens: int | None, max_connections: int | None, header_timeout: float | None,
           keep_alive_timeout: float | None, body_timeout: float | None, max_header_bytes: int | None,
-          log_level: str, vram_budget: str | None, ram_budget: str | None, policy: str, hot_set: str | None,
-          no_direct_io: bool, no_verify_records: bool) -> None:
+          log_level: str, vram_budget: str | None, ram_budget: str | None, policy: str | None, hot_set: str | None,
+          no_direct_io: bool, no_verify_records: bool, settings: tuple[str, ...]) -> None:
     """Serve PACK over OpenAI- and Anthropic-compatible HTTP APIs. Every option is checked before the
     model loads."""
     import socket
@@ -297,6 +307,8 @@ def serve(pack: Path, host: str, port: int, api_key: str | None, device: str, dt
 
     parse_budget(vram_budget, "--vram-budget")
     parse_budget(ram_budget, "--ram-budget")
+    config = _engine_config(device, dtype, vram_budget, ram_budget, policy, hot_set, no_direct_io, no_verify_records,
+                            settings)
     try:  # the address resolves and is free to listen on (uvicorn binds it again once the model is loaded)
         family, kind, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
         with socket.socket(family, kind) as probe:
@@ -308,11 +320,9 @@ def serve(pack: Path, host: str, port: int, api_key: str | None, device: str, dt
              "default_max_tokens": default_max_tokens, "max_connections": max_connections,
              "header_timeout": header_timeout, "keep_alive_timeout": keep_alive_timeout,
              "body_timeout": body_timeout, "max_header_bytes": max_header_bytes}
-    settings = ServerSettings(model_name=model_name if model_name is not None else pack_model_name(pack),
-                              api_key=api_key, **{name: value for name, value in given.items() if value is not None})
-    run_server(pack, settings, host=host, port=port, device=device, dtype=dtype, log_level=log_level,
-               store=_store_settings(vram_budget, ram_budget, policy, hot_set, no_direct_io),
-               verify_records=not no_verify_records)
+    server = ServerSettings(model_name=model_name if model_name is not None else pack_model_name(pack),
+                            api_key=api_key, **{name: value for name, value in given.items() if value is not None})
+    run_server(pack, server, config, host=host, port=port, log_level=log_level)
 
 
 @main.command()
@@ -330,10 +340,10 @@ def serve(pack: Path, host: str, port: int, api_key: str | None, device: str, dt
 def profile(pack: Path, workload: Path, name: str, reorder: bool, max_tokens: int, device: str, dtype: str,
             trace_out: Path | None, vram_budget: str | None, ram_budget: str | None) -> None:
     """Run a workload on PACK and bake its hot expert set into the manifest."""
-    from flashpack.runtime.store import profile_pack
+    from flashpack.runtime.engine.profile import profile_pack
 
-    result = profile_pack(pack, workload, name, reorder=reorder, max_tokens=max_tokens, device=device, dtype=dtype,
-                          trace_out=trace_out, store=_store_settings(vram_budget, ram_budget, policy="lfu", hot_set=None, no_direct_io=False))
+    result = profile_pack(pack, workload, name, _engine_config(device, dtype, vram_budget, ram_budget), reorder=reorder,
+                          max_tokens=max_tokens, trace_out=trace_out)
     hot = [len(layer["experts"]) for layer in result["layers"]]
     moved = f"; {sum(result['moved'].values())} records moved" if reorder else ""
     click.echo(f"hot set {name!r} written: {len(hot)} layers, {min(hot)}-{max(hot)} experts each{moved}")
@@ -356,10 +366,10 @@ def trace() -> None:
 def trace_record(pack: Path, workload: Path, out: Path, max_tokens: int, device: str, dtype: str,
                  vram_budget: str | None, ram_budget: str | None) -> None:
     """Run WORKLOAD on PACK and save every layer's expert requests."""
-    from flashpack.runtime.store import record_trace
+    from flashpack.runtime.engine.profile import record_trace
 
-    recorded = record_trace(pack, workload, out, max_tokens=max_tokens, device=device, dtype=dtype,
-                            store=_store_settings(vram_budget, ram_budget, policy="lfu", hot_set=None, no_direct_io=False))
+    recorded = record_trace(pack, workload, out, _engine_config(device, dtype, vram_budget, ram_budget),
+                            max_tokens=max_tokens)
     click.echo(f"wrote {out} ({recorded.tokens()} tokens)")
 
 
@@ -421,26 +431,30 @@ def trace_replay(trace_file: Path, capacities: tuple[int, ...], policies: tuple[
 @click.option("--no-fused-mix", is_flag=True, help="Run one-token hyper-connection mixes as the module's code, "
               "compiled, instead of two Triton kernels each (for comparison; the kernels are used on a GPU only).")
 @_one_line_errors
-def bench(pack: Path, vram_budget: str | None, ram_budget: str | None, policy: str, hot_set: str | None,
-          no_direct_io: bool, no_verify_records: bool, prompt_len: int, gen: int, json_path: Path | None, device: str,
+def bench(pack: Path, vram_budget: str | None, ram_budget: str | None, policy: str | None, hot_set: str | None,
+          no_direct_io: bool, no_verify_records: bool, settings: tuple[str, ...], prompt_len: int, gen: int, json_path: Path | None, device: str,
           dtype: str, emulate_layers: int | None, baseline: str | None, baseline_layers: int, baseline_prompt_len: int,
           baseline_gen: int, seed: int, repeats: int, copy_probe: str | None, disk_probe: str,
           offload_dir: Path | None, quiet: bool, no_cuda_graphs: bool, no_compile: bool, graph_layers: int,
           no_prefetch: bool, read_ahead: bool, promote: bool, no_fused_mix: bool) -> None:
     """Time prefill and decode of PACK through the tiered store, against the machine's bandwidth roofline
     and (with --baseline) transformers + accelerate offload at the same budget. The store is always
-    used: a budget left out gives its tier room for every record."""
+    used: a budget left out gives its tier room for every record. --set changes any engine setting
+    for an experiment (README: Configuration)."""
     from flashpack.runtime.bench import run_bench
     from flashpack.runtime.bench.report import table
 
+    config = _engine_config(
+        device, dtype, vram_budget, ram_budget, policy, hot_set, no_direct_io, no_verify_records,
+        (f"store.promote={promote}", *settings), experts="store", cuda_graphs=not no_cuda_graphs,
+        compile_layers=not no_compile, prefetch=not no_prefetch, read_ahead=read_ahead, layers_per_graph=graph_layers,
+        fused_mix=not no_fused_mix,
+    )
     report = run_bench(
-        pack, vram_budget=vram_budget, ram_budget=ram_budget, prompt_len=prompt_len, gen=gen, device=device,
-        dtype=dtype, policy=policy, hot_set=hot_set, emulate_layers=emulate_layers, baseline=baseline,
+        pack, config, prompt_len=prompt_len, gen=gen, emulate_layers=emulate_layers, baseline=baseline,
         baseline_layers=baseline_layers, baseline_prompt_len=baseline_prompt_len, baseline_gen=baseline_gen,
-        seed=seed, repeats=repeats, direct_io=not no_direct_io, verify_records=not no_verify_records,
-        copy_probe=copy_probe, disk_probe=disk_probe, offload_dir=offload_dir, json_path=json_path,
-        progress=not quiet, cuda_graphs=not no_cuda_graphs, compile_layers=not no_compile, prefetch=not no_prefetch,
-        read_ahead=read_ahead, promote=promote, layers_per_graph=graph_layers, fused_mix=not no_fused_mix,
+        seed=seed, repeats=repeats, copy_probe=copy_probe, disk_probe=disk_probe, offload_dir=offload_dir,
+        json_path=json_path, progress=not quiet,
     )
     click.echo(table(report))
     if json_path is not None:

@@ -32,7 +32,7 @@ def run_demo(workdir: Path, keep: bool = False, echo: Callable[[str], None] = cl
     from flashpack.demo_model import snapshot_path, training_record
     from flashpack.layout.inspect import summarize
     from flashpack.layout.integrity import check_pack
-    from flashpack.runtime.loader import load_engine
+    from flashpack.runtime.engine.build import load_engine
     from flashpack.runtime.sampling import SamplingParams
 
     created = not workdir.exists()

@@ -21,12 +21,13 @@ import torch
 
 from flashpack.convert.pipeline import convert
 from flashpack.convert.synth import synthesize
-from flashpack.runtime.loader import load_engine
+from flashpack.runtime.engine.build import load_engine
+from flashpack.runtime.engine.config import EngineConfig
 from flashpack.runtime.sampling import SamplingParams
 
 
 def measure(pack: Path, device: str, prompt_len: int, new_tokens: int) -> dict:
-    engine = load_engine(pack, device=device)
+    engine = load_engine(pack, EngineConfig(device=device))
     vocab = engine.model.config.vocab_size
     prompt = torch.randint(10, vocab - 10, (prompt_len,), generator=torch.Generator().manual_seed(0)).tolist()
     engine.generator.generate(prompt[:8], SamplingParams(max_tokens=2))  # warm-up

@@ -133,10 +133,10 @@ for stage in $STAGES; do
       BENCH_PY="import sys; from flashpack.runtime.kernels import dispatch; dispatch.DENSE_MATVEC_MAX_TOKENS = 0; from flashpack.cli import main; main()" \
         bench unbounded-cublas "" "" --prompt-len $PROMPT --gen $GEN ;;
     ahead-programs)  # 24/64 with the side stream's staging kernel on AHEAD (default 64) programs instead of 32
-      BENCH_PY="import sys; from flashpack.runtime.model import decode_graphs; decode_graphs.AHEAD_PROGRAMS = ${AHEAD:-64}; from flashpack.cli import main; main()" \
+      BENCH_PY="import sys; from flashpack.runtime.engine import decode_graphs; decode_graphs.AHEAD_PROGRAMS = ${AHEAD:-64}; from flashpack.cli import main; main()" \
         bench 24g-64g-ahead-${AHEAD:-64} 24GiB 64GiB --prompt-len $PROMPT --gen $GEN --hot-set '*' ;;
     unbounded-no-combo)  # the control for the engine's inductor combo kernels: compiled without them
-      BENCH_PY="import sys; from flashpack.runtime.model import decode_graphs; decode_graphs.COMPILE_OPTIONS = {}; from flashpack.cli import main; main()" \
+      BENCH_PY="import sys; from flashpack.runtime.engine import decode_graphs; decode_graphs.COMPILE_OPTIONS = {}; from flashpack.cli import main; main()" \
         bench unbounded-no-combo "" "" --prompt-len $PROMPT --gen $GEN ;;
     unbounded-one-graph) bench unbounded-one-graph "" "" --prompt-len $PROMPT --gen $GEN --graph-layers $LAYERS ;;
     one-graph) bench 24g-64g-one-graph 24GiB 64GiB --prompt-len $PROMPT --gen $GEN --hot-set '*' --graph-layers $LAYERS ;;
@@ -171,7 +171,7 @@ for stage in $STAGES; do
       # graph's last experts (decode_graphs.STAGED_BESIDE_EXPERTS; 0 as before session 13)
       fp8_pack; hot_set full-fp8
       for n in ${BESIDE:-0 2}; do
-        BENCH_PY="from flashpack.runtime.model import decode_graphs; decode_graphs.STAGED_BESIDE_EXPERTS = $n; from flashpack.cli import main; main()" \
+        BENCH_PY="from flashpack.runtime.engine import decode_graphs; decode_graphs.STAGED_BESIDE_EXPERTS = $n; from flashpack.cli import main; main()" \
           PACK=full-fp8 bench 24g-64g-fp8-hot-beside-$n 24GiB 64GiB --prompt-len $PROMPT --gen $GEN --hot-set corpus
       done ;;
     late-prefetch)  # a through-store layer prefetches once its own loads landed (before session 11)

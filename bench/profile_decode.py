@@ -35,7 +35,10 @@ from flashpack.runtime.bench.gaps import format_gaps, gpu_gaps, load_trace
 from flashpack.runtime.bench.kernel_classes import format_classes, kernel_classes
 from flashpack.runtime.bench.emulate import check_layers, scaled_budgets
 from flashpack.runtime.bench.sizes import model_sizes
-from flashpack.runtime.loader import StoreOptions, load_engine, parse_device, parse_dtype
+from flashpack.runtime.engine.build import load_engine, parse_device, parse_dtype
+from flashpack.runtime.engine.config import EngineConfig
+from flashpack.runtime.engine.expert_paths import StoreExperts
+from flashpack.runtime.store.config import StoreConfig
 from flashpack.runtime.store.budget import parse_budget
 
 
@@ -65,10 +68,10 @@ def timed_calls(targets: list[tuple[object, str]], totals: dict[str, float]):
                 setattr(owner, name, original)
 
 
-def host_targets(model, store) -> list[tuple[object, str]]:
-    graphs = model.decode_graphs
+def host_targets(engine) -> list[tuple[object, str]]:
+    model, store, graphs = engine.model, engine.store, engine.step.graphs
     # the PLE rows are hashed and gathered on the host before the first layer, which no device work hides
-    targets = [(model, "forward"), (model, "embed")] + [(layer.ple, "embed") for layer in model.layers
+    targets = [(engine.step, "forward"), (model, "embed")] + [(layer.ple, "embed") for layer in model.layers
                                                          if layer.ple is not None]
     if graphs is not None:
         targets += [(graphs, name) for name in ("run", "_try_table", "_through_store") if hasattr(graphs, name)]
@@ -76,8 +79,8 @@ def host_targets(model, store) -> list[tuple[object, str]]:
                 if store is not None and hasattr(store, name)]
     # a layer through the store: the MoE's whole call, and inside it the store's placing of a request,
     # its wait for the loads, and the next layer's prefetch (timed per layer and summed)
-    targets += [(layer.moe, "routed_from_store") for layer in model.layers if layer.moe.slots is not None
-                and layer.moe.resident is None]
+    if isinstance(model.experts, StoreExperts):
+        targets.append((model.experts, "from_store"))
     targets += [(store, name) for name in ("_request", "_await", "prefetch")
                 if store is not None and hasattr(store, name)]
     return targets
@@ -105,25 +108,24 @@ def main() -> None:
     typed = {"vram": parse_budget(args.vram_budget, "--vram-budget"),
              "ram": parse_budget(args.ram_budget, "--ram-budget")}
     _, budgets = scaled_budgets(typed, sizes.device_fixed, layers, check_layers(layers, args.emulate_layers))
-    store = StoreOptions(*(None if budgets[tier] is None else str(budgets[tier]) for tier in ("vram", "ram")),
-                         hot_set=args.hot_set)
-    engine = load_engine(args.pack, args.device, store=store)
-    model, sync = engine.model, (torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None))
-    state = model.new_state()
+    store = StoreConfig(vram_budget=budgets["vram"], ram_budget=budgets["ram"], hot_set=args.hot_set)
+    engine = load_engine(args.pack, EngineConfig(device=args.device, store=store))
+    forward, sync = engine.step.forward, (torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None))
+    state = engine.step.new_state()
     prompt = torch.randint(0, 1000, (args.prompt_len,))
-    token = int(model(prompt, state, last_only=True).logits.argmax())
+    token = int(forward(prompt, state, last_only=True).logits.argmax())
     if args.phase == "prefill":
         steps = 1
 
         def step():
-            state.restore(model.new_state())
-            model(prompt, state, last_only=True)
+            state.restore(engine.step.new_state())
+            forward(prompt, state, last_only=True)
     else:
         steps = args.steps
 
         def step():
             nonlocal token
-            token = int(model(torch.tensor([token]), state).logits.argmax())
+            token = int(forward(torch.tensor([token]), state).logits.argmax())
 
     for _ in range(steps):  # warm: kernels compiled, caches as decoding leaves them
         step()
@@ -133,7 +135,7 @@ def main() -> None:
         step()
     sync()
     wall = (time.perf_counter() - start) / steps  # unprofiled: the profiler slows the host
-    with timed_calls(host_targets(model, engine.store), defaultdict(float)) as totals:
+    with timed_calls(host_targets(engine), defaultdict(float)) as totals:
         for _ in range(steps):
             step()
         sync()

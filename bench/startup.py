@@ -21,7 +21,8 @@ from pathlib import Path
 
 import torch
 
-from flashpack.runtime.loader import load_engine
+from flashpack.runtime.engine.build import load_engine
+from flashpack.runtime.engine.config import EngineConfig
 from flashpack.runtime.sampling import SamplingParams
 
 
@@ -47,7 +48,7 @@ def main() -> None:
     parser.add_argument("--json", type=Path, required=True)
     args = parser.parse_args()
     started = time.perf_counter()
-    engine = load_engine(args.pack, device=args.device, cuda_graphs=not args.no_cuda_graphs)
+    engine = load_engine(args.pack, EngineConfig(device=args.device, cuda_graphs=not args.no_cuda_graphs))
     _sync()
     loaded = time.perf_counter() - started
     row: dict = {"mode": args.mode, "label": args.label, "load_seconds": round(loaded, 3)}

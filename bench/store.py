@@ -35,7 +35,7 @@ from flashpack.runtime.store.hotset import hot_set_from_trace
 from flashpack.runtime.store.reader import READ_PIECES, RecordReader, aligned_empty
 from flashpack.runtime.store.simulate import replay, simulate_policy
 from flashpack.runtime.store.stats import LayerCounters
-from flashpack.runtime.store.workload import run_workload
+from flashpack.runtime.engine.workload import run_workload
 
 PROFILE_PROMPTS = [
     "Explain how a bicycle gear works to a child.",

@@ -18,7 +18,7 @@ from flashpack.layout.checksums import BLOCK_BYTES, stamp_manifest
 from flashpack.layout.integrity import check_pack
 from flashpack.layout.manifest import Manifest, write_manifest
 from flashpack.layout.pack import Pack
-from flashpack.runtime.loader import load_engine
+from flashpack.runtime.engine.build import load_engine
 from flashpack.runtime.pack_source import PackExperts
 from flashpack.runtime.sampling import SamplingParams
 from flashpack.runtime.store.hotset import reorder_pack, save_hot_set

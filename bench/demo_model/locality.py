@@ -23,7 +23,7 @@ import torch
 
 from flashpack.runtime.store.simulate import replay
 from flashpack.runtime.store.trace import Trace
-from flashpack.runtime.store.workload import run_workload
+from flashpack.runtime.engine.workload import run_workload
 
 REPLAYED = ("lru", "lfu", "lfu-decay", "belady", "belady-global")
 

@@ -17,7 +17,8 @@ from flashpack.bench.demo_model.lookup import LookupMeter
 from flashpack.bench.demo_model.settings import BenchSettings
 from flashpack.bench.demo_model.sources import Engine
 from flashpack.convert.train.corpus import Corpus
-from flashpack.runtime.loader import load_engine
+from flashpack.runtime.engine.build import load_engine
+from flashpack.runtime.engine.config import EngineConfig
 
 
 @dataclass
@@ -89,7 +90,7 @@ def prompt_lookup(engine: Engine, text: TextModel, corpus: Corpus, settings: Ben
 def routing(demo_prompt: dict, demo_pack: Path, synth_pack: Path, synth_text: TextModel, corpus: Corpus,
             settings: BenchSettings, work: Path) -> dict:
     """Locality per layer, demo against synth, and both traces replayed through the policies."""
-    synth = load_engine(synth_pack, device="cpu", dtype="float32", cuda_graphs=False).model
+    synth = load_engine(synth_pack, EngineConfig(dtype="float32", cuda_graphs=False)).model
     synth_routing = PromptLocality(synth.config.num_experts_per_tok)
     synth.observe_routing(synth_routing)
     for window in held_out_windows(synth_text, corpus, settings.windows, settings.window_length).windows:

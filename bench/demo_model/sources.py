@@ -26,7 +26,8 @@ from flashpack.layout.model_config import TextConfig
 from flashpack.layout.nvfp4 import dequantize_fp8_rows
 from flashpack.layout.pack import Pack
 from flashpack.runtime.experts import ExpertWeights
-from flashpack.runtime.loader import load_engine
+from flashpack.runtime.engine.build import load_engine
+from flashpack.runtime.engine.config import EngineConfig
 from flashpack.runtime.model import MTPHead, Qwen4ExpModel
 from flashpack.runtime.pack_source import PackExperts, PackWeights
 from flashpack.verify.expected import ExpectedWeights
@@ -68,7 +69,7 @@ def pack_weights_model(snapshot: Path) -> Qwen4ExpForCausalLM:
 
 def pack_engine(pack_path: Path) -> Engine:
     """The engine as `flashpack run` loads it on a CPU (experts decoded from the pack), FP32."""
-    loaded = load_engine(pack_path, device="cpu", dtype="float32", cuda_graphs=False)
+    loaded = load_engine(pack_path, EngineConfig(dtype="float32", cuda_graphs=False))
     pack = Pack.open(pack_path)
     return Engine(loaded.model, MTPHead(loaded.model, PackWeights(pack), PackExperts(pack)))
 

@@ -4,6 +4,7 @@ decode, optionally the transformers baseline, and assemble the report (report.py
 from __future__ import annotations
 
 import gc
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import torch
@@ -37,29 +38,19 @@ from flashpack.runtime.bench.machine import machine_info
 from flashpack.runtime.bench.report import BENCH_VERSION, notes, write_report
 from flashpack.runtime.bench.roofline import phase_traffic, roofline
 from flashpack.runtime.bench.run import run_engine
-from flashpack.runtime.model.decode_graphs import LAYERS_PER_GRAPH
 from flashpack.runtime.bench.sizes import baseline_fixed_bytes, model_sizes
 from flashpack.runtime.bench.workload import prompt_ids
-from flashpack.runtime.loader import (
-    StoreOptions,
-    load_engine,
-    parse_device,
-    parse_dtype,
-)
+from flashpack.runtime.engine.build import load_engine, parse_device, parse_dtype
+from flashpack.runtime.engine.config import EngineConfig
 from flashpack.runtime.store.budget import parse_budget
 
 
 def run_bench(
     pack: Path | str,
+    config: EngineConfig = EngineConfig(experts="store"),
     *,
-    vram_budget: str | int | None = None,
-    ram_budget: str | int | None = None,
     prompt_len: int = 512,
     gen: int = 64,
-    device: str = "cpu",
-    dtype: str = "auto",
-    policy: str = "lfu",
-    hot_set: str | None = None,
     emulate_layers: int | None = None,
     baseline: str | None = None,
     baseline_layers: int = 2,
@@ -67,28 +58,19 @@ def run_bench(
     baseline_gen: int = 4,
     seed: int = 0,
     repeats: int = 1,
-    direct_io: bool = True,
-    verify_records: bool = True,
     copy_probe: str | int | None = None,
     disk_probe: str | int = DEFAULT_DISK_BYTES,
     offload_dir: Path | None = None,
     json_path: Path | None = None,
     progress: bool = False,
-    cuda_graphs: bool = True,
-    compile_layers: bool = True,
-    prefetch: bool = True,
-    read_ahead: bool = True,
-    promote: bool = False,
-    layers_per_graph: int = LAYERS_PER_GRAPH,
-    fused_mix: bool = True,
 ) -> dict:
-    """Benchmark `pack`; returns the report (and writes it to `json_path` when given).
+    """Benchmark `pack` as `config` runs it; returns the report (and writes it to `json_path` when given).
 
     A baseline that fails does not lose our measurements: its entry holds {"error": ...} instead.
 
     Budgets are for the full model: with `emulate_layers` (the full model's decoder layer count)
     they are scaled to the pack's layers (emulate.py), and per-token results are reported at both
-    counts. `baseline="transformers"` also times transformers + accelerate on the pack's first
+    counts; `config.store`'s budgets are the full model's. `baseline="transformers"` also times transformers + accelerate on the pack's first
     `baseline_layers` layers at the same budget (baseline.py)."""
     for name, value, least in (("--prompt-len", prompt_len, 1), ("--gen", gen, 1), ("--repeats", repeats, 1),
                                ("--baseline-prompt-len", baseline_prompt_len, 1), ("--baseline-gen", baseline_gen, 1)):
@@ -98,8 +80,8 @@ def run_bench(
         raise FlashpackError(f"unknown baseline {baseline!r}: choose one of {', '.join(BASELINES)}")
     manifest = Pack.open(pack).manifest
     cfg = manifest.config
-    torch_device = parse_device(device)
-    torch_dtype = parse_dtype(dtype, torch_device)
+    torch_device = parse_device(config.device)
+    torch_dtype = parse_dtype(config.dtype, torch_device)
     layers = cfg.num_hidden_layers
     target = check_layers(layers, emulate_layers)
     if baseline is not None and not 1 <= baseline_layers <= layers:
@@ -108,24 +90,20 @@ def run_bench(
         raise FlashpackError(f"--prompt-len {prompt_len} + --gen {gen} exceeds the model's context "
                              f"({cfg.max_position_embeddings} positions)")
     sizes = model_sizes(manifest, torch_dtype, torch_device)
-    typed = {"vram": parse_budget(vram_budget, "--vram-budget"), "ram": parse_budget(ram_budget, "--ram-budget")}
+    typed = {"vram": parse_budget(config.store.vram_budget, "--vram-budget"),
+             "ram": parse_budget(config.store.ram_budget, "--ram-budget")}
     fixed, engine_budgets = scaled_budgets(typed, sizes.device_fixed, layers, target)
 
-    store = StoreOptions(
-        vram_budget=None if engine_budgets["vram"] is None else str(engine_budgets["vram"]),
-        ram_budget=None if engine_budgets["ram"] is None else str(engine_budgets["ram"]),
-        policy=policy, hot_set=hot_set, direct_io=direct_io, prefetch=prefetch, read_ahead=read_ahead,
-        promote=promote,
-    )
-    engine = load_engine(pack, device, dtype, verify_records=verify_records, store=store, cuda_graphs=cuda_graphs,
-                         compile_layers=compile_layers, layers_per_graph=layers_per_graph, fused_mix=fused_mix)
-    graphs = engine.model.decode_graphs
+    config = replace(config, experts="store",
+                     store=replace(config.store, vram_budget=engine_budgets["vram"], ram_budget=engine_budgets["ram"]))
+    engine = load_engine(pack, config)
+    graphs = engine.step.graphs
     engine_setup = {"expert_source": type(engine.store).__name__, "cuda_graphs": graphs is not None,
-                    "compiled_layers": graphs is not None and compile_layers,
+                    "compiled_layers": graphs is not None and config.compile_layers,
                     "layers_per_graph": graphs.layers_per_graph if graphs is not None else None,
-                    "prefetch": any(layer.moe.next_moe is not None for layer in engine.model.layers),
-                    "read_ahead": any(layer.moe.read_ahead for layer in engine.model.layers),
-                    "promote": promote, "fused_mix": fused_mix and torch_device.type == "cuda"}
+                    "prefetch": config.prefetch, "read_ahead": config.read_ahead and config.prefetch,
+                    "promote": config.store.promote, "fused_mix": engine.model.fused_mix,
+                    "config": asdict(config)}
     try:
         tokenizer = engine.tokenizer.tokenizer
         eos = cfg.eos_token_id if cfg.eos_token_id is not None and cfg.eos_token_id >= 0 else None
@@ -135,7 +113,7 @@ def run_bench(
         ceilings = measure_ceilings(
             torch_device, engine.pack.root, expert_files,
             copy_bytes=parse_budget(copy_probe, "--copy-probe") if copy_probe is not None else None,
-            disk_bytes=parse_budget(disk_probe, "--disk-probe"), direct_io=direct_io,
+            disk_bytes=parse_budget(disk_probe, "--disk-probe"), direct_io=config.store.direct_io,
         )
         ours = run_engine(engine, prompt, gen, warmup, repeats, progress)
         baseline_prompt = prompt[:min(prompt_len, baseline_prompt_len)]
@@ -146,8 +124,7 @@ def run_bench(
                       "device_reserved": plan.device_reserved, "host_reserved": plan.host_reserved,
                       "record_stride": plan.record_stride}
     finally:
-        if engine.store is not None:
-            engine.store.close()
+        engine.close()
         del engine
         gc.collect()
         if torch_device.type == "cuda":
@@ -188,8 +165,8 @@ def run_bench(
         "machine": machine_info(torch_device),
         "settings": {
             "pack": str(pack), "device": str(torch_device), "dtype": str(torch_dtype).removeprefix("torch."),
-            "policy": policy, "hot_set": hot_set, "prompt_tokens": prompt_len, "gen_tokens": gen, "seed": seed,
-            "repeats": repeats, "emulate_layers": emulate_layers, "pack_layers": layers, "direct_io": direct_io,
+            "policy": config.store.policy, "hot_set": config.store.hot_set, "prompt_tokens": prompt_len, "gen_tokens": gen, "seed": seed,
+            "repeats": repeats, "emulate_layers": emulate_layers, "pack_layers": layers, "direct_io": config.store.direct_io,
             "baseline": baseline, "baseline_layers": baseline_layers if baseline else None,
             "baseline_prompt_tokens": len(baseline_prompt) if baseline else None,
             "baseline_gen_tokens": baseline_gen if baseline else None,

@@ -1,7 +1,7 @@
 """Our engine, timed: prefill of the prompt (time to first token) and greedy decode, with the store's
 counters taken apart per phase.
 
-The engine's step function is called directly (`model.forward(tokens, state, last_only=True)`), so
+The engine's step is called directly (`engine.step.forward(tokens, state, last_only=True)`), so
 no tokenizer or sampler work is timed; the first token is the argmax of the prefill's logits and
 each decode step feeds the previous argmax. A warm-up (a prompt of other ids of the same length, so
 every kernel the timed prompt needs is compiled for its shapes, and two decode steps) runs first,
@@ -124,55 +124,54 @@ class EngineResult:
         }
 
 
-def greedy(model, state, tokens: torch.Tensor) -> tuple[int, torch.Tensor]:
+def greedy(step, state, tokens: torch.Tensor) -> tuple[int, torch.Tensor]:
     """One forward of `tokens`; (argmax of the last position, its logits)."""
-    logits = model.forward(tokens, state, last_only=True).logits[-1]
+    logits = step.forward(tokens, state, last_only=True).logits[-1]
     return int(logits.argmax()), logits
 
 
 @torch.no_grad()
-def warm_up(model, state, prompt: list[int], decode: int = WARMUP_DECODE) -> None:
-    state.restore(model.new_state())
-    token, _ = greedy(model, state, torch.tensor(prompt, dtype=torch.long))
+def warm_up(engine, state, prompt: list[int], decode: int = WARMUP_DECODE) -> None:
+    step = engine.step
+    state.restore(step.new_state())
+    token, _ = greedy(step, state, torch.tensor(prompt, dtype=torch.long))
     for _ in range(decode):
-        token, _ = greedy(model, state, torch.tensor([token]))
-    synchronize(model.device)
+        token, _ = greedy(step, state, torch.tensor([token]))
+    synchronize(engine.model.device)
 
 
 @torch.no_grad()
-def timed_run(model, store, state, prompt: list[int], gen: int, progress: bool = False) -> dict:
-    device = model.device
-    state.restore(model.new_state())
+def timed_run(engine, state, prompt: list[int], gen: int, progress: bool = False) -> dict:
+    step, store, device = engine.step, engine.store, engine.model.device
+    state.restore(step.new_state())
     tokens = torch.tensor(prompt, dtype=torch.long)
-    model.settle()
+    step.settle()
     before = snapshot(store)
     synchronize(device)
     start = time.perf_counter()
-    token, _ = greedy(model, state, tokens)
+    token, _ = greedy(step, state, tokens)
     synchronize(device)
     ttft = time.perf_counter() - start
-    model.settle()
+    step.settle()
     middle = snapshot(store)
-    table_before = _table_counts(model)
-    clock = LayerClock(device) if model.decode_graphs is not None else None
-    if clock is not None:
-        model.decode_graphs.layer_clock = clock
+    table_before = _table_counts(step.graphs)
+    clock = LayerClock(device) if step.graphs is not None else None
+    engine.time_layers(clock)
     generated, steps = [token], []
     try:
         for _ in tqdm(range(gen), desc="decode", unit="tok", disable=not progress, leave=False):
             start = time.perf_counter()
             if clock is not None:
                 clock.step()
-            token, _ = greedy(model, state, torch.tensor([token]))
+            token, _ = greedy(step, state, torch.tensor([token]))
             synchronize(device)
             steps.append(time.perf_counter() - start)
             generated.append(token)
     finally:
-        if clock is not None:
-            model.decode_graphs.layer_clock = None
-    model.settle()
+        engine.time_layers(None)
+    step.settle()
     after = snapshot(store)
-    table_after = _table_counts(model)
+    table_after = _table_counts(step.graphs)
     return {
         "ttft_s": ttft, "decode_seconds": sum(steps), "step_seconds": steps, "generated": generated,
         "decode_layer_seconds": clock.take() if clock is not None else None,  # {layer: seconds}
@@ -182,10 +181,9 @@ def timed_run(model, store, state, prompt: list[int], gen: int, progress: bool =
     }
 
 
-def _table_counts(model) -> dict[str, int] | None:
+def _table_counts(graphs) -> dict[str, int] | None:
     """Steps tried from the store's slot table and steps that stood, with their StagingCounts, so
     far; None where no step runs from a slot table."""
-    graphs = model.decode_graphs
     if graphs is None or graphs.speculation is None:
         return None
     return {"tried": graphs.speculation.tries, "stood": graphs.speculation.confirmed} | asdict(graphs.staging)
@@ -210,13 +208,12 @@ def fixed_seconds(model, prompt_len: int) -> dict[str, float]:
 
 def run_engine(engine, prompt: list[int], gen: int, warmup_prompt: list[int], repeats: int = 1,
                progress: bool = False) -> EngineResult:
-    """Warm up, then `repeats` timed prefill + `gen` decode steps; `engine` is a LoadedEngine with a store."""
-    model, store = engine.model, engine.store
-    state = model.new_state()
+    """Warm up, then `repeats` timed prefill + `gen` decode steps; `engine` is an Engine with a store."""
+    state = engine.step.new_state()
     state.reserve(max(len(prompt), len(warmup_prompt)) + gen + 1)
-    warm_up(model, state, warmup_prompt)
+    warm_up(engine, state, warmup_prompt)
     result = EngineResult(len(prompt), gen)
     for _ in tqdm(range(repeats), desc="repeats", disable=not progress or repeats == 1, leave=False):
-        result.repeats.append(timed_run(model, store, state, prompt, gen, progress))
-    result.fixed_seconds = fixed_seconds(model, len(prompt))
+        result.repeats.append(timed_run(engine, state, prompt, gen, progress))
+    result.fixed_seconds = fixed_seconds(engine.model, len(prompt))
     return result

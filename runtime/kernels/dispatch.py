@@ -26,8 +26,9 @@ from flashpack.runtime.kernels.reference import (
 
 BACKENDS = ("auto", "triton", "reference")
 FP8_MATVEC_MAX_TOKENS = 4
-# BF16 projections of up to this many tokens take matvec.py's kernel, more cuBLAS (bench/h200.sh's
-# `unbounded-cublas` stage sets 0 for the control)
+# BF16 projections of up to this many tokens take matvec.py's kernel, more cuBLAS: the default of
+# dense_linear's `matvec_max_tokens` (the engine's EngineConfig.dense_matvec_max_tokens; 0 puts every
+# projection on cuBLAS)
 DENSE_MATVEC_MAX_TOKENS = 1
 DECODE_MAX_TOKENS = 16  # up to here the matvec kernels beat the grouped ones on an H200 (bench/kernels.py)
 
@@ -104,10 +105,12 @@ def moe_expert_pairs(
                                       precision=tile_precision(x.device, x.dtype))
 
 
-def dense_linear(x: torch.Tensor, weight: torch.Tensor, backend: str = "auto") -> torch.Tensor:
-    """x [..., C] @ weight [R, C]^T -> [..., R]: F.linear, or for a decode token on CUDA the matvec
-    kernel, which reads the matrix nearer the memory's bandwidth than cuBLAS does at one token."""
-    if x.numel() > DENSE_MATVEC_MAX_TOKENS * x.shape[-1] or not use_triton(x.device, backend):
+def dense_linear(x: torch.Tensor, weight: torch.Tensor, backend: str = "auto",
+                 matvec_max_tokens: int = DENSE_MATVEC_MAX_TOKENS) -> torch.Tensor:
+    """x [..., C] @ weight [R, C]^T -> [..., R]: F.linear, or for up to `matvec_max_tokens` tokens
+    on CUDA the matvec kernel, which reads the matrix nearer the memory's bandwidth than cuBLAS
+    does at one token."""
+    if x.numel() > matvec_max_tokens * x.shape[-1] or not use_triton(x.device, backend):
         return F.linear(x, weight)
     return _dense_matvec(x, weight)
 

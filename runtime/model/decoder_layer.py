@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from flashpack.layout.model_config import TextConfig
-from flashpack.runtime.experts import ExpertFetcher
+from flashpack.runtime.model.routed_experts import RoutedExperts
 from flashpack.runtime.model.deltanet import GatedDeltaNet
 from flashpack.runtime.model.hyper_connection import GatedResidual
 from flashpack.runtime.model.moe import SparseMoE
@@ -24,7 +24,7 @@ from flashpack.runtime.weights import WeightSource
 
 class DecoderLayer(nn.Module):
     def __init__(
-        self, cfg: TextConfig, source: WeightSource, fetcher: ExpertFetcher, layer: int, prefix: str,
+        self, cfg: TextConfig, source: WeightSource, routed: RoutedExperts, layer: int, prefix: str,
         rotary: Rotary, dtype: torch.dtype, device,
     ):
         super().__init__()
@@ -38,7 +38,7 @@ class DecoderLayer(nn.Module):
         else:
             self.mixer = QSAAttention(cfg, source, prefix + "self_attn.", rotary, dtype, device)
         self.mlp_hc = GatedResidual(cfg, source, prefix + "mlp_hyper_connection.", dtype, device)
-        self.moe = SparseMoE(cfg, source, prefix + "mlp.", layer, fetcher, dtype, device)
+        self.moe = SparseMoE(cfg, source, prefix + "mlp.", layer, routed, dtype, device)
 
     def forward(
         self, streams: torch.Tensor, tokens: torch.Tensor, state: SequenceState,

@@ -5,6 +5,12 @@
 `forward(tokens, state)` takes any number of new tokens of one sequence: a whole prompt (prefill),
 one token (decode), or a few (speculative verification); the state carries everything needed to
 continue. It also returns the pre-final-mixer streams, which the MTP head consumes.
+
+Routed experts come through one injected `RoutedExperts` (runtime/model/routed_experts.py); an
+`ExpertFetcher` given instead runs as the plain `DequantisedExperts`. Two kernel choices are fixed
+at construction: `fused_mix` (one-token hyper-connection mixes as two Triton kernels each, CUDA
+only) and `dense_matvec_max_tokens` (BF16 projections of up to that many tokens take the matvec
+kernel on CUDA, more cuBLAS).
 """
 
 from __future__ import annotations
@@ -17,9 +23,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from flashpack.runtime.experts import ExpertFetcher
-from flashpack.runtime.model.decode_graphs import LAYERS_PER_GRAPH, DecodeGraphs
+from flashpack.runtime.kernels.dispatch import DENSE_MATVEC_MAX_TOKENS
 from flashpack.runtime.model.decoder_layer import DecoderLayer
 from flashpack.runtime.model.hyper_connection import GatedResidual
+from flashpack.runtime.model.linear import StackedLinear
+from flashpack.runtime.model.routed_experts import RoutedExperts, as_routed_experts
 from flashpack.runtime.model.rope import Rotary
 from flashpack.runtime.state import SequenceState
 from flashpack.runtime.weights import WeightSource, load_dense
@@ -33,65 +41,39 @@ class StepOutput:
 
 class Qwen4ExpModel(nn.Module):
     def __init__(
-        self, source: WeightSource, fetcher: ExpertFetcher, dtype: torch.dtype = torch.bfloat16,
-        device: torch.device | str = "cpu",
+        self, source: WeightSource, experts: RoutedExperts | ExpertFetcher, dtype: torch.dtype = torch.bfloat16,
+        device: torch.device | str = "cpu", fused_mix: bool = False,
+        dense_matvec_max_tokens: int = DENSE_MATVEC_MAX_TOKENS,
     ):
         super().__init__()
         cfg = self.config = source.config
         self.dtype, self.device = dtype, torch.device(device)
+        if fused_mix and self.device.type != "cuda":
+            raise ValueError("fused hyper-connection mixes run on CUDA only")
+        self.experts = experts = as_routed_experts(experts, cfg, dtype, self.device)
         self.rotary = Rotary(cfg, self.device)
         self.register_buffer("embed_tokens", load_dense(source, "embed_tokens.weight", dtype, device), persistent=False)
         self.layers = nn.ModuleList(
-            DecoderLayer(cfg, source, fetcher, layer, f"layers.{layer}.", self.rotary, dtype, device)
+            DecoderLayer(cfg, source, experts, layer, f"layers.{layer}.", self.rotary, dtype, device)
             for layer in range(cfg.num_hidden_layers)
         )
-        self.decode_graphs: DecodeGraphs | None = None
         self.final_mixer = GatedResidual(cfg, source, "hyper_connection_mixer.", dtype, device, inject=False)
         if cfg.tie_word_embeddings:
             self.lm_head = self.embed_tokens
         else:
             self.register_buffer("lm_head", load_dense(source, "lm_head.weight", dtype, device), persistent=False)
-
-    def capture_decode_graphs(self, count_replay=None, compile_layers: bool = True,
-                              layers_per_graph: int = LAYERS_PER_GRAPH) -> None:
-        """Replay each decode step's fixed-shape layer work from CUDA graphs (decode_graphs.py), on
-        a GPU with an ExpertSlots source; `count_replay(layer)` counts a resident MoE block's
-        requests; `compile_layers` fuses the graphs' small kernels with torch.compile first."""
-        if self.device.type != "cuda":
-            raise ValueError("CUDA graphs need the engine on a CUDA device")
-        if self.layers[0].moe.slots is None:
-            raise ValueError("CUDA graphs need an ExpertSlots source (the store), not dequantised experts")
-        self.decode_graphs = DecodeGraphs(self.layers, count_replay, compile_layers=compile_layers,
-                                          layers_per_graph=layers_per_graph)
+        self.fused_mix, self.dense_matvec_max_tokens = fused_mix, dense_matvec_max_tokens
+        for module in self.modules():
+            if isinstance(module, GatedResidual):
+                module.fused = fused_mix
+            if isinstance(module, StackedLinear):
+                module.matvec_max_tokens = dense_matvec_max_tokens
 
     def observe_routing(self, observer: Callable[[int, torch.Tensor], None] | None) -> None:
         """Call `observer(layer, expert ids [T, k])` with every MoE block's routing, as the layers
-        run eagerly (decode graphs replay without it: a profiling run goes without them)."""
-        if observer is not None and self.decode_graphs is not None:
-            raise ValueError("routing is observed in eager decode: load the engine without CUDA graphs")
+        run (a step replayed from CUDA graphs runs none of this code: observe without them)."""
         for layer in self.layers:
             layer.moe.routing_observer = observer
-
-    def fuse_hyper_connections(self, enabled: bool = True) -> None:
-        """Run one-token hyper-connection mixes (two a layer, and the final mixer's) as two Triton
-        kernels each (runtime/kernels/hc_mix.py) instead of the module's plain code."""
-        if enabled and self.device.type != "cuda":
-            raise ValueError("fused hyper-connection mixes run on CUDA only")
-        for mixer in [self.final_mixer, *(hc for layer in self.layers for hc in (layer.attn_hc, layer.mlp_hc))]:
-            mixer.fused = enabled
-
-    def prefetch_next_layer(self, enabled: bool = True, read_ahead: bool = False) -> None:
-        """Let each MoE block name the next layer's likely experts to a tiered store in decode, and
-        with `read_ahead` the disk-only records the layer after next is likely to pick."""
-        for layer, following in zip(self.layers, self.layers[1:]):
-            layer.moe.next_moe = following.moe if enabled else None
-            layer.moe.read_ahead = enabled and read_ahead
-
-    def settle(self) -> None:
-        """Finish the bookkeeping decode steps defer (decode_graphs.DecodeGraphs.settle): call it
-        before reading the expert store's counters."""
-        if self.decode_graphs is not None:
-            self.decode_graphs.settle()
 
     def new_state(self) -> SequenceState:
         return SequenceState.empty(self.config, self.dtype, self.device)
@@ -106,12 +88,9 @@ class Qwen4ExpModel(nn.Module):
             raise ValueError(f"forward takes a non-empty 1-D tensor of token ids, got shape {tuple(tokens.shape)}")
         host_tokens = tokens.cpu()  # the PLE layers hash them on the host: no read-back mid-step
         streams = self.embed(tokens.to(self.device)).repeat(1, self.config.hc_count)  # [T, hc*H]
-        if self.decode_graphs is not None and tokens.shape[0] == 1 and depth is None:
-            streams, logits = self.decode_graphs.run(streams, host_tokens, state, head=self.logits)
-        else:
-            for layer in self.layers[:depth]:
-                streams = layer(streams, host_tokens, state)
-            logits = self.logits(streams[-1:] if last_only else streams)
+        for layer in self.layers[:depth]:
+            streams = layer(streams, host_tokens, state)
+        logits = self.logits(streams[-1:] if last_only else streams)
         state.position += tokens.shape[0]
         return StepOutput(logits=logits, streams=streams)
 

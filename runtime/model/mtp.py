@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from flashpack.runtime.experts import ExpertFetcher
+from flashpack.runtime.model.routed_experts import RoutedExperts, as_routed_experts
 from flashpack.runtime.model.decoder_layer import DecoderLayer
 from flashpack.runtime.model.hyper_connection import GatedResidual
 from flashpack.runtime.model.model import Qwen4ExpModel
@@ -37,9 +38,11 @@ class DraftOutput:
 
 
 class MTPHead(nn.Module):
-    def __init__(self, model: Qwen4ExpModel, source: WeightSource, fetcher: ExpertFetcher):
+    def __init__(self, model: Qwen4ExpModel, source: WeightSource, experts: RoutedExperts | ExpertFetcher | None = None):
+        """`experts`: the MTP layers' routed experts (layer num_hidden_layers + j); None: the model's."""
         super().__init__()
         cfg, dtype, device = model.config, model.dtype, model.device
+        routed = model.experts if experts is None else as_routed_experts(experts, cfg, dtype, device)
         self.config, self.device = cfg, device
         self.embed_tokens, self.lm_head = model.embed_tokens, model.lm_head  # shared, not copied
         load = lambda name: load_dense(source, "mtp." + name, dtype, device)  # noqa: E731
@@ -49,7 +52,7 @@ class MTPHead(nn.Module):
         self.fc_hidden = DenseLinear(source, "mtp.fc_hidden.weight", dtype, device)  # [H, H]
         self.layers = nn.ModuleList(
             DecoderLayer(
-                cfg, source, fetcher, cfg.num_hidden_layers + j, f"mtp.layers.{j}.", model.rotary, dtype, device,
+                cfg, source, routed, cfg.num_hidden_layers + j, f"mtp.layers.{j}.", model.rotary, dtype, device,
             )
             for j in range(cfg.mtp_num_hidden_layers)
         )

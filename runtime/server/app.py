@@ -24,7 +24,7 @@ from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException
 from starlette.responses import JSONResponse, PlainTextResponse
 
-from flashpack.runtime.loader import StoreOptions
+from flashpack.runtime.engine.config import EngineConfig
 from flashpack.runtime.server import anthropic_routes, openai_completions, openai_routes
 from flashpack.runtime.server.connections import connection_budget, raise_open_file_limit, uvicorn_options
 from flashpack.runtime.server.context import ServerContext, context_of
@@ -37,7 +37,7 @@ LOOPBACK = {"127.0.0.1", "::1", "localhost"}
 
 
 def create_app(engine: Any, settings: ServerSettings | None = None, loading_since: float | None = None) -> FastAPI:
-    """engine: a runtime.loader.LoadedEngine (anything with .model, .tokenizer, .generator; an optional
+    """engine: a runtime.engine.Engine (anything with .model_config, .tokenizer, .generator; an optional
     .warm_up() runs before /health says ok). loading_since: perf_counter() when loading began, for
     the "ready in" line."""
     settings = settings or ServerSettings()
@@ -105,18 +105,15 @@ def _add_error_handlers(app: FastAPI) -> None:
 def serve(
     pack: str | os.PathLike,
     settings: ServerSettings,
+    config: EngineConfig = EngineConfig(),
     host: str = "127.0.0.1",
     port: int = 8000,
-    device: str = "cpu",
-    dtype: str = "auto",
     log_level: str = "info",
-    store: StoreOptions | None = None,
-    verify_records: bool = True,
 ) -> None:
     """Load PACK and serve it until interrupted; `settings` is built (and so validated) first."""
     import uvicorn
 
-    from flashpack.runtime.loader import load_engine
+    from flashpack.runtime.engine.build import load_engine
 
     loading_since = time.perf_counter()
     if host not in LOOPBACK and settings.api_key is None:
@@ -124,7 +121,7 @@ def serve(
     budget = connection_budget(settings.max_connections, raise_open_file_limit())
     if budget.max_connections < settings.max_connections:
         log.warning("open connections capped at %d, below the open-file limit", budget.max_connections)
-    engine = load_engine(pack, device=device, dtype=dtype, store=store, verify_records=verify_records)
+    engine = load_engine(pack, config)
     app = create_app(engine, settings, loading_since)
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, log_config=_log_config(),
                             timeout_graceful_shutdown=5, **uvicorn_options(settings, budget))

@@ -23,7 +23,7 @@ _WARM_UP_CONVERSATION = [{"role": "system", "content": "<warm-up>"}, {"role": "u
 
 @dataclass
 class ServerContext:
-    engine: Any  # runtime.loader.LoadedEngine (or anything with .model, .tokenizer, .generator)
+    engine: Any  # runtime.engine.Engine (or anything with .model_config, .tokenizer, .generator)
     settings: ServerSettings
     metrics: Metrics
     scheduler: Scheduler
@@ -41,7 +41,7 @@ class ServerContext:
         scheduler = Scheduler(engine.generator, settings.max_queue, metrics,
                               on_pack_damage=lambda reason: health.failed(f"the pack is damaged: {reason}"))
         metrics.set_queue_depth(lambda: scheduler.queue_depth)
-        vocab_size = int(getattr(engine.model.config, "vocab_size", 0) or len(tokenizer.tokenizer))
+        vocab_size = int(getattr(engine.model_config, "vocab_size", 0) or len(tokenizer.tokenizer))
         grammars = GrammarCompiler(tokenizer.tokenizer, vocab_size, tokenizer.stop_token_ids)
         ctx = cls(engine, settings, metrics, scheduler, grammars, health)
         if loading_since is not None:
@@ -52,7 +52,7 @@ class ServerContext:
     def context_limit(self) -> int:
         """Tokens a sequence may hold (prompt + output): the engine's limit, or less if configured."""
         generator = self.engine.generator
-        engine_limit = generator.max_context or self.engine.model.config.max_position_embeddings
+        engine_limit = generator.max_context or self.engine.model_config.max_position_embeddings
         return min(engine_limit, self.settings.max_context or engine_limit)
 
     @property

@@ -20,7 +20,7 @@ from typing import Any
 from starlette.requests import Request
 
 from flashpack.errors import FlashpackError
-from flashpack.runtime.generate import GenerationEvent, TokenConstraint
+from flashpack.runtime.engine.generate import GenerationEvent, TokenConstraint
 from flashpack.runtime.logprobs import LogprobRequest, TokenLogprob
 from flashpack.runtime.sampling import SamplingParams
 from flashpack.runtime.server.chat_format import Conversation

@@ -25,7 +25,7 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 
 from flashpack.errors import FlashpackError, PackDamageError
-from flashpack.runtime.generate import GenerationEvent, Generator, TokenConstraint
+from flashpack.runtime.engine.generate import GenerationEvent, Generator, TokenConstraint
 from flashpack.runtime.logprobs import LogprobRequest
 from flashpack.runtime.sampling import SamplingParams
 from flashpack.runtime.server.errors import ApiError

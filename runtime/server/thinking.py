@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from flashpack.runtime.generate import TokenConstraint
+from flashpack.runtime.engine.generate import TokenConstraint
 
 
 class ThinkingGate:

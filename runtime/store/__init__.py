@@ -4,7 +4,7 @@
     TieredStore.bank / stream / prefetch    the engine's ExpertSlots source (kernels read slots in place)
     TieredStore.fetch(layer, experts)       the ExpertFetcher call (dequantised weights)
     TieredStore.request / wait              the asynchronous form (handles, ready or in flight)
-    profile_pack / record_trace / replay_trace   `flashpack profile` and `flashpack trace`
+    replay_trace(trace, ...)                what a recorded trace would hit at given budgets
 
 Bookkeeping (policy, residency, capacity, budget, simulate, trace, stats) is plain Python; the
 modules that move bytes (reader, tiers, store, prewarm) are the only ones that touch torch
@@ -14,7 +14,7 @@ Imports are lazy so the plain-Python parts load without torch.
 
 from __future__ import annotations
 
-__all__ = ["build_store", "TieredStore", "profile_pack", "record_trace", "replay_trace"]
+__all__ = ["build_store", "TieredStore", "replay_trace"]
 
 
 def __getattr__(name: str):
@@ -27,7 +27,7 @@ def __getattr__(name: str):
 
         return TieredStore
     if name in ("profile_pack", "record_trace"):
-        from flashpack.runtime.store import profile
+        from flashpack.runtime.engine import profile
 
         return getattr(profile, name)
     if name == "replay_trace":

@@ -20,6 +20,6 @@ def demo_pack(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def demo_engine(demo_pack):
-    from flashpack.runtime.loader import load_engine
+    from flashpack.runtime.engine.build import load_engine
 
     return load_engine(demo_pack, verify_records=False)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from flashpack.runtime.model.captured_call import CapturedCall
+from flashpack.runtime.engine.captured_call import CapturedCall
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 

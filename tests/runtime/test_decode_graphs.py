@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from flashpack.runtime.bench.clock import LayerClock
-from flashpack.runtime.loader import StoreOptions, load_engine
+from flashpack.runtime.engine.build import StoreOptions, load_engine
 
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 TOLERANCE = 1e-6
@@ -152,7 +152,7 @@ def _tiered_pair(tiny_pack, device_slots: int, host_slots: int = 300, staging: b
     the graph pieces."""
     from flashpack.layout.pack import Pack
     from flashpack.runtime.model import Qwen4ExpModel
-    from flashpack.runtime.model.decode_graphs import DecodeGraphs
+    from flashpack.runtime.engine.decode_graphs import DecodeGraphs
     from flashpack.runtime.pack_source import PackWeights
     from flashpack.runtime.store import build_store
     from flashpack.runtime.store.budget import STAGING_ROW_SETS
@@ -188,7 +188,7 @@ def test_tiered_pieces_compose_to_the_layers_on_cpu(tiny_pack, monkeypatch, devi
     a miss like a disk one. A step is a chain of graphs of one layer each, or of two (the
     prediction handed across a graph's end either way); a graph's last layer stages none, some or
     all of the next graph's predicted records beside its experts."""
-    from flashpack.runtime.model import decode_graphs
+    from flashpack.runtime.engine import decode_graphs
 
     monkeypatch.setattr(decode_graphs, "STAGED_BESIDE_EXPERTS", beside_experts)
     stores, models = _tiered_pair(tiny_pack, device_slots, host_slots, staging, layers_per_graph)
@@ -224,7 +224,7 @@ def test_control_a_tiered_step_must_see_its_misses_and_restore_its_state(tiny_pa
     state it had advanced, whose predicted experts' rows were named but never staged (none of them,
     or those the graph before left to the next), or (graphs of two layers) whose next layer's
     records were staged into the rows this layer's experts still read, must give other logits."""
-    from flashpack.runtime.model import decode_graphs, graph_pieces
+    from flashpack.runtime.engine import decode_graphs, graph_pieces
 
     if broken == "misses-ignored":
         found = graph_pieces.table_slots
@@ -258,7 +258,7 @@ def test_pieces_compose_to_the_layers_on_cpu(tiny_pack):
     whole buffer under a mask) must compute what the layers do, past the indexer's budget."""
     from flashpack.layout.pack import Pack
     from flashpack.runtime.model import Qwen4ExpModel
-    from flashpack.runtime.model.decode_graphs import DecodeGraphs
+    from flashpack.runtime.engine.decode_graphs import DecodeGraphs
     from flashpack.runtime.pack_source import PackWeights
     from flashpack.runtime.store.resident import ResidentExperts
 

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import torch
 
-from flashpack.runtime.model.step_report import Speculation, StagingCounts, count_step, report_row
+from flashpack.runtime.engine.step_report import Speculation, StagingCounts, count_step, report_row
 
 
 def _layer(index: int, predicts_next: bool):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from flashpack.runtime.loader import load_engine
+from flashpack.runtime.engine.build import load_engine
 from flashpack.runtime.sampling import SamplingParams
 
 

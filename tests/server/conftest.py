@@ -12,7 +12,7 @@ sys.path.insert(0, str(Path(__file__).parent))  # server_harness, server_fakes
 
 @pytest.fixture(scope="session")
 def tiny_engine(tiny_pack):
-    from flashpack.runtime.loader import load_engine
+    from flashpack.runtime.engine.build import load_engine
 
     return load_engine(tiny_pack, verify_records=False)
 

@@ -12,7 +12,7 @@ from types import SimpleNamespace
 
 import torch
 
-from flashpack.runtime.generate import Generator
+from flashpack.runtime.engine.generate import Generator
 
 
 @dataclass
@@ -78,12 +78,16 @@ class ScriptedModel(FakeModel):
 
 @dataclass
 class FakeEngine:
-    """Same fields as runtime.loader.LoadedEngine, minus the pack."""
+    """What the server uses of runtime.engine.Engine."""
 
     model: FakeModel
     tokenizer: object  # PackTokenizer
     generator: Generator
     pack: object = None
+
+    @property
+    def model_config(self):
+        return self.model.config
 
 
 def fake_engine(tokenizer, seconds_per_step: float = 0.0, max_position_embeddings: int = 4096) -> FakeEngine:

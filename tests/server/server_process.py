@@ -16,14 +16,14 @@ from pathlib import Path
 
 def main(pack: str, port: int, settings: dict) -> None:
     sys.path.insert(0, str(Path(__file__).parent))
-    import flashpack.runtime.loader
+    import flashpack.runtime.engine.build
     from server_fakes import fake_engine
 
     from flashpack.runtime.server import ServerSettings, serve
     from flashpack.runtime.tokenizer import PackTokenizer
 
     tokenizer = PackTokenizer.load(Path(pack))
-    flashpack.runtime.loader.load_engine = lambda *args, **kwargs: fake_engine(tokenizer)
+    flashpack.runtime.engine.build.load_engine = lambda *args, **kwargs: fake_engine(tokenizer)
     serve(pack, ServerSettings(**settings), port=port, log_level="warning")
 
 

@@ -18,7 +18,7 @@ from transformers import Qwen4ExpForCausalLM
 from flashpack import demo_model
 from flashpack.convert.pipeline import convert
 from flashpack.convert.source import SourceCheckpoint
-from flashpack.runtime.loader import load_engine
+from flashpack.runtime.engine.build import load_engine
 from flashpack.runtime.server import ServerSettings
 from flashpack.verify.expected import ExpectedWeights
 from flashpack.verify.reference import transformers_config

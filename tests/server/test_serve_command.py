@@ -8,7 +8,7 @@ import pytest
 import uvicorn
 from click.testing import CliRunner
 
-import flashpack.runtime.loader
+import flashpack.runtime.engine.build
 from flashpack.cli import main
 
 
@@ -19,7 +19,7 @@ def no_load(monkeypatch):
     def load_engine(*args, **kwargs):
         raise AssertionError("serve loaded the model before checking its options")
 
-    monkeypatch.setattr(flashpack.runtime.loader, "load_engine", load_engine)
+    monkeypatch.setattr(flashpack.runtime.engine.build, "load_engine", load_engine)
 
 
 @pytest.mark.parametrize("options, message", [
@@ -71,7 +71,7 @@ def test_serve_builds_settings_then_loads_then_runs(monkeypatch, tiny_pack, tiny
         order.append("run")
         ran.update(config=server.config)
 
-    monkeypatch.setattr(flashpack.runtime.loader, "load_engine", load_engine)
+    monkeypatch.setattr(flashpack.runtime.engine.build, "load_engine", load_engine)
     monkeypatch.setattr(uvicorn.Server, "run", run)
     monkeypatch.setenv("FLASHPACK_API_KEY", "from-env")
     result = CliRunner().invoke(main, ["serve", str(tiny_pack), "--max-queue", "3", "--header-timeout", "2.5",

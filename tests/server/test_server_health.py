@@ -16,7 +16,7 @@ from server_fakes import FakeEngine, FakeModel, fake_engine
 from server_harness import KEY, MODEL, serving
 
 from flashpack.errors import FlashpackError, PackDamageError
-from flashpack.runtime.generate import Generator
+from flashpack.runtime.engine.generate import Generator
 from flashpack.runtime.server import ServerSettings
 
 SETTINGS = ServerSettings(model_name=MODEL, api_key=KEY, retry_after_seconds=7)

@@ -12,12 +12,13 @@ import torch
 from flashpack.errors import FlashpackError
 from flashpack.layout.manifest import Manifest
 from flashpack.layout.pack import Pack
-from flashpack.runtime.generate import Generator
-from flashpack.runtime.loader import load_engine
+from flashpack.runtime.engine.generate import Generator
+from flashpack.runtime.engine.build import load_engine
 from flashpack.runtime.model import Qwen4ExpModel
 from flashpack.runtime.pack_source import PackExperts, PackWeights
 from flashpack.runtime.sampling import SamplingParams
-from flashpack.runtime.store import build_store, profile_pack, record_trace, replay_trace
+from flashpack.runtime.engine.profile import profile_pack, record_trace
+from flashpack.runtime.store import build_store, replay_trace
 from flashpack.runtime.store.trace import Trace
 
 PROMPTS = ["The cache keeps hot experts close.", "Belady evicts what is needed furthest in the future."]

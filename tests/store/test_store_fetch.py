@@ -141,7 +141,7 @@ def test_staging_rows_come_out_of_the_device_budget(store_pack):
 def test_a_store_for_some_layers_gives_the_others_no_room(store_pack):
     """The engine runs no MTP head: its store takes the decoder layers' records alone, and `'*'`
     pre-warms those."""
-    from flashpack.runtime.loader import StoreOptions, load_engine
+    from flashpack.runtime.engine.build import StoreOptions, load_engine
 
     pack = Pack.open(store_pack)
     cfg = pack.manifest.config
@@ -317,7 +317,7 @@ def test_decode_with_read_ahead_reads_for_the_layer_after_next_and_computes_the_
     store reads from disk while the engine decodes through it, not what the model computes: the same
     logits, rel 1e-5 (FP32 on the CPU; experts may land in other chunks), and read-aheads issued only
     with it on."""
-    from flashpack.runtime.loader import StoreOptions, load_engine
+    from flashpack.runtime.engine.build import StoreOptions, load_engine
     from flashpack.runtime.store.build import resident_device_bytes
 
     manifest = Pack.open(tiny_pack).manifest

@@ -9,7 +9,7 @@ of the model is one trace step (the prompt, then one step per generated token).
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +17,7 @@ import xxhash
 from tqdm import tqdm
 
 from flashpack.errors import FlashpackError
+from flashpack.runtime.engine.config import EngineConfig
 from flashpack.runtime.store.trace import Trace, TraceRecorder
 
 
@@ -51,30 +52,30 @@ def load_workload(path: Path | str) -> tuple[list[WorkloadItem], str]:
 
 
 class _SteppingModel:
-    """The engine's model with a trace step opened before every forward (what Generator calls)."""
+    """The engine's step with a trace step opened before every forward (what Generator calls)."""
 
-    def __init__(self, model, recorder: TraceRecorder):
-        self._model, self._recorder = model, recorder
+    def __init__(self, step, recorder: TraceRecorder):
+        self._step, self._recorder = step, recorder
 
     def __getattr__(self, name):
-        return getattr(self._model, name)
+        return getattr(self._step, name)
 
     def forward(self, tokens, state, last_only: bool = False):
         self._recorder.begin_step(int(tokens.shape[0]))
-        return self._model.forward(tokens, state, last_only=last_only)
+        return self._step.forward(tokens, state, last_only=last_only)
 
 
 def run_workload(
-    pack_path: Path | str, workload_path: Path | str, *, max_tokens: int = 32, device: str = "cpu",
-    dtype: str = "auto", store=None, verify_records: bool = True, progress: bool = True,
+    pack_path: Path | str, workload_path: Path | str, config: EngineConfig = EngineConfig(), *,
+    max_tokens: int = 32, progress: bool = True,
 ) -> Trace:
     """Greedy-decode every request of the workload; return the routing trace (meta: workload).
-    The engine loads as `flashpack run` would: through the store (`store`, a loader.StoreOptions;
-    always on a GPU, where the NVFP4 kernels read the records in place) or, on a CPU without one,
-    decoding experts from the pack. Decode runs eagerly, so every layer's routing is observed."""
+    The engine loads as `flashpack run` would from `config` (through the store on a GPU, where the
+    NVFP4 kernels read the records in place), but decodes eagerly, so every layer's routing is
+    observed."""
     from flashpack.layout.pack import Pack
-    from flashpack.runtime.generate import Generator
-    from flashpack.runtime.loader import load_engine
+    from flashpack.runtime.engine.build import load_engine
+    from flashpack.runtime.engine.generate import Generator
     from flashpack.runtime.sampling import SamplingParams
 
     items, digest = load_workload(workload_path)
@@ -83,11 +84,10 @@ def run_workload(
     layers = list(range(cfg.num_hidden_layers))  # the engine runs the decoder layers, not the MTP head
     trace = Trace(cfg.num_experts, cfg.num_experts_per_tok, layers, manifest.document["experts"]["record_stride"])
     recorder = TraceRecorder(trace)
-    engine = load_engine(pack_path, device=device, dtype=dtype, verify_records=verify_records, store=store,
-                         cuda_graphs=False)
+    engine = load_engine(pack_path, replace(config, cuda_graphs=False))
     try:
         engine.model.observe_routing(recorder)
-        generator = Generator(_SteppingModel(engine.model, recorder), engine.tokenizer)
+        generator = Generator(_SteppingModel(engine.step, recorder), engine.tokenizer)
         prompt_tokens = generated = 0
         for item in tqdm(items, desc="workload", unit="request", leave=False, disable=not progress):
             text = item.text if item.messages is None else engine.tokenizer.render_chat(item.messages)
@@ -96,8 +96,7 @@ def run_workload(
             prompt_tokens += len(ids)
             generated += result.completion_tokens
     finally:
-        if engine.store is not None:
-            engine.store.close()
+        engine.close()
     trace.meta = {"workload": {"file": Path(workload_path).name, "xxh64": digest, "prompts": len(items),
                                "prompt_tokens": prompt_tokens, "generated_tokens": generated,
                                "max_tokens": max_tokens}}

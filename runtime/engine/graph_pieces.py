@@ -72,12 +72,13 @@ def ahead_offsets(predicted, code_row, host: HostRecords, row_set: int, first: i
     return torch.where(now, offsets, -1), torch.where(now, -1, offsets), torch.where(in_host, rows, -1)
 
 
-def tiered_route(layer: DecoderLayer, streams):
+def tiered_route(layer: DecoderLayer, next_moe, streams):
     """Up to the routed experts: (MoE input, its inject, routing weights, expert ids, shared expert
-    output, next layer's predicted ids or None)."""
+    output, the ids `next_moe` (the next layer's block, or None: no prediction) picks from this
+    layer's input, or None)."""
     x, inject = layer.mlp_hc.mix(streams)
     weights, experts, shared = layer.moe.gate(x)
-    return x, inject, weights, experts, shared, layer.moe.predict_next(x)
+    return x, inject, weights, experts, shared, None if next_moe is None else next_moe.route(x)[1]
 
 
 def expert_combine(layer: DecoderLayer, streams, routed, shared, inject):

@@ -66,63 +66,50 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from flashpack.runtime.engine import graph_pieces as pieces
+from flashpack.runtime.engine.captured_call import CapturedCall
+from flashpack.runtime.engine.expert_paths import BankExperts, StoreExperts
 from flashpack.runtime.experts import HostRecords, TabledSlots, ahead_rows
 from flashpack.runtime.kernels import moe_experts, stage_records
-from flashpack.runtime.model import graph_pieces as pieces
-from flashpack.runtime.model.captured_call import CapturedCall
 from flashpack.runtime.model.decoder_layer import DecoderLayer
-from flashpack.runtime.model.step_report import Speculation, StagingCounts, count_step, report_row
+from flashpack.runtime.engine.step_report import Speculation, StagingCounts, count_step, report_row
 from flashpack.runtime.state import SequenceState
-
-
-# Programs of the staging kernel on the side stream, which leaves the other SMs to the layer: on the
-# H200 16 programs already staged at 50 GB/s, as a full grid and the copy engine did (0.92 of the
-# 55 GB/s pinned copy; bench/results/kernels-staging-h200.json).
-AHEAD_PROGRAMS = 32
-
-
-# Of the next layer's predicted host records, how many a graph's last layer stages beside its own
-# experts (the rest cross at the next graph's start, beside its work up to its experts). A graph
-# must join what it forks, so these hold the graph's end back by as long as they take to cross
-# beyond the experts' time; with none (0, before session 13) the link idled through the experts. On
-# the H200 (run 32, 24/64): 61.5 and 62.1 tok/s with 1, 61.9 with 2, 59.4 with 0.
-STAGED_BESIDE_EXPERTS = 1
-
-
-# TorchInductor's options for the compiled pieces: combo kernels launch independent small kernels of
-# a piece as one, where a decode step's kernels are mostly launch and tail, not work (on the H200 a
-# 4-layer step's layers took 0.767 ms of device time with them, 0.821 without: run 12).
-COMPILE_OPTIONS = {"combo_kernels": True}
-
-
-# Layers in one graph of a step: launching a graph costs the host 1-2 us a node, and the GPU
-# starts a graph's work only once its launch has returned, so one graph a layer keeps the GPU busy
-# with layer L while the host launches layer L + 1.
-LAYERS_PER_GRAPH = 1
 
 
 class DecodeGraphs:
     def __init__(
-        self, layers: nn.ModuleList, count_replay: Callable[[int], None] | None = None,
-        make_call: Callable[..., CapturedCall] | None = None, compile_layers: bool = False,
-        layers_per_graph: int = LAYERS_PER_GRAPH,
+        self, layers: nn.ModuleList, experts: BankExperts | StoreExperts,
+        count_replay: Callable[[int], None] | None = None, make_call: Callable[..., CapturedCall] | None = None,
+        compile_layers: bool = False, layers_per_graph: int = 1, combo_kernels: bool = True,
+        staging_programs: int = 32, staged_beside_experts: int = 1,
     ):
-        """`make_call(fn, kept)` wraps each piece (default: a CapturedCall; the table's pieces and
-        the store's share no graph pool, since a redo replays them out of capture order); the CPU
-        tests pass a plain call to check how the layers are cut into pieces. `layers_per_graph`:
-        how many layers a step's graph covers (the store's redo pieces have one each)."""
+        """`experts`: the layers' routed experts (a resident bank or a tiered store). `make_call(fn,
+        kept)` wraps each piece (default: a CapturedCall; the table's pieces and the store's share
+        no graph pool, since a redo replays them out of capture order); the CPU tests pass a plain
+        call to check how the layers are cut into pieces. `layers_per_graph`: how many layers a
+        step's graph covers (the store's redo pieces have one each). `combo_kernels`: TorchInductor
+        launches a piece's independent small kernels as one. `staging_programs`: programs of the
+        side stream's staging kernel. `staged_beside_experts`: of the next layer's predicted host
+        records, how many a graph's last layer stages beside its own experts (EngineConfig says why)."""
         if layers_per_graph < 1:
             raise ValueError(f"layers_per_graph must be at least 1, got {layers_per_graph}")
         self.layers_per_graph = layers_per_graph
         self.layers = list(layers)
+        self.experts = experts
         self.count_replay = count_replay  # count_replay(layer): a resident MoE block's requests
         self.make_call = make_call
-        source = self.layers[0].moe.slots
-        self.resident = all(layer.moe.resident is not None for layer in self.layers)
+        self.staging_programs, self.staged_beside_experts = staging_programs, staged_beside_experts
+        self.resident = isinstance(experts, BankExperts)
+        source = experts.source
         self.tabled = source if not self.resident and isinstance(source, TabledSlots) else None
         self.speculation = Speculation() if self.tabled is not None else None
         self.staging = StagingCounts()
-        compiled = (lambda fn: torch.compile(fn, options=COMPILE_OPTIONS)) if compile_layers else (lambda fn: fn)
+        # the layer whose router predicts each layer's next experts (None: no prediction)
+        predicting = not self.resident and bool(experts.routers)
+        self._next_moe = {layer.layer: after.moe if predicting and after is not None else None
+                          for layer, after in zip(self.layers, [*self.layers[1:], None])}
+        options = {"combo_kernels": True} if combo_kernels else {}
+        compiled = (lambda fn: torch.compile(fn, options=options)) if compile_layers else (lambda fn: fn)
         self.front, self.combine = compiled(pieces.layer_front), compiled(pieces.expert_combine)
         self.route = compiled(pieces.tiered_route)
         self.table_slots, self.ahead_offsets = compiled(pieces.table_slots), compiled(pieces.ahead_offsets)
@@ -158,7 +145,7 @@ class DecodeGraphs:
                 for layer in self.layers if layer.ple is not None}  # advances the n-gram context: once
         head = head or (lambda streams: None)
         if self.resident:
-            streams = self._through_table(streams, self.layers[0].moe.resident.slot_table, rows)
+            streams = self._through_table(streams, self.experts.source.slot_table, rows)
             out = streams, head(streams)
         else:
             out = self._try_table(streams, rows, head) if self.speculation is not None else None
@@ -233,7 +220,7 @@ class DecodeGraphs:
         for layer, call in self._store_pieces:
             streams, x, inject, weights, experts, shared, predicted, *far = call(
                 streams, self._position, *carried, *self._rows_of([layer], rows))
-            carried = (layer.moe.routed_from_store(x, weights, experts, predicted, *far), shared, inject)
+            carried = (self.experts.from_store(layer.layer, x, weights, experts, predicted, *far), shared, inject)
             self._lap(layer)
         streams = self.combine(self.layers[-1], streams, *carried)
         self._lap(self.layers[-1])  # its experts' combine, which no next piece does
@@ -285,7 +272,7 @@ class DecodeGraphs:
                 self._stage_ahead(host, offsets, index)
             ahead = (guess, rows)
         streams = self._layer_front(layer, streams, position, ple_rows.get(layer.layer))
-        x, inject, weights, experts, shared, predicted = self.route(layer, streams)
+        x, inject, weights, experts, shared, predicted = self.route(layer, self._next_moe[layer.layer], streams)
         if self.resident:  # every expert in a device slot: nothing to stage, nothing missing, no report
             slots = table[layer.layer][experts]
         else:
@@ -300,10 +287,10 @@ class DecodeGraphs:
             # the next layer's records start crossing now, beside this layer's experts (they land in
             # the other ahead row set): all of them when the next layer is in this graph (beside its
             # work up to its experts too); when it starts the next graph, the first
-            # STAGED_BESIDE_EXPERTS, and that graph stages the rest, since this one's end waits for
+            # `staged_beside_experts`, and that graph stages the rest, since this one's end waits for
             # what it forks
-            crossing_now = STAGED_BESIDE_EXPERTS if last else layer.moe.top_k
-            now, later, rows = self.ahead_offsets(predicted, table[layer.moe.next_moe.layer], host,
+            crossing_now = self.staged_beside_experts if last else layer.moe.top_k
+            now, later, rows = self.ahead_offsets(predicted, table[layer.layer + 1], host,
                                                   ahead_rows(index + 1), crossing_now)
             forked = crossing_now > 0
             if forked:
@@ -318,7 +305,8 @@ class DecodeGraphs:
         """Stage layer `index`'s predicted host records (`offsets`, -1: none) into its ahead rows on
         the side stream. `offsets` stays referenced (carried) until the layer's join, so the
         allocator cannot hand its memory to other work while the side stream reads it."""
-        self._beside(lambda: stage_records(host.source, offsets, host.rows(ahead_rows(index)), programs=AHEAD_PROGRAMS))
+        self._beside(lambda: stage_records(host.source, offsets, host.rows(ahead_rows(index)),
+                                           programs=self.staging_programs))
 
     def _beside(self, work: Callable[[], object]) -> None:
         """Enqueue `work` on the side stream, after what the current stream has enqueued (inline
@@ -343,8 +331,8 @@ class DecodeGraphs:
                 routed, shared, inject, *rest = rest
                 streams = self.combine(previous, streams, routed, shared, inject)
             streams = self._layer_front(layer, streams, position, rest[0] if rest else None)
-            routed_inputs = self.route(layer, streams)
-            far = layer.moe.predict_far(routed_inputs[0])
+            routed_inputs = self.route(layer, self._next_moe[layer.layer], streams)
+            far = self.experts.predict_far(layer.layer, routed_inputs[0])
             return (streams, *routed_inputs, *([] if far is None else [far]))
 
         return step
@@ -370,7 +358,7 @@ class DecodeGraphs:
             for layer, before in zip(self.layers, previous)]
         self._table_pieces = []
         if self.resident:
-            bank, host = self.layers[0].moe.resident.bank, None
+            bank, host = self.experts.source.bank, None
         elif self.tabled is not None:
             bank, host = self.tabled.bank, self.tabled.host_records
             if host is not None and host.staging.is_cuda and self._side is None:

@@ -72,7 +72,7 @@ RESERVE_MAX_TOKENS = 4096
 
 @dataclass
 class Generator:
-    model: object  # runtime.model.Qwen4ExpModel (forward(tokens, state, last_only) / new_state())
+    step: object  # runtime.engine.step.Step (forward, new_state, logits, config), or a model alike
     tokenizer: object  # runtime.tokenizer.PackTokenizer
     max_context: int = 0  # 0: the model's max_position_embeddings
     _state: object = field(default=None, init=False, repr=False)  # runtime.state.SequenceState, reused
@@ -93,10 +93,10 @@ class Generator:
         stops = StopStringFilter(params.stop_strings)
         state = self._fresh_state(min(limit, len(prompt_ids) + min(params.max_tokens, RESERVE_MAX_TOKENS) + 1))
         start = time.perf_counter()
-        prefill = self.model.forward(torch.tensor(prompt_ids), state, last_only=True)
+        prefill = self.step.forward(torch.tensor(prompt_ids), state, last_only=True)
         logits = prefill.logits[-1]
         if logprobs is not None and logprobs.prompt:
-            yield GenerationEvent("", prompt_logprobs=prompt_logprobs(self.model, prefill.streams, prompt_ids,
+            yield GenerationEvent("", prompt_logprobs=prompt_logprobs(self.step, prefill.streams, prompt_ids,
                                                                       logprobs.top_n))
         # sampled where the logits are: on a GPU only the token id comes back (a top-p cut sorts the
         # whole vocabulary: 41 ms a token on a 2-core CPU for 248k entries, bench/sampling.py)
@@ -131,7 +131,7 @@ class Generator:
             if cancelled():
                 finish = "cancelled"
                 break
-            logits = self.model.forward(torch.tensor([token]), state, last_only=True).logits[-1]
+            logits = self.step.forward(torch.tensor([token]), state, last_only=True).logits[-1]
         timings = {"first_token_seconds": first_token_seconds, "total_seconds": time.perf_counter() - start}
         yield GenerationEvent(stops.flush(), None, finish, timings, logprob=stop_logprob)
 
@@ -141,14 +141,14 @@ class Generator:
         self._checked_limit(prompt_ids, room=0)
         state = self._fresh_state(len(prompt_ids))
         start = time.perf_counter()
-        prefill = self.model.forward(torch.tensor(prompt_ids), state, last_only=True)
-        found = prompt_logprobs(self.model, prefill.streams, prompt_ids, top_n)
+        prefill = self.step.forward(torch.tensor(prompt_ids), state, last_only=True)
+        found = prompt_logprobs(self.step, prefill.streams, prompt_ids, top_n)
         timings = {"first_token_seconds": 0.0, "total_seconds": time.perf_counter() - start}
         yield GenerationEvent("", None, "length", timings, prompt_logprobs=found)
 
     def _checked_limit(self, prompt_ids: list[int], room: int) -> int:
         """The context limit, once the prompt is known to fit it with `room` tokens to spare."""
-        limit = self.max_context or self.model.config.max_position_embeddings
+        limit = self.max_context or self.step.config.max_position_embeddings
         if not prompt_ids:
             raise FlashpackError("the prompt is empty")
         if len(prompt_ids) + room > limit:
@@ -159,9 +159,9 @@ class Generator:
         """The one sequence state, reset in place with room for `tokens`: the engine runs one
         sequence at a time, and decode graphs captured against its buffers stay valid."""
         if self._state is None:
-            self._state = self.model.new_state()
+            self._state = self.step.new_state()
         else:
-            self._state.restore(self.model.new_state())
+            self._state.restore(self.step.new_state())
         self._state.reserve(tokens)
         return self._state
 
@@ -174,12 +174,12 @@ class Generator:
         replayed). On the generator's own state, which the next request resets. Returns the
         seconds each part took."""
         seconds: dict[str, float] = {}
-        vocab = self.model.config.vocab_size
+        vocab = self.step.config.vocab_size
 
         def prompt(length: int, depth: int | None) -> int:
             state = self._fresh_state(length + decode_steps + 1)
             ids = torch.arange(length, dtype=torch.int64).mul_(7919).remainder_(vocab)  # any ids will do
-            return int(self.model.forward(ids, state, last_only=True, depth=depth).logits[-1].argmax())  # waits
+            return int(self.step.forward(ids, state, last_only=True, depth=depth).logits[-1].argmax())  # waits
 
         for length in prompt_lengths:
             start = time.perf_counter()
@@ -188,7 +188,7 @@ class Generator:
         start = time.perf_counter()
         token = prompt(16, None)
         for _ in range(decode_steps):
-            token = int(self.model.forward(torch.tensor([token]), self._state, last_only=True).logits[-1].argmax())
+            token = int(self.step.forward(torch.tensor([token]), self._state, last_only=True).logits[-1].argmax())
         seconds["decode"] = time.perf_counter() - start
         return seconds
 

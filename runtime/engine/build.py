@@ -1,0 +1,115 @@
+"""Open a pack as a ready Engine on the device an EngineConfig names.
+
+    load_engine(pack, EngineConfig(...)) -> Engine
+
+Where routed experts come from (EngineConfig.experts): on a GPU through the tiered store, which
+holds every record resident in a device bank when the budget allows; on a CPU decoded from the
+pack, or through the store when any store setting was given. The step replays one-token decode
+from CUDA graphs on a GPU with a store, unless a run that says how many tokens it decodes would
+not make up for building them (`decode_graphs_pay`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+from flashpack.errors import FlashpackError
+from flashpack.layout.pack import Pack
+from flashpack.runtime.engine.config import EngineConfig
+from flashpack.runtime.engine.decode_graphs import DecodeGraphs
+from flashpack.runtime.engine.engine import Engine
+from flashpack.runtime.engine.expert_paths import BankExperts, Prediction, StoreExperts, routed_experts
+from flashpack.runtime.engine.generate import Generator
+from flashpack.runtime.engine.step import Step
+from flashpack.runtime.experts import ExpertFetcher
+from flashpack.runtime.model.model import Qwen4ExpModel
+from flashpack.runtime.pack_source import PackExperts, PackWeights
+from flashpack.runtime.store.config import StoreConfig
+from flashpack.runtime.tokenizer import PackTokenizer
+
+DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32, "fp32": torch.float32}
+
+
+def decode_graphs_pay(max_tokens: int, layers: int, min_layer_tokens: int = EngineConfig.graphs_min_layer_tokens
+                      ) -> bool:
+    """Whether a run of at most `max_tokens` new tokens through `layers` decoder layers should decode
+    from CUDA graphs (EngineConfig.graphs_min_layer_tokens says why)."""
+    return max_tokens * layers >= min_layer_tokens
+
+
+def parse_dtype(name: str, device: torch.device) -> torch.dtype:
+    """`auto` is BF16 on a GPU and FP32 on a CPU, where BF16 matmuls are emulated and slower."""
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    try:
+        return DTYPES[name]
+    except KeyError:
+        raise FlashpackError(f"unknown dtype {name!r}: use one of {', '.join(sorted(DTYPES))}") from None
+
+
+def parse_device(name: str) -> torch.device:
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise FlashpackError(f"unknown device {name!r}: use cpu, cuda or cuda:N") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise FlashpackError("--device cuda was asked for but no CUDA device is available")
+    return device
+
+
+def uses_store(config: EngineConfig, device: torch.device) -> bool:
+    """Whether routed experts come through the tiered store (EngineConfig.experts)."""
+    if config.experts != "auto":
+        return config.experts == "store"
+    given = replace(config.store, verify_records=StoreConfig.verify_records) != StoreConfig()
+    return device.type == "cuda" or given
+
+
+def load_engine(
+    pack_path: Path | str, config: EngineConfig = EngineConfig(), *, fetcher: ExpertFetcher | None = None,
+    decode_tokens: int | None = None,
+) -> Engine:
+    """`fetcher`: routed experts from it instead (tests' in-memory experts). `decode_tokens`: the
+    most tokens this engine will decode, where known (a one-shot run): CUDA graphs are then built
+    only if that many pay for building them."""
+    pack = Pack.open(pack_path)
+    cfg = pack.manifest.config
+    device = parse_device(config.device)
+    dtype = parse_dtype(config.dtype, device)
+    store = None
+    if fetcher is not None:
+        source = fetcher
+    elif uses_store(config, device):
+        from flashpack.runtime.store import build_store
+
+        store = source = build_store(
+            pack, config.store, device, dtype=dtype,
+            # staging rows whether or not graphs run: a budget gives the same store either way
+            allow_resident=device.type == "cuda", staging=device.type == "cuda",
+            layers=list(range(cfg.num_hidden_layers)),  # the engine runs no MTP head
+        )
+    else:
+        source = PackExperts(pack, verify_records=config.store.verify_records)
+    prediction = Prediction(config.prefetch, config.read_ahead, config.prefetch_during_loads)
+    routed = routed_experts(source, cfg, dtype, device, prediction)
+    model = Qwen4ExpModel(PackWeights(pack), routed, dtype=dtype, device=device,
+                          fused_mix=config.fused_mix and device.type == "cuda",
+                          dense_matvec_max_tokens=config.dense_matvec_max_tokens)
+    if isinstance(routed, StoreExperts):
+        routed.predict_with({layer.layer: layer.moe.route for layer in model.layers})
+    graphs = None
+    graphs_pay = decode_tokens is None or decode_graphs_pay(decode_tokens, cfg.num_hidden_layers,
+                                                            config.graphs_min_layer_tokens)
+    if config.cuda_graphs and graphs_pay and device.type == "cuda" and isinstance(routed, (BankExperts, StoreExperts)):
+        graphs = DecodeGraphs(
+            model.layers, routed, source.count_replay if isinstance(routed, BankExperts) else None,
+            compile_layers=config.compile_layers, layers_per_graph=config.layers_per_graph,
+            combo_kernels=config.combo_kernels, staging_programs=config.staging_programs,
+            staged_beside_experts=config.staged_beside_experts,
+        )
+    step = Step(model, graphs)
+    tokenizer = PackTokenizer.load(pack.root)
+    return Engine(pack, config, model, step, tokenizer, Generator(step, tokenizer), store)

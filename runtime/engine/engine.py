@@ -1,0 +1,73 @@
+"""Engine: a pack opened for generation, what the server, verify and bench hold.
+
+    engine.generator.stream(prompt_ids, params)   generation (runtime/engine/generate.py)
+    engine.step([StepInput(tokens, state)])       one step of the model (runtime/engine/step.py)
+    engine.warm_up()                              compile, tune and capture before the first request
+    engine.stats()                                the expert store's counters (None without a store)
+    engine.close()                                stop the store's threads, free its memory
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from flashpack.layout.model_config import TextConfig
+from flashpack.layout.pack import Pack
+from flashpack.runtime.engine.config import EngineConfig
+from flashpack.runtime.engine.generate import Generator
+from flashpack.runtime.engine.step import Step
+from flashpack.runtime.model.model import Qwen4ExpModel
+from flashpack.runtime.model.qsa_attention import QUERY_CHUNK
+from flashpack.runtime.tokenizer import PackTokenizer
+
+
+@dataclass
+class Engine:
+    pack: Pack
+    config: EngineConfig
+    model: Qwen4ExpModel
+    step: Step
+    tokenizer: PackTokenizer
+    generator: Generator
+    store: object | None = None  # runtime.store.TieredStore (or ResidentExperts) when experts come through one
+
+    @property
+    def model_config(self) -> TextConfig:
+        return self.model.config
+
+    def warm_up(self) -> dict[str, float]:
+        """Compile, tune and capture at start what the first requests need (`warm_up_plan`,
+        Generator.warm_up). Returns the seconds each part took; on a CPU, where nothing is
+        compiled or tuned per shape, it does nothing."""
+        if self.model.device.type != "cuda":
+            return {}
+        lengths, depth = self.warm_up_plan()
+        return self.generator.warm_up(lengths, prompt_depth=depth)
+
+    def warm_up_plan(self) -> tuple[list[int], int]:
+        """(prompt lengths, layers they run through): a prompt of each shape class a first request
+        may bring (short, a few hundred tokens, past the QSA indexer's budget, several query chunks
+        past it), through one layer of each kind and the PLE layers."""
+        cfg = self.model.config
+        limit = (self.generator.max_context or cfg.max_position_embeddings) - 8
+        past_budget = cfg.indexer_budget + 2 * cfg.indexer_compress_ratio + 1
+        candidates = [16, 300, past_budget, max(2 * past_budget, 4 * QUERY_CHUNK) + 37]
+        lengths = sorted({min(length, limit) for length in candidates})
+        first_attention = next((i for i in range(cfg.num_hidden_layers) if not cfg.is_linear(i)), 0)
+        depth = max(first_attention + 1, *cfg.ple_layer_ids, 1)
+        return lengths, min(depth, cfg.num_hidden_layers)
+
+    def stats(self) -> dict | None:
+        self.step.settle()
+        return self.store.stats.to_dict() if self.store is not None else None
+
+    def time_layers(self, clock) -> None:
+        """Have decode steps replayed from CUDA graphs call `clock.begin()` before their layers and
+        `clock.lap(layer)` after each (runtime/bench/clock.py); None stops it. Eager steps are
+        timed by the caller."""
+        if self.step.graphs is not None:
+            self.step.graphs.layer_clock = clock
+
+    def close(self) -> None:
+        if self.store is not None:
+            self.store.close()

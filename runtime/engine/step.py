@@ -1,0 +1,66 @@
+"""The engine's step: the next tokens of one or more sequences in, their logits out.
+
+    step([StepInput(tokens, state, last_only), ...]) -> [StepOutput, ...]
+    step.forward(tokens, state, last_only)           one sequence (what generation calls)
+
+A sequence's tokens may be a whole prompt (prefill), one token (decode) or k + 1 tokens
+(speculative verification: logits for each); the state carries everything needed to continue.
+Today a step takes one sequence; the list form is the interface batching fills in.
+
+A one-token step replays the decoder layers from CUDA graphs when the engine has them
+(decode_graphs.py); everything else runs the model's layers eagerly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from flashpack.runtime.engine.decode_graphs import DecodeGraphs
+from flashpack.runtime.model.model import Qwen4ExpModel, StepOutput
+from flashpack.runtime.state import SequenceState
+
+
+@dataclass
+class StepInput:
+    tokens: torch.Tensor  # int64 [T]: the sequence's next T tokens
+    state: SequenceState  # advanced by T
+    last_only: bool = False  # logits of the last token alone (prefill, plain decode)
+
+
+class Step:
+    def __init__(self, model: Qwen4ExpModel, graphs: DecodeGraphs | None = None):
+        self.model, self.graphs = model, graphs
+        self.config = model.config
+
+    def __call__(self, inputs: Sequence[StepInput]) -> list[StepOutput]:
+        if len(inputs) != 1:
+            raise ValueError(f"a step takes one sequence today, got {len(inputs)}")
+        return [self.forward(item.tokens, item.state, item.last_only) for item in inputs]
+
+    @torch.no_grad()
+    def forward(self, tokens: torch.Tensor, state: SequenceState, last_only: bool = False,
+                depth: int | None = None) -> StepOutput:
+        """tokens int64 [T] -> StepOutput; advances `state` by T. `depth`: the first `depth`
+        decoder layers only (a warm-up's prompts; the state is then good for nothing else)."""
+        if self.graphs is None or tokens.ndim != 1 or tokens.shape[0] != 1 or depth is not None:
+            return self.model.forward(tokens, state, last_only=last_only, depth=depth)
+        host_tokens = tokens.cpu()  # the PLE layers hash them on the host: no read-back mid-step
+        streams = self.model.embed(tokens.to(self.model.device)).repeat(1, self.config.hc_count)  # [1, hc*H]
+        streams, logits = self.graphs.run(streams, host_tokens, state, head=self.model.logits)
+        state.position += 1
+        return StepOutput(logits=logits, streams=streams)
+
+    def new_state(self) -> SequenceState:
+        return self.model.new_state()
+
+    def logits(self, streams: torch.Tensor) -> torch.Tensor:
+        return self.model.logits(streams)
+
+    def settle(self) -> None:
+        """Finish the bookkeeping decode steps defer (DecodeGraphs.settle): before reading the
+        expert store's counters."""
+        if self.graphs is not None:
+            self.graphs.settle()

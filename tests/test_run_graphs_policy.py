@@ -7,16 +7,18 @@ import pytest
 from click.testing import CliRunner
 
 from flashpack.cli import main
-from flashpack.runtime import loader
+from flashpack.runtime.engine import build
+from flashpack.runtime.engine.config import EngineConfig
 
 
 def _pays_from(layers: int) -> int:
-    return -(-loader.GRAPHS_MIN_LAYER_TOKENS // layers)
+    return -(-EngineConfig.graphs_min_layer_tokens // layers)
 
 
 def test_graphs_pay_from_fewer_tokens_the_more_layers_a_token_crosses():
     assert _pays_from(48) == 43 and _pays_from(8) == 256
-    assert loader.decode_graphs_pay(43, 48) and not loader.decode_graphs_pay(42, 48)
+    assert build.decode_graphs_pay(43, 48) and not build.decode_graphs_pay(42, 48)
+    assert build.decode_graphs_pay(42, 48, min_layer_tokens=42 * 48)
 
 
 @pytest.mark.parametrize(("flags", "expected"), [
@@ -25,18 +27,20 @@ def test_graphs_pay_from_fewer_tokens_the_more_layers_a_token_crosses():
     (["--max-tokens", str(_pays_from(8) - 1)], False),
     (["--max-tokens", "8", "--cuda-graphs", "on"], True),
     (["--max-tokens", "4096", "--cuda-graphs", "off"], False),
+    (["--max-tokens", "8", "--set", "graphs_min_layer_tokens=64"], True),
 ])
 def test_run_asks_for_graphs_only_where_they_pay(tiny_pack, monkeypatch, flags, expected):
     seen = {}
-    real = loader.load_engine
+    real = build.load_engine
 
-    def recording(*args, **kwargs):
-        engine = real(*args, **kwargs)
-        seen["cuda_graphs"] = kwargs["cuda_graphs"] and (kwargs["decode_tokens"] is None or loader.decode_graphs_pay(
-            kwargs["decode_tokens"], engine.model.config.num_hidden_layers))
+    def recording(pack, config, decode_tokens=None, **kwargs):
+        engine = real(pack, config, decode_tokens=decode_tokens, **kwargs)
+        layers = engine.model_config.num_hidden_layers
+        seen["cuda_graphs"] = config.cuda_graphs and (decode_tokens is None or build.decode_graphs_pay(
+            decode_tokens, layers, config.graphs_min_layer_tokens))
         raise click.exceptions.Exit(0)  # what was asked for is all this test needs: no generation on a CPU
 
-    monkeypatch.setattr(loader, "load_engine", recording)
+    monkeypatch.setattr(build, "load_engine", recording)
     result = CliRunner().invoke(main, ["run", str(tiny_pack), "hello", *flags])
     assert result.exit_code == 0, result.output
     assert seen["cuda_graphs"] is expected

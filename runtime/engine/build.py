@@ -29,6 +29,7 @@ from flashpack.runtime.model.model import Qwen4ExpModel
 from flashpack.runtime.pack_source import PackExperts, PackWeights
 from flashpack.runtime.store.config import StoreConfig
 from flashpack.runtime.tokenizer import PackTokenizer
+from flashpack.runtime.weights import WeightSource
 
 DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32, "fp32": torch.float32}
 
@@ -93,23 +94,38 @@ def load_engine(
         )
     else:
         source = PackExperts(pack, verify_records=config.store.verify_records)
+    model = engine_model(PackWeights(pack), source, config, dtype, device)
+    graphs = None
+    graphs_pay = decode_tokens is None or decode_graphs_pay(decode_tokens, cfg.num_hidden_layers,
+                                                            config.graphs_min_layer_tokens)
+    if config.cuda_graphs and graphs_pay and device.type == "cuda" and isinstance(model.experts, (BankExperts, StoreExperts)):
+        graphs = engine_graphs(model, config)
+    step = Step(model, graphs)
+    tokenizer = PackTokenizer.load(pack.root)
+    return Engine(pack, config, model, step, tokenizer, Generator(step, tokenizer), store)
+
+
+def engine_model(weights: WeightSource, source, config: EngineConfig, dtype: torch.dtype, device: torch.device
+                 ) -> Qwen4ExpModel:
+    """The model over `source`'s routed experts (expert_paths.routed_experts), as `config` runs it:
+    through a store, decode predicts each next layer's experts with that layer's router."""
     prediction = Prediction(config.prefetch, config.read_ahead, config.prefetch_during_loads)
-    routed = routed_experts(source, cfg, dtype, device, prediction)
-    model = Qwen4ExpModel(PackWeights(pack), routed, dtype=dtype, device=device,
+    routed = routed_experts(source, weights.config, dtype, device, prediction)
+    model = Qwen4ExpModel(weights, routed, dtype=dtype, device=device,
                           fused_mix=config.fused_mix and device.type == "cuda",
                           dense_matvec_max_tokens=config.dense_matvec_max_tokens)
     if isinstance(routed, StoreExperts):
         routed.predict_with({layer.layer: layer.moe.route for layer in model.layers})
-    graphs = None
-    graphs_pay = decode_tokens is None or decode_graphs_pay(decode_tokens, cfg.num_hidden_layers,
-                                                            config.graphs_min_layer_tokens)
-    if config.cuda_graphs and graphs_pay and device.type == "cuda" and isinstance(routed, (BankExperts, StoreExperts)):
-        graphs = DecodeGraphs(
-            model.layers, routed, source.count_replay if isinstance(routed, BankExperts) else None,
-            compile_layers=config.compile_layers, layers_per_graph=config.layers_per_graph,
-            combo_kernels=config.combo_kernels, staging_programs=config.staging_programs,
-            staged_beside_experts=config.staged_beside_experts,
-        )
-    step = Step(model, graphs)
-    tokenizer = PackTokenizer.load(pack.root)
-    return Engine(pack, config, model, step, tokenizer, Generator(step, tokenizer), store)
+    return model
+
+
+def engine_graphs(model: Qwen4ExpModel, config: EngineConfig, make_call=None) -> DecodeGraphs:
+    """CUDA graphs for `model`'s one-token decode steps, as `config` cuts them (`make_call`:
+    DecodeGraphs'; the CPU tests run the pieces plainly)."""
+    routed = model.experts
+    return DecodeGraphs(
+        model.layers, routed, routed.source.count_replay if isinstance(routed, BankExperts) else None,
+        make_call=make_call, compile_layers=config.compile_layers, layers_per_graph=config.layers_per_graph,
+        combo_kernels=config.combo_kernels, staging_programs=config.staging_programs,
+        staged_beside_experts=config.staged_beside_experts,
+    )

@@ -211,7 +211,8 @@ class DecodeGraphs:
                 self._unrecorded = None
 
     def _record(self, report: list[list[int]]) -> None:
-        self.tabled.record_step(count_step(self.layers, report, self.staging))
+        predicts = [self._next_moe[layer.layer] is not None for layer in self.layers]
+        self.tabled.record_step(count_step(self.layers, report, self.staging, predicts))
 
     def _through_store(self, streams, rows) -> torch.Tensor:
         self.settle()  # the store sees the steps in order

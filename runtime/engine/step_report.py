@@ -72,12 +72,14 @@ def report_row(experts, codes, missing, early, guess, ahead) -> torch.Tensor:
                       experts.flatten().to(codes.dtype), codes.flatten(), early.flatten().to(codes.dtype)])
 
 
-def count_step(layers, report: list[list[int]], counts: StagingCounts) -> list[tuple[int, list[int], list[int], int]]:
+def count_step(layers, report: list[list[int]], counts: StagingCounts, predicts_next: list[bool]
+               ) -> list[tuple[int, list[int], list[int], int]]:
     """A step that stood, its report read back: for the store's record_step, per layer (layer,
     experts found on the device, experts staged from the host cache, records staged ahead but not
-    used); `counts` gains the step's predictions and stagings."""
+    used); `counts` gains the step's predictions and stagings. `predicts_next[i]`: whether layer i
+    predicted the next layer's experts."""
     found, guessed = [], False
-    for layer, (_, ahead, right, *picks) in zip(layers, report):
+    for layer, predicts, (_, ahead, right, *picks) in zip(layers, predicts_next, report):
         k = len(picks) // 3
         experts, codes, used_ahead = picks[:k], picks[k:2 * k], sum(picks[2 * k:])
         staged = [e for e, code in zip(experts, codes) if code < 0]
@@ -85,7 +87,7 @@ def count_step(layers, report: list[list[int]], counts: StagingCounts) -> list[t
         if guessed:  # the layer before predicted this one's experts
             counts.predicted += k
             counts.right += right
-        guessed = layer.moe.next_moe is not None
+        guessed = predicts
         counts.ahead += ahead
         counts.ahead_used += used_ahead
         counts.late += len(staged) - used_ahead

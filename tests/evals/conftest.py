@@ -21,5 +21,7 @@ def demo_pack(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def demo_engine(demo_pack):
     from flashpack.runtime.engine.build import load_engine
+    from flashpack.runtime.engine.config import EngineConfig
+    from flashpack.runtime.store.config import StoreConfig
 
-    return load_engine(demo_pack, verify_records=False)
+    return load_engine(demo_pack, EngineConfig(store=StoreConfig(verify_records=False)))

@@ -19,26 +19,30 @@ import pytest
 import torch
 
 from flashpack.runtime.bench.clock import LayerClock
-from flashpack.runtime.engine.build import StoreOptions, load_engine
+from flashpack.runtime.engine.build import engine_graphs, engine_model, load_engine
+from flashpack.runtime.engine.config import EngineConfig
+from flashpack.runtime.engine.step import Step
+from flashpack.runtime.store.config import StoreConfig
 
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 TOLERANCE = 1e-6
 
 
 def _decode(engine, prompt: torch.Tensor, steps: int, restore_at: int | None = None) -> list[torch.Tensor]:
-    model = getattr(engine, "model", engine)
-    state = model.new_state()
-    logits = [model(prompt, state, last_only=True).logits]
+    """Greedy logits of an Engine's (or a Step's) prompt and `steps` decode steps."""
+    step = getattr(engine, "step", engine)
+    state = step.new_state()
+    logits = [step.forward(prompt, state, last_only=True).logits]
     saved = None
-    for step in range(steps):
-        if step == restore_at:
+    for index in range(steps):
+        if index == restore_at:
             saved = state.snapshot()
         token = int(logits[-1].argmax())
-        logits.append(model(torch.tensor([token]), state).logits)
+        logits.append(step.forward(torch.tensor([token]), state).logits)
     if saved is not None:
         state.restore(saved)
         for _ in range(3):
-            logits.append(model(torch.tensor([int(logits[-1].argmax())]), state).logits)
+            logits.append(step.forward(torch.tensor([int(logits[-1].argmax())]), state).logits)
     return logits
 
 
@@ -49,16 +53,22 @@ def _worst(got: list[torch.Tensor], expected: list[torch.Tensor]) -> float:
     return float(errors.nan_to_num(nan=float("inf")).max())
 
 
-def _store_options(tiny_pack, device_slots: int | None) -> StoreOptions:
+def _store_config(tiny_pack, device_slots: int | None) -> StoreConfig:
     """Every record resident, or a device pool of `device_slots` slots in front of the host cache."""
     if device_slots is None:
-        return StoreOptions()
+        return StoreConfig()
     from flashpack.layout.pack import Pack
     from flashpack.runtime.store.build import resident_device_bytes
 
     manifest = Pack.open(tiny_pack).manifest
     reserved = resident_device_bytes(manifest, "float32", device="cuda")
-    return StoreOptions(vram_budget=str(reserved + device_slots * manifest.document["experts"]["record_stride"]))
+    return StoreConfig(vram_budget=reserved + device_slots * manifest.document["experts"]["record_stride"])
+
+
+def _gpu_engine(tiny_pack, device_slots: int | None, **settings):
+    """The tiny pack on the GPU in float32 through a store of `device_slots` (None: resident)."""
+    return load_engine(tiny_pack, EngineConfig(device="cuda", dtype="float32", store=_store_config(tiny_pack, device_slots),
+                                               **settings))
 
 
 @needs_gpu
@@ -66,26 +76,23 @@ def _store_options(tiny_pack, device_slots: int | None) -> StoreOptions:
 @pytest.mark.parametrize("tiered", [None, 60, 250], ids=["resident", "tiered-60", "tiered-250"])
 def test_graph_decode_matches_eager(tiny_pack, tiered, compiled):
     prompt = torch.randint(0, 1000, (30,), generator=torch.Generator().manual_seed(0))
-    options = _store_options(tiny_pack, tiered)
-    eager = load_engine(tiny_pack, "cuda", dtype="float32", store=options, cuda_graphs=False)
-    graphed = load_engine(tiny_pack, "cuda", dtype="float32", store=options, compile_layers=compiled)
-    assert graphed.model.decode_graphs is not None and eager.model.decode_graphs is None
-    # until session 10 a tiered prompt added its experts' outputs chunk by chunk with atomic
-    # index_add, in an order that varied run to run and with what each store held: 3.3e-5 was seen
-    # on the H200 for tiered-60 (session 7). Its chunks now fill their (token, pick) rows of one
-    # buffer, summed over the picks once as the resident path sums, so chunking no longer changes
-    # the sum; the tiered tolerance stays at the compiled one until a GPU run measures it again
+    eager = _gpu_engine(tiny_pack, tiered, cuda_graphs=False)
+    graphed = _gpu_engine(tiny_pack, tiered, compile_layers=compiled)
+    assert graphed.step.graphs is not None and eager.step.graphs is None
+    # a tiered prompt's chunks fill their (token, pick) rows of one buffer, summed over the picks
+    # once as the resident path sums, so chunking does not change the sum; the tiered tolerance is
+    # the compiled one
     tolerance = 1e-4 if compiled or tiered is not None else 1e-5
     for _ in range(2):  # a second sequence: new state buffers, graphs captured again
         # 40 steps: past the indexer's budget, and the attention caches grow (graphs captured again)
         expected, got = _decode(eager, prompt, 40, restore_at=30), _decode(graphed, prompt, 40, restore_at=30)
         assert _worst(got, expected) < tolerance, [float((a - b).norm() / b.norm()) for a, b in zip(got, expected)]
-    graphed.model.settle()
+    graphed.step.settle()
     assert graphed.store.stats.total().requests == eager.store.stats.total().requests
     if tiered is not None:  # the host cache holds every record read: steps from the slot table stand
-        assert graphed.model.decode_graphs.speculation.confirmed > 0
+        assert graphed.step.graphs.speculation.confirmed > 0
     if tiered == 60:  # most records in RAM: some staged beside the layer before, on the side stream
-        assert graphed.model.decode_graphs.staging.ahead_used > 0
+        assert graphed.step.graphs.staging.ahead_used > 0
 
 
 @needs_gpu
@@ -93,10 +100,9 @@ def test_graph_decode_matches_eager(tiny_pack, tiered, compiled):
 def test_graphs_of_two_layers_match_eager(tiny_pack, tiered):
     """A step cut into graphs of two layers each hands the prediction across each graph's end."""
     prompt = torch.randint(0, 1000, (30,), generator=torch.Generator().manual_seed(3))
-    options = _store_options(tiny_pack, tiered)
-    eager = load_engine(tiny_pack, "cuda", dtype="float32", store=options, cuda_graphs=False)
-    graphed = load_engine(tiny_pack, "cuda", dtype="float32", store=options, compile_layers=False, layers_per_graph=2)
-    assert graphed.model.decode_graphs.layers_per_graph == 2
+    eager = _gpu_engine(tiny_pack, tiered, cuda_graphs=False)
+    graphed = _gpu_engine(tiny_pack, tiered, compile_layers=False, layers_per_graph=2)
+    assert graphed.step.graphs.layers_per_graph == 2
     expected, got = _decode(eager, prompt, 12), _decode(graphed, prompt, 12)
     assert _worst(got, expected) < (1e-4 if tiered else 1e-5)
 
@@ -107,9 +113,8 @@ def test_fused_hyper_connection_mixes_match_eager(tiny_pack, tiered):
     """Decode steps whose hyper-connection mixes run as runtime/kernels/hc_mix.py's kernels, in
     compiled graphs, compute what the plain eager engine does (float32: summation order only)."""
     prompt = torch.randint(0, 1000, (30,), generator=torch.Generator().manual_seed(4))
-    options = _store_options(tiny_pack, tiered)
-    eager = load_engine(tiny_pack, "cuda", dtype="float32", store=options, cuda_graphs=False, fused_mix=False)
-    fused = load_engine(tiny_pack, "cuda", dtype="float32", store=options)  # fused: the default on a GPU
+    eager = _gpu_engine(tiny_pack, tiered, cuda_graphs=False, fused_mix=False)
+    fused = _gpu_engine(tiny_pack, tiered)  # fused: the default on a GPU
     assert all(layer.attn_hc.fused and layer.mlp_hc.fused for layer in fused.model.layers)
     expected, got = _decode(eager, prompt, 12), _decode(fused, prompt, 12)
     assert _worst(got, expected) < 1e-4
@@ -118,17 +123,22 @@ def test_fused_hyper_connection_mixes_match_eager(tiny_pack, tiered):
 def test_fused_mixes_need_cuda(tiny_pack):
     """The fused mixes are Triton kernels compiled for a GPU: a CPU engine runs the module's code
     whatever `fused_mix` says, and refuses them when asked directly."""
-    engine = load_engine(tiny_pack, "cpu", fused_mix=True)
-    with pytest.raises(ValueError, match="CUDA only"):
-        engine.model.fuse_hyper_connections()
+    from flashpack.layout.pack import Pack
+    from flashpack.runtime.model import Qwen4ExpModel
+    from flashpack.runtime.pack_source import PackExperts, PackWeights
+
+    engine = load_engine(tiny_pack, EngineConfig(fused_mix=True))
     assert not any(layer.attn_hc.fused for layer in engine.model.layers)
+    pack = Pack.open(tiny_pack)
+    with pytest.raises(ValueError, match="CUDA only"):
+        Qwen4ExpModel(PackWeights(pack), PackExperts(pack), dtype=torch.float32, fused_mix=True)
 
 
 @needs_gpu
 def test_graph_control_a_changed_weight_shows(tiny_pack):
     """Replays must read live weights: scaling one layer's router after capture changes the logits."""
     prompt = torch.randint(0, 1000, (20,), generator=torch.Generator().manual_seed(1))
-    graphed = load_engine(tiny_pack, "cuda", dtype="float32", store=StoreOptions(), compile_layers=False)
+    graphed = _gpu_engine(tiny_pack, None, compile_layers=False)
     before = _decode(graphed, prompt, 4)
     graphed.model.layers[0].moe.shared_down_proj.weight.mul_(3.0)
     after = _decode(graphed, prompt, 4)
@@ -147,28 +157,27 @@ class PlainCall:
         return self.fn(*inputs)
 
 
-def _tiered_pair(tiny_pack, device_slots: int, host_slots: int = 300, staging: bool = True, layers_per_graph: int = 1):
-    """Two models over two stores of `device_slots` and `host_slots` slots: the plain layers, and
-    the graph pieces."""
+def _tiered_pair(tiny_pack, device_slots: int, host_slots: int = 300, staging: bool = True, layers_per_graph: int = 1,
+                 staged_beside_experts: int = 1):
+    """Two steps over two stores of `device_slots` and `host_slots` slots: the plain layers, and
+    the graph pieces (each layer predicting the next one's experts, no read-ahead)."""
     from flashpack.layout.pack import Pack
-    from flashpack.runtime.model import Qwen4ExpModel
-    from flashpack.runtime.engine.decode_graphs import DecodeGraphs
     from flashpack.runtime.pack_source import PackWeights
     from flashpack.runtime.store import build_store
     from flashpack.runtime.store.budget import STAGING_ROW_SETS
 
     pack = Pack.open(tiny_pack)
     stride = pack.manifest.document["experts"]["record_stride"]
+    config = EngineConfig(dtype="float32", read_ahead=False, layers_per_graph=layers_per_graph,
+                          staged_beside_experts=staged_beside_experts)
     stores, models = [], []
     for _ in range(2):
         rows = device_slots + (STAGING_ROW_SETS * pack.manifest.config.num_experts_per_tok if staging else 0)
-        store = build_store(tiny_pack, rows * stride, host_slots * stride, device_reserved=0, staging=staging)
-        model = Qwen4ExpModel(PackWeights(pack), store, dtype=torch.float32)
-        model.prefetch_next_layer()
+        store = build_store(tiny_pack, StoreConfig(vram_budget=rows * stride, ram_budget=host_slots * stride),
+                            device_reserved=0, staging=staging)
         stores.append(store)
-        models.append(model)
-    models[1].decode_graphs = DecodeGraphs(models[1].layers, make_call=PlainCall, layers_per_graph=layers_per_graph)
-    return stores, models
+        models.append(engine_model(PackWeights(pack), store, config, torch.float32, torch.device("cpu")))
+    return stores, [Step(models[0]), Step(models[1], engine_graphs(models[1], config, make_call=PlainCall))]
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU test above covers the captured pieces")
@@ -188,29 +197,26 @@ def test_tiered_pieces_compose_to_the_layers_on_cpu(tiny_pack, monkeypatch, devi
     a miss like a disk one. A step is a chain of graphs of one layer each, or of two (the
     prediction handed across a graph's end either way); a graph's last layer stages none, some or
     all of the next graph's predicted records beside its experts."""
-    from flashpack.runtime.engine import decode_graphs
-
-    monkeypatch.setattr(decode_graphs, "STAGED_BESIDE_EXPERTS", beside_experts)
-    stores, models = _tiered_pair(tiny_pack, device_slots, host_slots, staging, layers_per_graph)
+    stores, steps = _tiered_pair(tiny_pack, device_slots, host_slots, staging, layers_per_graph, beside_experts)
     prompt = torch.randint(0, 1000, (30,), generator=torch.Generator().manual_seed(5))
-    expected, got = _decode(models[0], prompt, 24), _decode(models[1], prompt, 24)
-    for step, (a, b) in enumerate(zip(got, expected)):
-        assert float((a - b).norm() / b.norm()) < TOLERANCE, f"step {step}"
+    expected, got = _decode(steps[0], prompt, 24), _decode(steps[1], prompt, 24)
+    for index, (a, b) in enumerate(zip(got, expected)):
+        assert float((a - b).norm() / b.norm()) < TOLERANCE, f"step {index}"
     # the same requests; which of them hit depends on when the reader threads land the prefetches.
     # A step from the slot table is counted once the next step is under way, or at settle()
-    models[1].settle()
+    steps[1].settle()
     plain, pieces = (store.stats.total() for store in stores)
     assert pieces.requests == plain.requests and pieces.prefetch_issued > 0
-    models[1].settle()  # nothing left to count twice
+    steps[1].settle()  # nothing left to count twice
     assert stores[1].stats.total().requests == plain.requests
-    speculation = models[1].decode_graphs.speculation
+    speculation = steps[1].graphs.speculation
     if host_slots == 40 or not staging:
         assert speculation.tries > speculation.confirmed
     else:
         assert speculation.confirmed > 0
     if (device_slots, host_slots, staging) == (60, 300, True):  # steps that stood staged host records
         assert pieces.host_hits > plain.host_hits
-        counts = models[1].decode_graphs.staging  # some as predicted, while the layer before ran
+        counts = steps[1].graphs.staging  # some as predicted, while the layer before ran
         assert counts.ahead_used > 0 and counts.late > 0 and 0 < counts.right <= counts.predicted
     for store in stores:
         store.close()
@@ -239,14 +245,13 @@ def test_control_a_tiered_step_must_see_its_misses_and_restore_its_state(tiny_pa
     if broken == "ahead-rows-shared":
         monkeypatch.setattr(decode_graphs, "ahead_rows", lambda layer: 1)
     # 40 host slots: most steps meet a disk miss; 300: every step stands, staging host records
-    stores, models = _tiered_pair(tiny_pack, 60, host_slots=40 if broken in ("misses-ignored", "state-not-restored")
-                                  else 300, layers_per_graph=2 if broken == "ahead-rows-shared" else 1)
+    stores, steps = _tiered_pair(tiny_pack, 60, host_slots=40 if broken in ("misses-ignored", "state-not-restored")
+                                 else 300, layers_per_graph=2 if broken == "ahead-rows-shared" else 1)
     if broken == "state-not-restored":
-        bind = models[1].decode_graphs._bind
-        monkeypatch.setattr(models[1].decode_graphs, "_bind",
-                            lambda *args: (bind(*args), models[1].decode_graphs._saved.clear()))
+        bind = steps[1].graphs._bind
+        monkeypatch.setattr(steps[1].graphs, "_bind", lambda *args: (bind(*args), steps[1].graphs._saved.clear()))
     prompt = torch.randint(0, 1000, (30,), generator=torch.Generator().manual_seed(5))
-    expected, got = _decode(models[0], prompt, 24), _decode(models[1], prompt, 24)
+    expected, got = _decode(steps[0], prompt, 24), _decode(steps[1], prompt, 24)
     assert _worst(got, expected) > 1e-3
     for store in stores:
         store.close()
@@ -257,26 +262,25 @@ def test_pieces_compose_to_the_layers_on_cpu(tiny_pack):
     """How decode is cut into graph pieces (every layer in one piece: QSA attending over its
     whole buffer under a mask) must compute what the layers do, past the indexer's budget."""
     from flashpack.layout.pack import Pack
-    from flashpack.runtime.model import Qwen4ExpModel
-    from flashpack.runtime.engine.decode_graphs import DecodeGraphs
     from flashpack.runtime.pack_source import PackWeights
     from flashpack.runtime.store.resident import ResidentExperts
 
     pack = Pack.open(tiny_pack)
     resident = ResidentExperts(pack, "cpu", progress=False)
-    plain = Qwen4ExpModel(PackWeights(pack), resident, dtype=torch.float32)
-    pieces = Qwen4ExpModel(PackWeights(pack), resident, dtype=torch.float32)
-    pieces.decode_graphs = DecodeGraphs(pieces.layers, resident.count_replay, make_call=PlainCall)
-    clock = pieces.decode_graphs.layer_clock = LayerClock(torch.device("cpu"))  # the bench's per-layer time
+    config = EngineConfig(dtype="float32")
+    plain = Step(engine_model(PackWeights(pack), resident, config, torch.float32, torch.device("cpu")))
+    model = engine_model(PackWeights(pack), resident, config, torch.float32, torch.device("cpu"))
+    pieces = Step(model, engine_graphs(model, config, make_call=PlainCall))
+    clock = pieces.graphs.layer_clock = LayerClock(torch.device("cpu"))  # the bench's per-layer time
     prompt = torch.randint(0, 1000, (30,), generator=torch.Generator().manual_seed(2))
     expected = _decode(plain, prompt, 24)
     start = time.perf_counter()
     got = _decode(pieces, prompt, 24)  # past the indexer budget
     each = clock.take()
-    assert set(each) == {layer.layer for layer in pieces.layers}  # a graph a layer: each layer timed
+    assert set(each) == {layer.layer for layer in model.layers}  # a graph a layer: each layer timed
     assert all(seconds > 0 for seconds in each.values()) and sum(each.values()) < time.perf_counter() - start
-    for step, (a, b) in enumerate(zip(got, expected)):
-        assert float((a - b).norm() / b.norm()) < TOLERANCE, f"step {step}"
+    for index, (a, b) in enumerate(zip(got, expected)):
+        assert float((a - b).norm() / b.norm()) < TOLERANCE, f"step {index}"
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU test above covers the captured pieces")
@@ -286,12 +290,12 @@ def test_a_failing_step_releases_the_slot_table(tiny_pack, monkeypatch):
     def broken(*args):
         raise RuntimeError("kernel failed")
 
-    stores, models = _tiered_pair(tiny_pack, 60)
-    monkeypatch.setattr(models[1].decode_graphs, "table_slots", broken)
-    state = models[1].new_state()
-    logits = models[1](torch.randint(0, 1000, (8,)), state, last_only=True).logits
+    stores, steps = _tiered_pair(tiny_pack, 60)
+    monkeypatch.setattr(steps[1].graphs, "table_slots", broken)
+    state = steps[1].new_state()
+    logits = steps[1].forward(torch.randint(0, 1000, (8,)), state, last_only=True).logits
     with pytest.raises(RuntimeError, match="kernel failed"):
-        models[1](torch.tensor([int(logits.argmax())]), state)
-    assert models[1].decode_graphs.speculation.tries == 0 and not stores[1]._table_held
+        steps[1].forward(torch.tensor([int(logits.argmax())]), state)
+    assert steps[1].graphs.speculation.tries == 0 and not stores[1]._table_held
     for store in stores:
         store.close()

@@ -10,8 +10,8 @@ import torch
 from flashpack.runtime.engine.step_report import Speculation, StagingCounts, count_step, report_row
 
 
-def _layer(index: int, predicts_next: bool):
-    return SimpleNamespace(layer=index, moe=SimpleNamespace(next_moe=object() if predicts_next else None))
+def _layer(index: int):
+    return SimpleNamespace(layer=index)
 
 
 def test_a_report_row_and_its_count():
@@ -22,7 +22,7 @@ def test_a_report_row_and_its_count():
     assert row.tolist() == [0, 1, 1, 5, 9, 3, -4, 0, 1]
     first = [0, 0, 0, 7, 8, 1, -2, 0, 0]  # layer 0: nothing predicted, 8 staged late
     counts = StagingCounts()
-    found = count_step([_layer(0, True), _layer(1, False)], [first, row.tolist()], counts)
+    found = count_step([_layer(0), _layer(1)], [first, row.tolist()], counts, predicts_next=[True, False])
     assert found == [(0, [7], [8], 0), (1, [5], [9], 0)]
     assert counts == StagingCounts(predicted=2, right=1, ahead=1, ahead_used=1, late=1)
 

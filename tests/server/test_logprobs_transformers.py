@@ -19,6 +19,8 @@ from flashpack import demo_model
 from flashpack.convert.pipeline import convert
 from flashpack.convert.source import SourceCheckpoint
 from flashpack.runtime.engine.build import load_engine
+from flashpack.runtime.engine.config import EngineConfig
+from flashpack.runtime.store.config import StoreConfig
 from flashpack.runtime.server import ServerSettings
 from flashpack.verify.expected import ExpectedWeights
 from flashpack.verify.reference import transformers_config
@@ -29,7 +31,7 @@ PROMPT = "def forward(self, hidden_states):\n    hidden_states = self.dense(hidd
 @pytest.fixture(scope="module")
 def demo_engine(tmp_path_factory):
     pack = convert(str(demo_model.snapshot_path()), tmp_path_factory.mktemp("demo") / "demo.pack", progress=False)
-    return load_engine(pack, verify_records=False)
+    return load_engine(pack, EngineConfig(store=StoreConfig(verify_records=False)))
 
 
 def _transformers_model() -> Qwen4ExpForCausalLM:

@@ -63,7 +63,7 @@ def test_serve_builds_settings_then_loads_then_runs(monkeypatch, tiny_pack, tiny
 
     order, ran = [], {}
 
-    def load_engine(pack, **kwargs):
+    def load_engine(pack, config, **kwargs):
         order.append("load")
         return fake_engine(tiny_tokenizer)
 

@@ -14,6 +14,7 @@ from flashpack.layout.manifest import Manifest
 from flashpack.layout.pack import Pack
 from flashpack.runtime.engine.generate import Generator
 from flashpack.runtime.engine.build import load_engine
+from flashpack.runtime.engine.config import EngineConfig
 from flashpack.runtime.model import Qwen4ExpModel
 from flashpack.runtime.pack_source import PackExperts, PackWeights
 from flashpack.runtime.sampling import SamplingParams
@@ -31,7 +32,7 @@ class Greedy:
     """One pack's tokenizer and prompts; a fresh engine per fetcher (the fetcher is bound at build)."""
 
     def __init__(self, pack_root):
-        self.engine = load_engine(pack_root, dtype="float32")
+        self.engine = load_engine(pack_root, EngineConfig(dtype="float32"))
         self.pack = self.engine.pack
         self.prompts = [self.engine.tokenizer.encode(text) for text in PROMPTS]
 

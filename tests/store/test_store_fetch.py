@@ -16,6 +16,7 @@ from flashpack.layout.pack import Pack
 from flashpack.runtime.experts import ExpertFetcher, ahead_rows
 from flashpack.runtime.pack_source import PackExperts
 from flashpack.runtime.store import build_store
+from flashpack.runtime.store.config import StoreConfig
 from flashpack.runtime.store.hotset import hot_set_from_trace, save_hot_set
 from flashpack.runtime.store.trace import Trace
 
@@ -141,7 +142,8 @@ def test_staging_rows_come_out_of_the_device_budget(store_pack):
 def test_a_store_for_some_layers_gives_the_others_no_room(store_pack):
     """The engine runs no MTP head: its store takes the decoder layers' records alone, and `'*'`
     pre-warms those."""
-    from flashpack.runtime.engine.build import StoreOptions, load_engine
+    from flashpack.runtime.engine.build import load_engine
+    from flashpack.runtime.engine.config import EngineConfig
 
     pack = Pack.open(store_pack)
     cfg = pack.manifest.config
@@ -151,7 +153,7 @@ def test_a_store_for_some_layers_gives_the_others_no_room(store_pack):
         assert store.layers == decoder
         assert store.plan.device_slots == store.plan.host_slots == len(decoder) * cfg.num_experts
         assert store.stats.total().prewarmed_device == len(decoder) * cfg.num_experts
-    engine = load_engine(store_pack, store=StoreOptions(vram_budget="1GiB", ram_budget="1GiB"))
+    engine = load_engine(store_pack, EngineConfig(store=StoreConfig(vram_budget="1GiB", ram_budget="1GiB")))
     try:
         assert engine.store.layers == decoder
     finally:
@@ -313,11 +315,12 @@ def test_fetch_while_a_prefetch_holds_the_layer_share(store_pack, reference):
 
 
 def test_decode_with_read_ahead_reads_for_the_layer_after_next_and_computes_the_same(tiny_pack):
-    """Read-ahead (`StoreOptions.read_ahead`, on by default; bench --no-read-ahead) changes what the
+    """Read-ahead (`EngineConfig.read_ahead`, on by default; bench --no-read-ahead) changes what the
     store reads from disk while the engine decodes through it, not what the model computes: the same
     logits, rel 1e-5 (FP32 on the CPU; experts may land in other chunks), and read-aheads issued only
     with it on."""
-    from flashpack.runtime.engine.build import StoreOptions, load_engine
+    from flashpack.runtime.engine.build import load_engine
+    from flashpack.runtime.engine.config import EngineConfig
     from flashpack.runtime.store.build import resident_device_bytes
 
     manifest = Pack.open(tiny_pack).manifest
@@ -326,17 +329,18 @@ def test_decode_with_read_ahead_reads_for_the_layer_after_next_and_computes_the_
     vram = resident_device_bytes(manifest, "float32") + layers * cfg.num_experts_per_tok * stride
     prompt = torch.randint(0, 1000, (12,), generator=torch.Generator().manual_seed(0))
     logits, issued = {}, {}
-    assert StoreOptions().read_ahead
+    assert EngineConfig().read_ahead
     for read_ahead in (False, True):
-        options = StoreOptions(vram_budget=str(vram), ram_budget=str(layers * cfg.num_experts_per_tok * stride),
-                               read_ahead=read_ahead)
-        engine = load_engine(tiny_pack, store=options, dtype="float32")
+        store = StoreConfig(vram_budget=vram, ram_budget=layers * cfg.num_experts_per_tok * stride)
+        engine = load_engine(tiny_pack, EngineConfig(dtype="float32", read_ahead=read_ahead, store=store))
         try:
-            assert [layer.moe.read_ahead for layer in engine.model.layers[:-1]] == [read_ahead] * (layers - 1)
-            state = engine.model.new_state()
-            steps = [engine.model(prompt, state).logits[-1:]]
+            far = [engine.model.experts.predict_far(layer, torch.ones(1, cfg.hidden_size)) is not None
+                   for layer in range(layers - 2)]
+            assert far == [read_ahead] * (layers - 2)
+            state = engine.step.new_state()
+            steps = [engine.step.forward(prompt, state).logits[-1:]]
             for _ in range(6):
-                steps.append(engine.model(torch.tensor([int(steps[-1].argmax())]), state).logits)
+                steps.append(engine.step.forward(torch.tensor([int(steps[-1].argmax())]), state).logits)
             logits[read_ahead] = torch.cat(steps)
             issued[read_ahead] = engine.store.stats.total().read_ahead_issued
         finally:

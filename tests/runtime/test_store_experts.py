@@ -2,8 +2,8 @@
 still loading) runs every chunk at the step's full [T, k] shape, the picks a chunk lacks at zero
 weight: the kernels keep their one build (a [n, 1] call would build again mid-decode) and the result
 equals the one-chunk step's. A prompt streamed in chunks fills one buffer of (token, pick) rows,
-chunk by chunk, and sums it once: equal to the one-call result. `_experts` and `moe_expert_pairs`
-are replaced by stand-ins whose output depends on every slot and weight, so a lost, doubled or
+chunk by chunk, and sums it once: equal to the one-call result (runtime/engine/expert_paths.py's
+StoreExperts). `fused_experts` and `moe_expert_pairs` are replaced by stand-ins whose output depends on every slot and weight, so a lost, doubled or
 misplaced pick shows. A decode step hands the store the next layer's guess to prefetch and the one
 after's to read ahead, with its own request."""
 
@@ -13,9 +13,8 @@ from types import SimpleNamespace
 
 import torch
 
-from flashpack.runtime.model import moe as moe_module
-from flashpack.runtime.model.host_copy import PinnedStaging
-from flashpack.runtime.model.moe import SparseMoE
+from flashpack.runtime.engine import expert_paths
+from flashpack.runtime.engine.expert_paths import Prediction, StoreExperts
 
 K, H, E = 10, 8, 64
 
@@ -36,35 +35,34 @@ class ChunkedSlots:
             start += size
 
 
-def _step(sizes: list[int], calls: list) -> torch.Tensor:
+def _step(sizes: list[int], calls: list, monkeypatch) -> torch.Tensor:
     def experts_stand_in(x, bank, slots, weights, prompt):
         calls.append((tuple(slots.shape), prompt))
         return (weights * (slots + 1).to(weights.dtype)).sum(-1, keepdim=True) * x
 
-    moe = SimpleNamespace(slots=ChunkedSlots(sizes), layer=1, num_experts=E, _experts=experts_stand_in,
-                          staging=PinnedStaging())
-    moe._decode_chunk = lambda *args, **kwargs: SparseMoE._decode_chunk(moe, *args, **kwargs)
+    monkeypatch.setattr(expert_paths, "fused_experts", experts_stand_in)
+    store_experts = StoreExperts(ChunkedSlots(sizes), E, Prediction())
     generator = torch.Generator().manual_seed(0)
     x = torch.randn(2, H, generator=generator)
     experts = torch.randperm(E, generator=generator)[:2 * K].view(2, K)
     weights = torch.rand(2, K, generator=generator)
     ids = experts.flatten().tolist()
-    return SparseMoE._routed_from_slots(moe, x, weights, experts, sorted(set(ids)), ids)
+    return store_experts._decode(1, x, weights, experts, sorted(set(ids)), ids)
 
 
-def test_split_decode_step_keeps_its_shape_and_result():
+def test_split_decode_step_keeps_its_shape_and_result(monkeypatch):
     whole_calls, split_calls = [], []
-    whole = _step([2 * K], whole_calls)
-    split = _step([7, 9, 2 * K - 16], split_calls)
+    whole = _step([2 * K], whole_calls, monkeypatch)
+    split = _step([7, 9, 2 * K - 16], split_calls, monkeypatch)
     assert whole_calls == [((2, K), False)]
     assert split_calls == [((2, K), False)] * 3
     torch.testing.assert_close(split, whole, rtol=1e-6, atol=1e-6)
 
 
-def test_a_lost_chunk_shows():
+def test_a_lost_chunk_shows(monkeypatch):
     """The control: a stream that drops its last chunk's experts does not pass for the whole step."""
-    whole = _step([2 * K], [])
-    partial = _step([7, 9], [])
+    whole = _step([2 * K], [], monkeypatch)
+    partial = _step([7, 9], [], monkeypatch)
     assert (partial - whole).abs().max() > 1e-3
 
 
@@ -81,19 +79,17 @@ def _prompt(sizes: list[int], monkeypatch, filled: list) -> tuple[torch.Tensor, 
         pairs[chosen] = _expert_stand_in(x, slots, weights).flatten(0, 1)[chosen]
         filled.extend(torch.nonzero(chosen).flatten().tolist())
 
-    monkeypatch.setattr(moe_module, "moe_expert_pairs", pairs_stand_in)
+    monkeypatch.setattr(expert_paths, "moe_expert_pairs", pairs_stand_in)
     generator = torch.Generator().manual_seed(1)
     tokens = 9
     x = torch.randn(tokens, H, generator=generator)
     experts = torch.stack([torch.randperm(E, generator=generator)[:K] for _ in range(tokens)])
     weights = torch.rand(tokens, K, generator=generator)
     whole_slots = []
-    moe = SimpleNamespace(slots=ChunkedSlots(sizes), layer=1, num_experts=E, staging=PinnedStaging(),
-                          _experts=lambda x, bank, slots, weights, prompt: whole_slots.append(slots) or
-                          _expert_stand_in(x, slots, weights).sum(1))
-    moe._chunk_slots = lambda chunk, ids: SparseMoE._chunk_slots(moe, chunk, ids)
+    monkeypatch.setattr(expert_paths, "fused_experts", lambda x, bank, slots, weights, prompt: whole_slots.append(slots)
+                        or _expert_stand_in(x, slots, weights).sum(1))
     counts = torch.bincount(experts.flatten(), minlength=E).tolist()
-    out = SparseMoE._prompt_from_slots(moe, x, weights, experts, counts)
+    out = StoreExperts(ChunkedSlots(sizes), E, Prediction())._prompt(1, x, weights, experts, counts)
     wanted = sorted(set(experts.flatten().tolist()))
     slot_of = {expert: 3 * i + 1 for i, expert in enumerate(wanted)}  # as ChunkedSlots places them
     expected = _expert_stand_in(x, experts.apply_(lambda e: slot_of[e]), weights).sum(1)
@@ -137,18 +133,13 @@ class RecordingSlots(ChunkedSlots):
 
 
 def _looking_ahead(monkeypatch, during_loads: bool) -> RecordingSlots:
-    monkeypatch.setattr(moe_module, "PREFETCH_DURING_LOADS", during_loads)
+    monkeypatch.setattr(expert_paths, "fused_experts", lambda x, bank, slots, weights, prompt: x)
     slots = RecordingSlots()
-    far_layer = SimpleNamespace(layer=7)
-    moe = SimpleNamespace(slots=slots, layer=5, num_experts=E, staging=PinnedStaging(),
-                          next_moe=SimpleNamespace(layer=6, next_moe=far_layer),
-                          _experts=lambda x, bank, slots, weights, prompt: x)
-    moe._decode_chunk = lambda *args, **kwargs: SparseMoE._decode_chunk(moe, *args, **kwargs)
-    moe._routed_from_slots = lambda *args, **kwargs: SparseMoE._routed_from_slots(moe, *args, **kwargs)
+    store_experts = StoreExperts(slots, E, Prediction(prefetch_during_loads=during_loads))
     experts = torch.arange(K).flip(0).view(1, K)
     predicted = torch.arange(K, 2 * K).view(1, K)
     far = torch.tensor([[30, 31, 30] + list(range(40, 40 + K - 3))])  # repeats are read once
-    SparseMoE.routed_from_store(moe, torch.ones(1, H), torch.ones(1, K), experts, predicted, far)
+    store_experts.from_store(5, torch.ones(1, H), torch.ones(1, K), experts, predicted, far)
     return slots
 
 
@@ -162,10 +153,18 @@ def test_a_decode_step_hands_the_store_the_next_two_layers_guesses(monkeypatch):
     assert slots.calls == [(5, wanted, None, (7, farther))] and slots.prefetches == [(6, guessed)]
 
 
-def test_the_far_guess_is_the_next_layers_prediction_only_with_read_ahead():
-    guess = torch.tensor([[4, 2]])
-    moe = SimpleNamespace(read_ahead=True, next_moe=SimpleNamespace(predict_next=lambda x: guess))
-    assert SparseMoE.predict_far(moe, torch.ones(1, H)) is guess
-    moe.read_ahead = False
-    assert SparseMoE.predict_far(moe, torch.ones(1, H)) is None
-    assert SparseMoE.predict_far(SimpleNamespace(read_ahead=True, next_moe=None), torch.ones(1, H)) is None
+def test_predictions_come_from_the_next_layers_routers_and_the_far_one_only_with_read_ahead():
+    guesses = {layer: torch.tensor([[layer, 2]]) for layer in range(4)}
+    routers = {layer: (lambda x, layer=layer: (None, guesses[layer])) for layer in range(4)}
+    x = torch.ones(1, H)
+    reading = StoreExperts(ChunkedSlots([K]), E, Prediction(read_ahead=True))
+    reading.predict_with(routers)
+    assert reading.predict_next(1, x) is guesses[2] and reading.predict_far(1, x) is guesses[3]
+    assert reading.predict_next(3, x) is None and reading.predict_far(2, x) is None  # no layer 4
+    assert reading.predict_next(1, torch.ones(9, H)) is None  # a prompt fetches every expert anyway
+    not_reading = StoreExperts(ChunkedSlots([K]), E, Prediction(read_ahead=False))
+    not_reading.predict_with(routers)
+    assert not_reading.predict_next(1, x) is guesses[2] and not_reading.predict_far(1, x) is None
+    no_prefetch = StoreExperts(ChunkedSlots([K]), E, Prediction(prefetch=False))
+    no_prefetch.predict_with(routers)
+    assert no_prefetch.predict_next(1, x) is None and no_prefetch.predict_far(1, x) is None

@@ -430,23 +430,26 @@ def trace_replay(trace_file: Path, capacities: tuple[int, ...], policies: tuple[
               "once the device policy ranks it above its victim (off by default: on the H200 it halved 24/64 decode).")
 @click.option("--no-fused-mix", is_flag=True, help="Run one-token hyper-connection mixes as the module's code, "
               "compiled, instead of two Triton kernels each (for comparison; the kernels are used on a GPU only).")
+@click.option("--preset", "presets", multiple=True, metavar="NAME", help="A named experiment: its --set settings "
+              "(runtime/bench/presets.py; repeatable), applied before --set.")
 @_one_line_errors
 def bench(pack: Path, vram_budget: str | None, ram_budget: str | None, policy: str | None, hot_set: str | None,
           no_direct_io: bool, no_verify_records: bool, settings: tuple[str, ...], prompt_len: int, gen: int, json_path: Path | None, device: str,
           dtype: str, emulate_layers: int | None, baseline: str | None, baseline_layers: int, baseline_prompt_len: int,
           baseline_gen: int, seed: int, repeats: int, copy_probe: str | None, disk_probe: str,
           offload_dir: Path | None, quiet: bool, no_cuda_graphs: bool, no_compile: bool, graph_layers: int,
-          no_prefetch: bool, read_ahead: bool, promote: bool, no_fused_mix: bool) -> None:
+          no_prefetch: bool, read_ahead: bool, promote: bool, no_fused_mix: bool, presets: tuple[str, ...]) -> None:
     """Time prefill and decode of PACK through the tiered store, against the machine's bandwidth roofline
     and (with --baseline) transformers + accelerate offload at the same budget. The store is always
     used: a budget left out gives its tier room for every record. --set changes any engine setting
     for an experiment (README: Configuration)."""
     from flashpack.runtime.bench import run_bench
+    from flashpack.runtime.bench.presets import preset_settings
     from flashpack.runtime.bench.report import table
 
     config = _engine_config(
         device, dtype, vram_budget, ram_budget, policy, hot_set, no_direct_io, no_verify_records,
-        (f"store.promote={promote}", *settings), experts="store", cuda_graphs=not no_cuda_graphs,
+        (f"store.promote={promote}", *preset_settings(presets), *settings), experts="store", cuda_graphs=not no_cuda_graphs,
         compile_layers=not no_compile, prefetch=not no_prefetch, read_ahead=read_ahead, layers_per_graph=graph_layers,
         fused_mix=not no_fused_mix,
     )

@@ -93,8 +93,8 @@ class DecodeGraphs:
         records, how many a graph's last layer stages beside its own experts (EngineConfig says why)."""
         if layers_per_graph < 1:
             raise ValueError(f"layers_per_graph must be at least 1, got {layers_per_graph}")
-        self.layers_per_graph = layers_per_graph
         self.layers = list(layers)
+        self.layers_per_graph = min(layers_per_graph, len(self.layers))
         self.experts = experts
         self.count_replay = count_replay  # count_replay(layer): a resident MoE block's requests
         self.make_call = make_call

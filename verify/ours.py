@@ -1,4 +1,4 @@
-"""Our side: flashpack's engine run from the pack (PackWeights + PackExperts), instrumented.
+"""Our side: flashpack's engine run from the pack (experts decoded from it, steps eager), instrumented.
 
 Forward hooks on the engine's decoder layers capture every layer's hc streams; the sequence goes
 through the engine exactly as generation would send it: the prefill chunk in one call, then each
@@ -13,9 +13,12 @@ import torch
 from tqdm import tqdm
 
 from flashpack.layout.pack import Pack
-from flashpack.runtime.model import Qwen4ExpModel
-from flashpack.runtime.pack_source import PackExperts, PackWeights
+from flashpack.runtime.engine.build import load_engine
+from flashpack.runtime.engine.config import EngineConfig
+from flashpack.runtime.engine.step import Step
 from flashpack.verify.inputs import Sequence
+
+_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
 
 
 @dataclass
@@ -31,23 +34,25 @@ def run_engine(
 ) -> list[Trace]:
     """`progress`: a bar over the engine's calls (on a GPU the first ones compile and autotune
     Triton kernels for each new shape, minutes for the tiny preset)."""
-    model = Qwen4ExpModel(PackWeights(pack), PackExperts(pack), dtype=dtype, device=device)
+    config = EngineConfig(device=device, dtype=_DTYPE_NAMES[dtype], experts="pack", cuda_graphs=False)
+    engine = load_engine(pack.root, config)
     with tqdm(total=sum(len(seq.steps) for seq in sequences), unit="call", desc="engine", disable=not progress) as bar:
-        traces = [_trace(model, seq, bar) for seq in sequences]
-    del model
+        traces = [_trace(engine.step, seq, bar) for seq in sequences]
+    del engine
     return traces
 
 
-def _trace(model: Qwen4ExpModel, seq: Sequence, bar: tqdm) -> Trace:
+def _trace(step: Step, seq: Sequence, bar: tqdm) -> Trace:
+    model = step.model
     captured: list[list[torch.Tensor]] = [[] for _ in model.layers]
     hooks = [
         layer.register_forward_hook(lambda _module, _args, out, chunks=chunks: chunks.append(out.float().cpu()))
         for layer, chunks in zip(model.layers, captured)
     ]
     try:
-        state, logits = model.new_state(), []
-        for step in seq.steps:
-            logits.append(model(torch.tensor(step, dtype=torch.long), state).logits.float().cpu())
+        state, logits = step.new_state(), []
+        for tokens in seq.steps:
+            logits.append(step.forward(torch.tensor(tokens, dtype=torch.long), state).logits.float().cpu())
             bar.update()
     finally:
         for hook in hooks:

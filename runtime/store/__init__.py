@@ -26,10 +26,6 @@ def __getattr__(name: str):
         from flashpack.runtime.store.store import TieredStore
 
         return TieredStore
-    if name in ("profile_pack", "record_trace"):
-        from flashpack.runtime.engine import profile
-
-        return getattr(profile, name)
     if name == "replay_trace":
         from flashpack.runtime.store.simulate import replay_trace
 

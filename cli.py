@@ -2,31 +2,13 @@
 
 from __future__ import annotations
 
-import functools
 import sys
 from pathlib import Path
 
 import click
 
 from flashpack import __version__
-from flashpack.errors import FlashpackError
-
-
-def _one_line_errors(command):
-    """User errors print one line and exit 2; no traceback for things the user can fix."""
-
-    @functools.wraps(command)
-    def wrapper(*args, **kwargs):
-        try:
-            return command(*args, **kwargs)
-        except FlashpackError as error:
-            click.echo(f"error: {error}", err=True)
-            sys.exit(2)
-        except KeyboardInterrupt:
-            click.echo("interrupted", err=True)
-            sys.exit(130)
-
-    return wrapper
+from flashpack.errors import FlashpackError, one_line_errors
 
 
 _BUDGET_OPTIONS = [
@@ -102,7 +84,7 @@ def main() -> None:
               "a token still reads the same number of rows.")
 @click.option("--shard-mb", type=float, help="Checkpoint shard size (default: the preset's).")
 @click.option("--force", is_flag=True, help="Replace OUT if it exists.")
-@_one_line_errors
+@one_line_errors
 def synth(preset: str, out: Path, weight_format: str, seed: int, layers: int | None, experts: int | None,
           router_skew: float | None, text_only: bool, ple_rows_per_head: int | None, shard_mb: float | None,
           force: bool) -> None:
@@ -122,7 +104,7 @@ def synth(preset: str, out: Path, weight_format: str, seed: int, layers: int | N
 @click.option("--force", is_flag=True, help="Replace OUT if it exists.")
 @click.option("--dense-fp8", is_flag=True, help="Store large dense matrices as FP8 with one scale per row.")
 @click.option("--quiet", is_flag=True, help="No progress bars.")
-@_one_line_errors
+@one_line_errors
 def convert(source: str, out: Path, revision: str | None, force: bool, dense_fp8: bool, quiet: bool) -> None:
     """Repack a Hugging Face checkpoint (SOURCE: directory or hub repo id) into a pack at OUT."""
     from flashpack.convert.pipeline import convert as run_convert
@@ -135,7 +117,7 @@ def convert(source: str, out: Path, revision: str | None, force: bool, dense_fp8
 @click.argument("pack", type=click.Path(path_type=Path))
 @click.option("--check", is_flag=True, help="Verify every byte: the manifest's hash and numbers, every file's "
               "xxh64, every block, every expert record.")
-@_one_line_errors
+@one_line_errors
 def inspect(pack: Path, check: bool) -> None:
     """Show what PACK holds; with --check, verify all of it and name every problem."""
     from flashpack.errors import PackDamageError
@@ -175,7 +157,7 @@ def inspect(pack: Path, check: bool) -> None:
               help="Verify a deliberately broken copy instead: it must fail.")
 @click.option("--json", "json_path", type=click.Path(path_type=Path), help="Write the full report as JSON.")
 @click.option("--seed", type=int, default=0, show_default=True)
-@_one_line_errors
+@one_line_errors
 def verify(pack: Path, reference: str, dtype: str, device: str, prompts: tuple[str, ...], decode_tokens: int,
            control: str | None, json_path: Path | None, seed: int) -> None:
     """Compare every layer of PACK run by our engine with transformers fed the same weights."""
@@ -207,7 +189,7 @@ def verify(pack: Path, reference: str, dtype: str, device: str, prompts: tuple[s
               help="Decode from CUDA graphs on a GPU. auto: when --max-tokens times the model's layers pays for "
               "building them (2,048: from 43 tokens at 48 layers; EngineConfig.graphs_min_layer_tokens); off "
               "decodes eagerly.")
-@_one_line_errors
+@one_line_errors
 def run(pack: Path, prompt: str, chat: bool, think: bool | None, max_tokens: int, temperature: float, top_k: int,
         top_p: float, seed: int | None, stop: tuple[str, ...], device: str, dtype: str, vram_budget: str | None,
         ram_budget: str | None, policy: str | None, hot_set: str | None, no_direct_io: bool, no_verify_records: bool,
@@ -289,7 +271,7 @@ _POSITIVE_SECONDS = click.FloatRange(min=0, min_open=True)
 @click.option("--log-level", type=click.Choice(["critical", "error", "warning", "info", "debug", "trace"]),
               default="info", show_default=True)
 @_store_options
-@_one_line_errors
+@one_line_errors
 def serve(pack: Path, host: str, port: int, api_key: str | None, device: str, dtype: str, model_name: str | None,
           max_request_bytes: int | None, max_queue: int | None, max_context: int | None,
           default_max_tokens: int | None, max_connections: int | None, header_timeout: float | None,
@@ -336,7 +318,7 @@ def serve(pack: Path, host: str, port: int, api_key: str | None, device: str, dt
 @click.option("--dtype", default="auto", show_default=True)
 @click.option("--trace-out", type=click.Path(path_type=Path), help="Also save the routing trace here.")
 @_budget_options
-@_one_line_errors
+@one_line_errors
 def profile(pack: Path, workload: Path, name: str, reorder: bool, max_tokens: int, device: str, dtype: str,
             trace_out: Path | None, vram_budget: str | None, ram_budget: str | None) -> None:
     """Run a workload on PACK and bake its hot expert set into the manifest."""
@@ -362,7 +344,7 @@ def trace() -> None:
 @click.option("--device", default="cpu", show_default=True)
 @click.option("--dtype", default="auto", show_default=True)
 @_budget_options
-@_one_line_errors
+@one_line_errors
 def trace_record(pack: Path, workload: Path, out: Path, max_tokens: int, device: str, dtype: str,
                  vram_budget: str | None, ram_budget: str | None) -> None:
     """Run WORKLOAD on PACK and save every layer's expert requests."""
@@ -380,7 +362,7 @@ def trace_record(pack: Path, workload: Path, out: Path, max_tokens: int, device:
 @click.option("--no-adaptive", is_flag=True, help="Leave out the per-layer rebalancing variant.")
 @click.option("--decode-only", is_flag=True, help="Count decode steps only, not prompt fetches.")
 @click.option("--json", "json_path", type=click.Path(path_type=Path), help="Write the report as JSON.")
-@_one_line_errors
+@one_line_errors
 def trace_replay(trace_file: Path, capacities: tuple[int, ...], policies: tuple[str, ...], no_adaptive: bool,
                  decode_only: bool, json_path: Path | None) -> None:
     """Misses of each policy at each capacity against Belady's optimum, per layer and in total."""
@@ -432,7 +414,7 @@ def trace_replay(trace_file: Path, capacities: tuple[int, ...], policies: tuple[
               "compiled, instead of two Triton kernels each (for comparison; the kernels are used on a GPU only).")
 @click.option("--preset", "presets", multiple=True, metavar="NAME", help="A named experiment: its --set settings "
               "(runtime/bench/presets.py; repeatable), applied before --set.")
-@_one_line_errors
+@one_line_errors
 def bench(pack: Path, vram_budget: str | None, ram_budget: str | None, policy: str | None, hot_set: str | None,
           no_direct_io: bool, no_verify_records: bool, settings: tuple[str, ...], prompt_len: int, gen: int, json_path: Path | None, device: str,
           dtype: str, emulate_layers: int | None, baseline: str | None, baseline_layers: int, baseline_prompt_len: int,
@@ -471,7 +453,7 @@ def bench(pack: Path, vram_budget: str | None, ram_budget: str | None, policy: s
 @main.command()
 @click.option("--workdir", type=click.Path(path_type=Path), default=Path("flashpack-demo"), show_default=True)
 @click.option("--keep", is_flag=True, help="Keep the pack it converts.")
-@_one_line_errors
+@one_line_errors
 def demo(workdir: Path, keep: bool) -> None:
     """The main job on the embedded model (trained on code): convert, inspect, verify, run, serve."""
     from flashpack.demo import run_demo

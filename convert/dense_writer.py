@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from flashpack.convert.checkpoint_spec import iter_specs
+from flashpack.layout.checkpoint_spec import iter_specs
 from flashpack.convert.nvfp4 import quantize_fp8_rows
 from flashpack.convert.safetensors_writer import StreamingSafetensorsWriter
 from flashpack.convert.source import SourceCheckpoint

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from flashpack.convert.checkpoint_spec import iter_specs
+from flashpack.layout.checkpoint_spec import iter_specs
 from flashpack.convert.nvfp4 import quantize_nvfp4
 from flashpack.convert.source import NVFP4Parts, SourceCheckpoint
 from flashpack.layout.records import PROJECTIONS, RecordGeometry, encode_record, record_hash

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from flashpack.convert.checkpoint_spec import (
+from flashpack.layout.checkpoint_spec import (
     Form,
     TensorSpec,
     checkpoint_key,

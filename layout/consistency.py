@@ -15,7 +15,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from flashpack.convert.checkpoint_spec import iter_specs
+from flashpack.layout.checkpoint_spec import iter_specs
 from flashpack.errors import FlashpackError
 from flashpack.layout.checksums import DIGEST, DIGESTS_ROLE
 from flashpack.layout.dtypes import dtype_bytes

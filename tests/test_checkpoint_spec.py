@@ -5,7 +5,7 @@ import json
 import torch
 from safetensors import safe_open
 
-from flashpack.convert.checkpoint_spec import canonical_name, checkpoint_key, iter_specs
+from flashpack.layout.checkpoint_spec import canonical_name, checkpoint_key, iter_specs
 from flashpack.layout.model_config import TextConfig
 
 

@@ -11,7 +11,7 @@ import torch
 from click.testing import CliRunner
 
 from flashpack.cli import main
-from flashpack.convert.checkpoint_spec import checkpoint_key, iter_specs
+from flashpack.layout.checkpoint_spec import checkpoint_key, iter_specs
 from flashpack.convert.nvfp4 import fp8_rows_error_bound, nvfp4_error_bound
 from flashpack.convert.pipeline import convert
 from flashpack.convert.source import SourceCheckpoint

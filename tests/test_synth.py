@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from flashpack.convert.checkpoint_spec import EXPERT_PROJECTIONS, checkpoint_key, iter_specs
+from flashpack.layout.checkpoint_spec import EXPERT_PROJECTIONS, checkpoint_key, iter_specs
 from flashpack.convert.nvfp4 import nvfp4_error_bound
 from flashpack.convert.synth import synthesize
 from flashpack.convert.synth.nvfp4_experts import expert_key, quantize_expert, quantized_entries

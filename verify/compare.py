@@ -22,10 +22,13 @@ Tolerances, against the FP32 reference fed the dequantised weights:
 
 from __future__ import annotations
 
-import math
 from dataclasses import asdict, dataclass
 
 import torch
+
+from flashpack.runtime.tensor_errors import Errors, errors, nan_max, worst
+
+__all__ = ["Errors", "errors", "worst"]  # the metrics verify gates on (runtime/tensor_errors.py)
 
 
 @dataclass(frozen=True)
@@ -48,50 +51,6 @@ def bf16_rel_gate(floor_rel: float) -> float:
 def bf16_logit_gates(floor: "LogitStats") -> tuple[float, float]:
     """(KL mean gate, top-1 gate) from the floor's logit statistics."""
     return max(BF16_FLOOR_FACTOR * floor.kl_mean, FP32.kl_mean), floor.top1 - BF16_TOP1_SLACK
-
-
-@dataclass(frozen=True)
-class Errors:
-    max_abs: float
-    rel: float
-    cos: float
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-
-def errors(ours: torch.Tensor, ref: torch.Tensor, chunk: int = 1 << 24) -> Errors:
-    """Any shapes with equal numel; float64 sums over chunks (a real model's logits are ~0.5G values).
-    A NaN anywhere in `ours` makes every field NaN, which fails every gate."""
-    a, b = ours.flatten(), ref.flatten()
-    max_abs = diff_sq = ref_sq = ours_sq = dot = 0.0
-    for start in range(0, a.numel(), chunk):
-        x, y = a[start:start + chunk].double(), b[start:start + chunk].double()
-        diff = x - y
-        max_abs = _max([max_abs, diff.abs().max().item()])
-        diff_sq += (diff * diff).sum().item()
-        ref_sq += (y * y).sum().item()
-        ours_sq += (x * x).sum().item()
-        dot += (x * y).sum().item()
-    if math.isnan(diff_sq):
-        return Errors(math.nan, math.nan, math.nan)
-    rel = math.sqrt(diff_sq / ref_sq) if ref_sq > 0 else (0.0 if diff_sq == 0 else math.inf)
-    cos = dot / math.sqrt(ours_sq * ref_sq) if ours_sq * ref_sq > 0 else float(diff_sq == 0)
-    return Errors(max_abs=max_abs, rel=rel, cos=cos)
-
-
-def worst(*measured: Errors) -> Errors:
-    """The worst of several measurements, field by field (NaN is worst of all)."""
-    return Errors(
-        max_abs=_max([e.max_abs for e in measured]),
-        rel=_max([e.rel for e in measured]),
-        cos=-_max([-e.cos for e in measured]),
-    )
-
-
-def _max(values: list[float]) -> float:
-    """max() that keeps NaN (Python's max drops it or not depending on the order)."""
-    return math.nan if any(math.isnan(v) for v in values) else max(values)
 
 
 @dataclass(frozen=True)
@@ -121,7 +80,7 @@ def merge_logit_stats(stats: list[LogitStats]) -> LogitStats:
     positions = sum(s.positions for s in stats)
     return LogitStats(
         kl_mean=sum(s.kl_mean * s.positions for s in stats) / positions,
-        kl_max=_max([s.kl_max for s in stats]),
+        kl_max=nan_max([s.kl_max for s in stats]),
         top1=sum(s.top1 * s.positions for s in stats) / positions,
         positions=positions,
     )

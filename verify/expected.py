@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from flashpack.convert.checkpoint_spec import checkpoint_key, ple_shard_rows
+from flashpack.layout.checkpoint_spec import checkpoint_key, ple_shard_rows
 from flashpack.convert.dense_writer import stored_as_fp8
 from flashpack.convert.nvfp4 import quantize_fp8_rows, quantize_nvfp4
 from flashpack.convert.source import NVFP4Parts, SourceCheckpoint

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import Literal, Protocol
 
 import torch
-from flashpack.convert.checkpoint_spec import TensorSpec
+from flashpack.layout.checkpoint_spec import TensorSpec
 from flashpack.convert.synth.vision import VisionTensor
 from flashpack.layout.model_config import TextConfig
 

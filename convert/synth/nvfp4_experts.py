@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from flashpack.convert.checkpoint_spec import TensorSpec, expert_shapes
+from flashpack.layout.checkpoint_spec import TensorSpec, expert_shapes
 from flashpack.convert.nvfp4 import E2M1_MAX, quantize_nvfp4
 from flashpack.layout.model_config import TextConfig
 from flashpack.layout.nvfp4 import FP8_MAX, NVFP4_BLOCK

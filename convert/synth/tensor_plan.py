@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
-from flashpack.convert.checkpoint_spec import EXPERT_PROJECTIONS, TensorSpec, checkpoint_key, iter_specs
+from flashpack.layout.checkpoint_spec import EXPERT_PROJECTIONS, TensorSpec, checkpoint_key, iter_specs
 from flashpack.convert.synth.init_values import ValueSource
 from flashpack.convert.synth.nvfp4_experts import (
     expert_key,

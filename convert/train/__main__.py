@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 
-from flashpack.cli import _one_line_errors
+from flashpack.errors import one_line_errors
 from flashpack.convert.train.model_config import SIZES
 from flashpack.convert.train.train import TrainSettings, train
 from flashpack.convert.train.training_model import LossWeights
@@ -37,7 +37,7 @@ _DEFAULTS = TrainSettings()
               help="Reuse a tokenizer trained on the same corpus (a snapshot folder) instead of training one.")
 @click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True)
 @click.option("--force", is_flag=True, help="Replace OUT's snapshot and record if they exist.")
-@_one_line_errors
+@one_line_errors
 def main(out, size, seed, steps, time_budget, sequence_length, batch_size, lr, warmup_steps, mtp_weight,
          indexer_weight, log_every, eval_every, max_train_files, max_held_out_files, tokenizer_dir, device, force):
     settings = TrainSettings(

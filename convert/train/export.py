@@ -1,4 +1,4 @@
-"""The trained modules' tensors under the checkpoint's canonical names (convert/checkpoint_spec.py).
+"""The trained modules' tensors under the checkpoint's canonical names (layout/checkpoint_spec.py).
 
 transformers keeps a layer's routed experts fused ([E, 2I, H] gate_up_proj, [E, H, I] down_proj)
 and each PLE table whole; the checkpoint stores one gate/up/down weight per expert and the table in
@@ -14,7 +14,7 @@ import torch
 from torch import nn
 from transformers import Qwen4ExpForCausalLM
 
-from flashpack.convert.checkpoint_spec import MTP_PREFIX, iter_specs
+from flashpack.layout.checkpoint_spec import MTP_PREFIX, iter_specs
 from flashpack.layout.model_config import TextConfig
 
 _FUSED_GATE_UP = "mlp.experts.gate_up_proj"

@@ -14,7 +14,7 @@ from typing import Any
 
 from transformers import Qwen4ExpTextConfig
 
-from flashpack.convert.checkpoint_spec import iter_specs
+from flashpack.layout.checkpoint_spec import iter_specs
 from flashpack.convert.synth.presets import vision_config as synth_vision_config
 from flashpack.convert.synth.special_tokens import TokenIds, token_ids
 from flashpack.convert.synth.vision import iter_vision_tensors

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from tokenizers import Tokenizer
 
-from flashpack.convert.checkpoint_spec import checkpoint_key, iter_specs
+from flashpack.layout.checkpoint_spec import checkpoint_key, iter_specs
 from flashpack.convert.synth.init_values import ValueSource
 from flashpack.convert.synth.shard_writer import DiskTensor, write_sharded
 from flashpack.convert.synth.snapshot_files import (

@@ -15,7 +15,7 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from flashpack.verify.compare import errors
+from flashpack.runtime.tensor_errors import errors
 
 FP32_REL_TOLERANCE = 1e-4
 

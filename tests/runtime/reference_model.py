@@ -15,7 +15,7 @@ import math
 import torch
 from transformers import Qwen4ExpForCausalLM, Qwen4ExpTextConfig
 
-from flashpack.convert.checkpoint_spec import iter_specs
+from flashpack.layout.checkpoint_spec import iter_specs
 from flashpack.layout.model_config import TextConfig
 from flashpack.runtime.experts import ExpertWeights
 

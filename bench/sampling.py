@@ -4,8 +4,8 @@
 
 For greedy, top-k and top-p (nucleus) parameters, times `Sampler(params, device)(logits)` on random
 logits of the model's vocabulary (median per call, the token id read back each time, as the
-Generator does). On a GPU it also times the same call after copying the logits to the host, the way
-the Generator sampled before session 6. Prints a table and writes JSON: milliseconds per token.
+Generator does). On a GPU it also times the same call after copying the logits to the host first: the
+cost the Generator avoids by sampling on the logits' device. Prints a table and writes JSON: milliseconds per token.
 """
 
 from __future__ import annotations

@@ -31,7 +31,7 @@ GPU at once.
 The kernels these replaced tiled [rows, groups, 2] uint32 words beside [rows, groups] scales and
 [groups, 2] vector loads: converting between those layouts cost 61 barriers a gate/up program, and
 ptxas kept at most 16 bytes of weights a thread in flight, so they streamed the weights at about
-0.8 TB/s on an H200 (34.2 us for the three kernels at 10 experts, against 22.0 for these: run 15).
+0.8 TB/s on an H200 (34.2 us for the three kernels at 10 experts, against 22.0 for these).
 """
 
 from __future__ import annotations
@@ -189,8 +189,8 @@ def nvfp4_expert_swiglu(
     read 8 bytes at a time; ExpertBank checks that each expert's nibbles start on an 8-byte boundary.
     Blocks: rows a program (block_i gate/up, block_o down) and input elements a chunk (block_h,
     block_down_in); powers of two, the chunks at least 16. The defaults (four rows a thread in
-    both kernels, 400 programs each) took 22.0 us for the three kernels on an H200 (run 15,
-    bench/kernels.py --only decode, 10 experts, H=2560, I=640) against 34.2 for the kernels these
+    both kernels, 400 programs each) took 22.0 us for the three kernels on an H200
+    (bench/kernels.py --only decode, 10 experts, H=2560, I=640) against 34.2 for the kernels these
     replaced; in the block sweep around them block_o 32 took 22.6 us, block_o 128 22.8 and block_i
     8 23.2."""
     squeeze = x.dim() == 1

@@ -93,7 +93,7 @@ def hc_mix_triton(
     low-rank down projection's rows, then with `inject` the injection weights' hc rows; mix_up
     [hc*H, R]. Returns (block input [T, H] in streams' dtype, injection weights float32 [T, hc] or
     None). Block sizes must be powers of two. Defaults: the best of a sweep on an H200 at hc=4,
-    H=2560, R=320 (run 15): 9.9 us a mix, where 16 columns a program (4 warps) took 19.5 and the
+    H=2560, R=320: 9.9 us a mix, where 16 columns a program (4 warps) took 19.5 and the
     module's code, compiled with its projections on matvec.py's kernel, 17.7."""
     tokens, width = streams.shape
     hidden, rank = width // hc, mix_up.shape[1]

@@ -2,9 +2,9 @@
 
 W is BF16/FP16, or FP8 (e4m3) rows with a float32 scale per row (`--dense-fp8`). At one token a
 decode step is a chain of such products over 2-60 MB matrices, each read once; cuBLAS's kernels for
-them reached 1.3-3.3 TB/s of the H200's ~4.2 (session 7's trace: a 9 MB stack 7 us, a 21 MB one 9 us
-with its split-K reduction), and the FP8 kernel that summed across threads every chunk no faster
-than BF16 at half the bytes. Measured against cuBLAS at one token (run 15, us): DeltaNet's stacked
+them reached 1.3-3.3 TB/s of the H200's ~4.2 (in a profiled decode step: a 9 MB stack 7 us, a 21 MB one
+9 us with its split-K reduction), and the FP8 kernel that summed across threads every chunk no faster
+than BF16 at half the bytes. Against cuBLAS at one token on an H200 (bench/kernels.py, us): DeltaNet's stacked
 input projection (12352 x 2560) 17.0 against 19.3, its output projection (2560 x 4096) 7.0 against
 10.4, the router and shared expert's stack (1793 x 2560) 4.6 against 6.8, a hyper-connection's
 stacked down projection (324 x 10240) 4.5 against 8.2 (the sweep's rows at the block sizes now the
@@ -22,8 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
-# Weights a thread has in flight: block-size sweeps on an H200 (run 15, bench/kernels.py --only
-# dense) favoured ~4096 a program of 4 warps at every decode shape over 4x more (out_proj 2560 x 4096:
+# Weights a thread has in flight: block-size sweeps on an H200 (bench/kernels.py --only dense
+# --sweep) favoured ~4096 a program of 4 warps at every decode shape over 4x more (out_proj 2560 x 4096:
 # 7.0 against 9.6 us; the hyper-connection up projection 10240 x 320: 3.6 against 5.7)
 ELEMENTS_PER_THREAD = 32
 MAX_BLOCK_C = 512

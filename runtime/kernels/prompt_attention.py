@@ -10,8 +10,8 @@ Why: past the indexer's budget a QSA query keeps at most budget + ratio - 1 keys
 and its own incomplete block, `BlockIndexer.select_blocks`). The masked F.scaled_dot_product_attention
 this replaces (reference.py's `prompt_attention_reference`) scores every query against every earlier
 key and then masks, and with grouped KV heads and a mask torch takes its float32 math kernel: on
-an H200 (run 19) that was 517 ms of the 826 ms of device time a 32k prompt took in 4 layers, all in
-the one QSA layer.
+an H200, every record resident, that was 517 ms of the 826 ms of device time a 32k prompt took in
+4 layers, all in the one QSA layer.
 
 Design: grid (T, kv_heads), one program per token and KV head. The group's query heads (12 at the
 real dims, padded to 16 rows) walk the token's blocks BLOCK_N // ratio at a time, gathering those

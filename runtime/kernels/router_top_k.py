@@ -46,7 +46,7 @@ def router_top_k_triton(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [T, E] (rows may be strided) -> (weights float32 [T, k], expert ids int64 [T, k]).
     One warp needs no barrier between the k rounds (65 in the PTX at 4 warps, none at 1): 3.3 us a
-    call on the H200 against 4.1 at 4 warps (run 14, `bench/kernels.py --only router`)."""
+    call on an H200 against 4.1 at 4 warps (`bench/kernels.py --only router`)."""
     rows, experts = logits.shape
     if logits.stride(-1) != 1:
         logits = logits.contiguous()

@@ -78,8 +78,8 @@ def host_targets(model, store) -> list[tuple[object, str]]:
     # its wait for the loads, and the next layer's prefetch (timed per layer and summed)
     targets += [(layer.moe, "routed_from_store") for layer in model.layers if layer.moe.slots is not None
                 and layer.moe.resident is None]
-    targets += [(store, name) for name in ("_request", "_await", "prefetch")
-                if store is not None and hasattr(store, name)]
+    targets += [(part, name) for part, name in ((getattr(store, "admission", None), "request"), (store, "_await"),
+                                                (store, "prefetch")) if part is not None and hasattr(part, name)]
     return targets
 
 

@@ -137,14 +137,16 @@ def load_engine(
         store = StoreOptions()  # a GPU reads experts through the store: resident when they all fit
     if fetcher is None and store is not None:
         from flashpack.runtime.store import build_store
+        from flashpack.runtime.store.config import StoreConfig
 
         tiered = build_store(
-            pack, store.vram_budget, store.ram_budget, torch_device, store.policy, verify_records,
-            hot_set=store.hot_set, dtype=torch_dtype, direct_io=store.direct_io,
+            pack, StoreConfig(vram_budget=store.vram_budget, ram_budget=store.ram_budget, policy=store.policy,
+                              hot_set=store.hot_set, direct_io=store.direct_io, verify_records=verify_records,
+                              promote=store.promote),
+            torch_device, dtype=torch_dtype,
             # staging rows whether or not graphs run: a budget gives the same store either way
             allow_resident=torch_device.type == "cuda", staging=torch_device.type == "cuda",
             layers=list(range(pack.manifest.config.num_hidden_layers)),  # the engine runs no MTP head
-            promote=store.promote,
         )
     model = Qwen4ExpModel(
         PackWeights(pack),

@@ -156,13 +156,15 @@ def _tiered_pair(tiny_pack, device_slots: int, host_slots: int = 300, staging: b
     from flashpack.runtime.pack_source import PackWeights
     from flashpack.runtime.store import build_store
     from flashpack.runtime.store.budget import STAGING_ROW_SETS
+    from flashpack.runtime.store.config import StoreConfig
 
     pack = Pack.open(tiny_pack)
     stride = pack.manifest.document["experts"]["record_stride"]
     stores, models = [], []
     for _ in range(2):
         rows = device_slots + (STAGING_ROW_SETS * pack.manifest.config.num_experts_per_tok if staging else 0)
-        store = build_store(tiny_pack, rows * stride, host_slots * stride, device_reserved=0, staging=staging)
+        config = StoreConfig(vram_budget=rows * stride, ram_budget=host_slots * stride)
+        store = build_store(tiny_pack, config, device_reserved=0, staging=staging)
         model = Qwen4ExpModel(PackWeights(pack), store, dtype=torch.float32)
         model.prefetch_next_layer()
         stores.append(store)
@@ -292,6 +294,6 @@ def test_a_failing_step_releases_the_slot_table(tiny_pack, monkeypatch):
     logits = models[1](torch.randint(0, 1000, (8,)), state, last_only=True).logits
     with pytest.raises(RuntimeError, match="kernel failed"):
         models[1](torch.tensor([int(logits.argmax())]), state)
-    assert models[1].decode_graphs.speculation.tries == 0 and not stores[1]._table_held
+    assert models[1].decode_graphs.speculation.tries == 0 and not stores[1].placement.table_held
     for store in stores:
         store.close()

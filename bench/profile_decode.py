@@ -81,8 +81,8 @@ def host_targets(engine) -> list[tuple[object, str]]:
     # its wait for the loads, and the next layer's prefetch (timed per layer and summed)
     if isinstance(model.experts, StoreExperts):
         targets.append((model.experts, "from_store"))
-    targets += [(store, name) for name in ("_request", "_await", "prefetch")
-                if store is not None and hasattr(store, name)]
+    targets += [(part, name) for part, name in ((getattr(store, "admission", None), "request"), (store, "_await"),
+                                                (store, "prefetch")) if part is not None and hasattr(part, name)]
     return targets
 
 

@@ -10,7 +10,7 @@
    reads and bytes moved per decode token per tier, and time waiting.
 3. Reads every record of the pack with O_DIRECT and buffered (cold page cache, fadvise), at 1, 4
    and 16 threads: GB/s next to each other, and O_DIRECT with each record read as one part and as
-   the store reads it (runtime/store/reader.py's READ_PIECES parts at once), with the mean time a
+   the store reads it (StoreConfig's read_pieces parts at once), with the mean time a
    record takes on one thread.
 """
 
@@ -32,7 +32,8 @@ import torch
 from flashpack.layout.pack import Pack
 from flashpack.runtime.store import build_store
 from flashpack.runtime.store.hotset import hot_set_from_trace
-from flashpack.runtime.store.reader import READ_PIECES, RecordReader, aligned_empty
+from flashpack.runtime.store.config import StoreConfig
+from flashpack.runtime.store.reader import RecordReader, aligned_empty
 from flashpack.runtime.store.simulate import replay, simulate_policy
 from flashpack.runtime.store.stats import LayerCounters
 from flashpack.runtime.engine.workload import run_workload
@@ -96,8 +97,8 @@ def copy_speed(pack: Pack, device: str) -> dict:
     stride = pack.manifest.document["experts"]["record_stride"]
     records = pack.manifest.expert_records()
     layers = sorted({r.layer for r in records})
-    store = build_store(pack, vram_budget=cfg.num_experts_per_tok * stride, ram_budget=None, device=device,
-                        device_reserved=0, rebalance=False)
+    store = build_store(pack, StoreConfig(vram_budget=cfg.num_experts_per_tok * stride, rebalance=False), device,
+                        device_reserved=0)
     store.prewarm({layer: [r.expert for r in records if r.layer == layer] for layer in layers})
     store.stats.reset()
     start = time.perf_counter()
@@ -123,7 +124,7 @@ def _drop_cache(path: Path) -> None:
 def read_speed(root: Path, records: list[tuple[str, int]], stride: int, threads: int, direct: bool,
                pieces: int = 1) -> dict:
     """GB/s reading every (file, offset) record once, in the given (shuffled) order, cold cache;
-    `pieces`: parts each record's read is split into (the store's reader splits into READ_PIECES)."""
+    `pieces`: parts each record's read is split into (the store's reader: StoreConfig.read_pieces)."""
     files = sorted({file for file, _ in records})
     for file in files:
         _drop_cache(root / file)
@@ -146,13 +147,14 @@ def read_speed(root: Path, records: list[tuple[str, int]], stride: int, threads:
 
 
 def io_table(label: str, root: Path, records: list[tuple[str, int]], stride: int, results: list) -> None:
+    pieces = StoreConfig().read_pieces  # as the store reads by default
     print(f"\n## {label}: {len(records)} records of {stride} bytes, each read once, random order, cold cache\n")
-    print(f"| threads | O_DIRECT GB/s (ms a record) | O_DIRECT in {READ_PIECES} parts GB/s (ms a record) "
+    print(f"| threads | O_DIRECT GB/s (ms a record) | O_DIRECT in {pieces} parts GB/s (ms a record) "
           "| buffered GB/s |")
     print("| --- | --- | --- | --- |")
     for threads in (1, 4, 16):
         direct = read_speed(root, records, stride, threads, True)
-        parted = read_speed(root, records, stride, threads, True, pieces=READ_PIECES)
+        parted = read_speed(root, records, stride, threads, True, pieces=pieces)
         buffered = read_speed(root, records, stride, threads, False)
         for row in (direct, parted, buffered):
             row["label"] = label
@@ -253,8 +255,8 @@ def routing_sections(args, pack: Pack, results: dict) -> None:
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for device_per_layer, host_per_layer in budgets:
         for warm in (False, True):
-            store = build_store(pack, vram_budget=device_per_layer * n * stride, ram_budget=host_per_layer * n * stride,
-                                device=args.device, device_reserved=0)
+            config = StoreConfig(vram_budget=device_per_layer * n * stride, ram_budget=host_per_layer * n * stride)
+            store = build_store(pack, config, args.device, device_reserved=0)
             if warm:
                 store.prewarm(ranked, counts)
             row = replay_through_store(store, trace)

@@ -13,8 +13,9 @@ host cache holding every record (no disk reads, so the figures are the store's o
 streaming its top-k (experts drawn by a skewed popularity) with the next layer's guess to prefetch
 (7 of its picks and 3 others: right about as often as on the H200), timed per layer in total and in
 the store's request, prefetch and await; once with a decode layer's copies enqueued by the calling
-thread (the default) and once handed to the copy thread (COPY_ON_REQUESTING_THREAD off), median of
-four runs each. Prints and writes JSON: microseconds per call, per expert and per decode layer.
+thread (the default) and once handed to the copy thread (a second store, built with
+StoreConfig.copy_on_requesting_thread off), median of four runs each. Prints and writes JSON:
+microseconds per call, per expert and per decode layer.
 """
 
 from __future__ import annotations
@@ -33,10 +34,9 @@ import torch
 
 from flashpack.layout.pack import Pack
 from flashpack.runtime.store import build_store
-from flashpack.runtime.store import store as tiered
+from flashpack.runtime.store.config import StoreConfig
 
 BATCH = 100
-TIMED = ("_request", "prefetch", "_await")
 
 
 def main() -> None:
@@ -54,8 +54,8 @@ def main() -> None:
     experts, top_k = cfg.num_experts, cfg.num_experts_per_tok
     records = len(manifest.expert_records())
     rng = random.Random(0)
-    with build_store(pack, vram_budget=records * stride, ram_budget=records * stride, device=args.device,
-                     device_reserved=0, rebalance=False) as store:
+    config = StoreConfig(vram_budget=records * stride, ram_budget=records * stride, rebalance=False)
+    with build_store(pack, config, args.device, device_reserved=0) as store:
         store.prewarm({layer: list(range(experts))})
         batches, recorded = [], []
         for _ in range(max(1, args.calls // BATCH)):
@@ -88,7 +88,8 @@ def main() -> None:
 
 
 def decode_layers(pack: Pack, device: str, steps: int, copies_on_calling_thread: bool) -> dict[str, float]:
-    """Microseconds a decode layer spends in the store (total, and in each of TIMED), median of 4 runs."""
+    """Microseconds a decode layer spends in the store (total, and in its request, prefetch and await),
+    median of 4 runs."""
     manifest = pack.manifest
     cfg, stride = manifest.config, manifest.document["experts"]["record_stride"]
     layers = sorted({r.layer for r in manifest.expert_records()})
@@ -103,33 +104,31 @@ def decode_layers(pack: Pack, device: str, steps: int, copies_on_calling_thread:
         return sorted(chosen)
 
     runs = []
-    tiered.COPY_ON_REQUESTING_THREAD = copies_on_calling_thread
-    try:
-        with build_store(pack, vram_budget=len(layers) * top_k * stride, ram_budget=len(manifest.expert_records())
-                         * stride, device=device, device_reserved=0) as store:
-            store.prewarm({layer: list(range(experts)) for layer in layers})
-            spent = {name: 0.0 for name in TIMED}
-            for name in TIMED:
-                setattr(store, name, _timed(getattr(store, name), spent, name))
-            for run in range(5):  # the first warms up
-                plan = [[picks() for _ in layers] for _ in range(steps)]
-                for name in spent:
-                    spent[name] = 0.0
-                start = time.perf_counter()
-                for wanted in plan:
-                    for index, layer in enumerate(layers):
-                        ahead = None
-                        if index + 1 < len(layers):
-                            ahead = (layers[index + 1], sorted(set(wanted[index + 1][:7]) | set(picks()[:3])))
-                        with closing(store.stream(layer, wanted[index], ahead)) as chunks:
-                            for _ in chunks:
-                                pass
-                calls = steps * len(layers)
-                if run:
-                    runs.append({"total": (time.perf_counter() - start) / calls * 1e6,
-                                 **{name.strip("_"): seconds / calls * 1e6 for name, seconds in spent.items()}})
-    finally:
-        tiered.COPY_ON_REQUESTING_THREAD = True
+    config = StoreConfig(vram_budget=len(layers) * top_k * stride, ram_budget=len(manifest.expert_records()) * stride,
+                         copy_on_requesting_thread=copies_on_calling_thread)
+    with build_store(pack, config, device, device_reserved=0) as store:
+        store.prewarm({layer: list(range(experts)) for layer in layers})
+        timed = {"request": (store.admission, "request"), "prefetch": (store, "prefetch"), "await": (store, "_await")}
+        spent = {name: 0.0 for name in timed}
+        for name, (owner, method) in timed.items():
+            setattr(owner, method, _timed(getattr(owner, method), spent, name))
+        for run in range(5):  # the first warms up
+            plan = [[picks() for _ in layers] for _ in range(steps)]
+            for name in spent:
+                spent[name] = 0.0
+            start = time.perf_counter()
+            for wanted in plan:
+                for index, layer in enumerate(layers):
+                    ahead = None
+                    if index + 1 < len(layers):
+                        ahead = (layers[index + 1], sorted(set(wanted[index + 1][:7]) | set(picks()[:3])))
+                    with closing(store.stream(layer, wanted[index], ahead)) as chunks:
+                        for _ in chunks:
+                            pass
+            calls = steps * len(layers)
+            if run:
+                runs.append({"total": (time.perf_counter() - start) / calls * 1e6,
+                             **{name: seconds / calls * 1e6 for name, seconds in spent.items()}})
     return {name: statistics.median(run[name] for run in runs) for name in runs[0]}
 
 

@@ -1,14 +1,15 @@
 """The tiered expert store: device slot pool, pinned host cache, the pack read with O_DIRECT.
 
-    build_store(pack, vram_budget, ram_budget, device, policy, verify_records, hot_set=...) -> TieredStore
+    build_store(pack, StoreConfig(...), device, ...) -> TieredStore (or ResidentExperts)
     TieredStore.bank / stream / prefetch    the engine's ExpertSlots source (kernels read slots in place)
     TieredStore.fetch(layer, experts)       the ExpertFetcher call (dequantised weights)
     TieredStore.request / wait              the asynchronous form (handles, ready or in flight)
     replay_trace(trace, ...)                what a recorded trace would hit at given budgets
 
-Bookkeeping (policy, residency, capacity, budget, simulate, trace, stats) is plain Python; the
-modules that move bytes (reader, tiers, store, prewarm) are the only ones that touch torch
-(lanes, the reader threads' queue, is plain Python too).
+Bookkeeping (config, policy, residency, placement, capacity, budget, simulate, trace, stats) is
+plain Python; the modules that hold or move bytes (reader, tiers, transfers, admission, handles,
+table_steps, store, prewarm) are the only ones that touch torch (lanes, the reader threads' queue,
+is plain Python too).
 Imports are lazy so the plain-Python parts load without torch.
 """
 

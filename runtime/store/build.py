@@ -1,8 +1,8 @@
-"""`build_store`: a TieredStore for a pack from the CLI's flags (budgets, device, policy, hot set).
+"""`build_store`: a TieredStore for a pack, from a StoreConfig (budgets, policy, hot set, ...) and a device.
 
 What the engine keeps on the device besides experts (dense weights in the engine dtype, the
-dequantised experts of one fetch, the KV the caller reserves) is counted against --vram-budget
-before the pool is cut into slots; the pinned host cache gets --ram-budget. A budget too small
+dequantised experts of one fetch, the KV the caller reserves) is counted against the device budget
+before the pool is cut into slots; the pinned host cache gets the RAM budget. A budget too small
 for one layer's top_k is refused here, at start, with the minimum in the message.
 """
 
@@ -18,7 +18,8 @@ from flashpack.errors import FlashpackError
 from flashpack.layout.manifest import Manifest
 from flashpack.layout.pack import Pack
 from flashpack.runtime.store.budget import parse_budget, plan_store, served_records
-from flashpack.runtime.store.policy import DEFAULT_POLICY, make_policy
+from flashpack.runtime.store.config import StoreConfig
+from flashpack.runtime.store.hotset import apply_hot_set
 from flashpack.runtime.store.resident import ResidentExperts
 from flashpack.runtime.store.store import TieredStore
 
@@ -66,55 +67,47 @@ def machine_free_bytes(device: str | torch.device) -> tuple[int, int]:
 
 def build_store(
     pack: Pack | Path | str,
-    vram_budget: str | int | None = None,
-    ram_budget: str | int | None = None,
+    config: StoreConfig = StoreConfig(),
     device: str | torch.device = "cpu",
-    policy: str = DEFAULT_POLICY,
-    verify_records: bool = True,
     *,
-    hot_set: str | None = None,
     dtype: str | torch.dtype = "auto",
     kv_bytes: int = 0,
     device_reserved: int | None = None,
     host_reserved: int = 0,
-    reader_threads: int = 8,
-    direct_io: bool = True,
-    rebalance: bool = True,
     poison: bool = False,
     allow_resident: bool = False,
     staging: bool = False,
     layers: list[int] | None = None,
-    promote: bool = False,
 ) -> TieredStore | ResidentExperts:
-    """A ready store. Budgets: "24GiB"-style strings or bytes; None = room for every record on a
-    CPU, and on a GPU 90 % of its free memory and 75 % of the available RAM (`machine_free_bytes`).
+    """A ready store for `config`'s budgets, policy, hot set, reader and copies. A budget of None is
+    room for every record on a CPU, and on a GPU 90 % of its free memory and 75 % of the available
+    RAM (`machine_free_bytes`).
 
     With `allow_resident` (the engine on a GPU), a device budget that holds every record gives a
     `ResidentExperts` instead: all records loaded once, slots looked up on the device. `staging`
     (CUDA-graph decode) sets STAGING_ROW_SETS * top_k rows of the device budget aside for decode
-    steps to stage host records into (TabledSlots.host_records); `promote` lets a staged expert
-    that outranks what it would evict take a device slot (TieredStore). `layers` limits the store
-    to those layers' experts (the engine's decoder layers: the MTP head's experts take no room
-    while nothing runs it).
+    steps to stage host records into (TabledSlots.host_records). `layers` limits the store to those
+    layers' experts (the engine's decoder layers: the MTP head's experts take no room while nothing
+    runs it).
 
     `device_reserved` overrides the estimate of what else lives on the device (see
-    `resident_device_bytes`); `hot_set` names a profile in the manifest's hot_sets to pre-warm
-    the device pool, then the host cache, from; `ALL_RECORDS` ("*") pre-warms every record, in
-    expert order, as far as the two tiers hold them (what a machine whose RAM holds the experts
-    reaches after a while of serving, at the price of reading the expert files once at start)."""
+    `resident_device_bytes`, from `dtype` and `kv_bytes`). `config.hot_set` names a profile in the
+    manifest's hot_sets to pre-warm the device pool, then the host cache, from; `ALL_RECORDS` ("*")
+    pre-warms every record, in expert order, as far as the two tiers hold them (what a machine
+    whose RAM holds the experts reaches after a while of serving, at the price of reading the
+    expert files once at start)."""
     pack = pack if isinstance(pack, Pack) else Pack.open(pack)
-    make_policy(policy)  # an unknown name fails here, before any memory is taken
     manifest = pack.manifest
     records = served_records(pack, layers)
     profile = None
-    if hot_set is not None and hot_set != ALL_RECORDS:
-        profile = manifest.hot_sets.get(hot_set)
+    if config.hot_set is not None and config.hot_set != ALL_RECORDS:
+        profile = manifest.hot_sets.get(config.hot_set)
         if profile is None:
             names = ", ".join(sorted(manifest.hot_sets)) or "none; run `flashpack profile` first"
-            raise FlashpackError(f"pack has no hot set {hot_set!r} (has: {names})")
+            raise FlashpackError(f"pack has no hot set {config.hot_set!r} (has: {names})")
     if device_reserved is None:
         device_reserved = resident_device_bytes(manifest, dtype, kv_bytes, device)
-    vram, ram = parse_budget(vram_budget, "--vram-budget"), parse_budget(ram_budget, "--ram-budget")
+    vram, ram = parse_budget(config.vram_budget), parse_budget(config.ram_budget)
     if torch.device(device).type == "cuda":  # no budget on a GPU: what the machine has free, not every record
         vram, ram = (free if given is None else given for given, free in zip((vram, ram), machine_free_bytes(device)))
     plan = plan_store(
@@ -128,16 +121,11 @@ def build_store(
         staging=staging,
     )
     if allow_resident and plan.device_slots + plan.staging_slots >= len(records):
-        return ResidentExperts(pack, device, verify_records=verify_records, plan=plan, layers=layers,
-                               direct_io=direct_io)
-    store = TieredStore(pack, plan, device=device, policy=policy, verify_records=verify_records,
-                        reader_threads=reader_threads, direct_io=direct_io, rebalance=rebalance, poison=poison,
-                        layers=layers, promote=promote)
+        return ResidentExperts(pack, device, config, plan=plan, layers=layers)
+    store = TieredStore(pack, plan, config, device, poison=poison, layers=layers)
     if profile is not None:
-        from flashpack.runtime.store.hotset import apply_hot_set
-
         apply_hot_set(store, profile)
-    elif hot_set == ALL_RECORDS:
+    elif config.hot_set == ALL_RECORDS:
         experts = manifest.config.num_experts
         store.prewarm({layer: list(range(experts)) for layer in store.layers})
     return store

@@ -3,13 +3,14 @@ only in the gaps.
 
 A read a request waits for goes in the required lane; a prefetch (a guess at what the next layer
 will ask for) goes in the low lane. A free thread always takes the oldest required read; it takes
-a prefetch read only when no required read is waiting. It may start one beside a required read
-that is already running: holding every guess back until the disk is free (the stricter rule) was
-slower, since a guess then lands after its layer asks (`GUESSES_BESIDE_REQUIRED`). At most
-`threads - 1` threads run prefetch reads at once, so a required read arriving behind a burst of
-prefetches finds a thread (or the next one to free up) instead of queueing behind them. A prefetch
-that a request comes to wait for is moved to the required lane (`promote`). The store's
-host-to-device copies run on one thread of their own lanes the same way. Plain Python.
+a prefetch read only when no required read is waiting. By default it may start one beside a
+required read that is already running (`guesses_beside_required`): holding every guess back until
+the disk is free decoded slower on the H200, since a guess then lands after its layer asks
+(bench/HISTORY.md). At most `threads - 1` threads run prefetch reads at once, so a required read
+arriving behind a burst of prefetches finds a thread (or the next one to free up) instead of
+queueing behind them. A prefetch that a request comes to wait for is moved to the required lane
+(`promote`). The store's host-to-device copies run on one thread of their own lanes the same way.
+Plain Python.
 """
 
 from __future__ import annotations
@@ -21,22 +22,17 @@ from collections.abc import Callable, Hashable
 
 log = logging.getLogger("flashpack.store")
 
-# Whether a prefetch read may start beside a required read that is already running. On the H200, 8/32
-# with a hot set, holding guesses back while one runs decoded at 4.32 tok/s against 5.45 beside (run 27)
-# and 6.13 against 6.57 (run 28; 48 layers by kind, each pair from one run): a guess held back lands
-# after the layer that wants it asks.
-# False, the stricter rule of session 11, is the control bench/h200.sh's `guesses-wait` stage benches.
-GUESSES_BESIDE_REQUIRED = True
-
 
 class ReadLanes:
-    def __init__(self, threads: int, name: str = "flashpack-read"):
+    def __init__(self, threads: int, name: str = "flashpack-read", guesses_beside_required: bool = True):
+        """`guesses_beside_required`: a prefetch job may start while a required job runs (False: only
+        once none runs, unless a request promotes it)."""
         self._cond = threading.Condition()
         self._required: deque = deque()
         self._low: deque = deque()
         self._low_limit = max(1, threads - 1)
         self._running = {False: 0, True: 0}  # jobs running, by lane (True: the low lane)
-        self._beside_required = GUESSES_BESIDE_REQUIRED
+        self._beside_required = guesses_beside_required
         self._closed = False
         self._threads = [threading.Thread(target=self._work, name=f"{name}_{i}", daemon=True) for i in range(threads)]
         for thread in self._threads:

@@ -11,12 +11,10 @@ from __future__ import annotations
 
 import time
 from concurrent.futures import wait as wait_futures
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from flashpack.runtime.store.store import TieredStore
-
-MAX_RUN = 64  # records per preadv
+from flashpack.runtime.store.admission import Admission
+from flashpack.runtime.store.placement import Placement
+from flashpack.runtime.store.stats import StoreStats
 
 
 def profile_weights(ranked: dict[int, list[int]], counts: dict[int, list[int]] | None) -> dict[tuple[int, int], float]:
@@ -47,21 +45,26 @@ def plan_prewarm(
 
 
 def prewarm_store(
-    store: "TieredStore", ranked: dict[int, list[int]], counts: dict[int, list[int]] | None = None,
+    admission: Admission, placement: Placement, stats: StoreStats, ranked: dict[int, list[int]],
+    counts: dict[int, list[int]] | None = None,
 ) -> dict[str, int]:
+    """Fill the host cache, then the device pool, from `ranked` (and `counts`); returns how many
+    records went to each tier."""
     start = time.perf_counter()
-    ranked = {layer: experts for layer, experts in ranked.items() if layer in store.device_slots.capacity}
-    device, host = plan_prewarm(ranked, counts, store.device_slots.capacity, store.host_slots.slots)
+    device_slots = placement.device_slots
+    ranked = {layer: experts for layer, experts in ranked.items() if layer in device_slots.capacity}
+    device, host = plan_prewarm(ranked, counts, device_slots.capacity, placement.host_slots.slots)
     weights = profile_weights(ranked, counts)
-    loads = _prewarm_host(store, host, weights)
+    # coldest first, so LRU keeps the hottest longest
+    loads = admission.prewarm_host(list(reversed(host)), weights)
     wait_futures(loads)
     placed_device = 0
     for layer, experts in device.items():
         # coldest first: LRU order and LFU ties then keep the hottest longest
-        remaining = [e for e in reversed(experts) if (layer, e) not in store.device_slots]
+        remaining = [e for e in reversed(experts) if (layer, e) not in device_slots]
         seeds = {e: weights.get((layer, e), 0.0) for e in remaining}
         while remaining:
-            handles, remaining = store._request(layer, remaining, partial=True, prewarm=seeds)
+            handles, remaining = admission.request(layer, remaining, partial=True, prewarm=seeds)
             for handle in handles:
                 try:
                     handle.wait()
@@ -70,35 +73,5 @@ def prewarm_store(
                     pass  # a bad record is reported when a request needs it, not at pre-warming
                 finally:
                     handle.release()
-    store.stats.add_time("prewarm_seconds", time.perf_counter() - start)
+    stats.add_time("prewarm_seconds", time.perf_counter() - start)
     return {"device": placed_device, "host": len(loads)}
-
-
-def _prewarm_host(store: "TieredStore", keys: list[tuple[int, int]], weights: dict[tuple[int, int], float]):
-    """Place `keys` in the host cache (coldest first, so LRU keeps the hottest longest) and
-    submit their reads in contiguous runs; returns the loads' futures."""
-    from concurrent.futures import Future
-
-    placed = []
-    with store._changed:
-        for key in reversed(keys):
-            if key in store.host_slots:
-                continue
-            store._place_host(key, seed=weights.get(key, 0.0))
-            store._host_loads[key] = Future()
-            store.stats.bump(key[0], prewarmed_host=1)
-            placed.append(key)
-    entries = sorted(((store.pack.record_entry(*key), key) for key in placed), key=lambda p: (p[0].file, p[0].offset))
-    runs: list[list[tuple[int, int]]] = []
-    previous = None
-    for entry, key in entries:
-        if (previous is not None and entry.file == previous.file and entry.offset == previous.offset + store.stride
-                and len(runs[-1]) < MAX_RUN):
-            runs[-1].append(key)
-        else:
-            runs.append([key])
-        previous = entry
-    loads = [store._host_loads[key] for key in placed]
-    for run in runs:
-        store._readers.submit(store._read_job, run, None, True)
-    return loads

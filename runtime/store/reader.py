@@ -8,10 +8,11 @@ reordered hot set is then a sequential read). Where a filesystem refuses O_DIREC
 network filesystems) the reader falls back to ordinary reads and says why in `fallback_reason`.
 The reader threads are the store's; `preadv` releases the GIL, so they overlap.
 
-A single record is read as `pieces` page-aligned parts at once (the caller's thread takes one,
-helper threads the rest): a decode step that misses waits for its record's read, so the read's
-latency, not only the disk's throughput, sets the pace. On the H200 machine's NVMe one thread read
-a 2.7 MB record in 5.42 ms whole and 2.26 ms in four parts (bench/results/store-reads-h200.json).
+A single record may be read as `pieces` page-aligned parts at once (the caller's thread takes one,
+helper threads the rest; the store passes StoreConfig.read_pieces): a decode step that misses
+waits for its record's read, so the read's latency, not only the disk's throughput, sets the pace.
+On the H200 machine's NVMe one thread read a 2.7 MB record in 5.42 ms whole and 2.26 ms in four
+parts (bench/results/store-reads-h200.json).
 """
 
 from __future__ import annotations
@@ -28,7 +29,6 @@ import torch
 from flashpack.layout.records import PAGE
 
 O_DIRECT = getattr(os, "O_DIRECT", 0)
-READ_PIECES = 4  # parts a single record's read is split into
 MIN_PIECE = 256 * 1024  # no part smaller: below this a part's fixed cost outweighs the overlap
 
 
@@ -47,12 +47,10 @@ def writable_view(buffer: torch.Tensor) -> memoryview:
 class RecordReader:
     """O_DIRECT file handles of a pack's record files, opened once, shared by reader threads."""
 
-    def __init__(self, root: Path | str, files: list[str], direct: bool = True, pieces: int | None = None,
-                 callers: int = 1):
-        """`pieces`: parts a single record's read is split into (default READ_PIECES); `callers`:
-        threads that may read at once, each with helpers of its own for its parts, so a required
-        read never queues behind another read's parts."""
-        pieces = READ_PIECES if pieces is None else pieces
+    def __init__(self, root: Path | str, files: list[str], direct: bool = True, pieces: int = 1, callers: int = 1):
+        """`pieces`: parts a single record's read is split into (1: read whole); `callers`: threads
+        that may read at once, each with helpers of its own for its parts, so a required read never
+        queues behind another read's parts."""
         if pieces < 1:
             raise ValueError(f"pieces must be at least 1, got {pieces}")
         self.root = Path(root)

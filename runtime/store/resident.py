@@ -21,6 +21,7 @@ from flashpack.layout.pack import Pack
 from flashpack.runtime.kernels.bank import ExpertBank
 from flashpack.runtime.store.budget import StorePlan, served_records
 from flashpack.runtime.store.bulk_read import READ_THREADS, RecordBatch, read_records_in_batches
+from flashpack.runtime.store.config import StoreConfig
 from flashpack.runtime.store.reader import RecordReader
 from flashpack.runtime.store.stats import StoreStats
 
@@ -34,12 +35,13 @@ class ResidentHandle:
 
 class ResidentExperts:
     def __init__(
-        self, pack: Pack, device: torch.device | str, verify_records: bool = True, progress: bool = True,
-        plan: StorePlan | None = None, layers: list[int] | None = None, direct_io: bool = True,
+        self, pack: Pack, device: torch.device | str, config: StoreConfig = StoreConfig(), progress: bool = True,
+        plan: StorePlan | None = None, layers: list[int] | None = None,
     ):
-        """`layers`: the layers whose experts it loads (default: every layer with records);
-        `direct_io`: read them with O_DIRECT (off: through the page cache)."""
+        """`config`: its direct_io, verify_records and read_pieces say how the records are read;
+        `layers`: the layers whose experts it loads (default: every layer with records)."""
         self.pack, self.device, self.plan = pack, torch.device(device), plan  # plan: the budget it came from
+        self.config = config
         manifest = pack.manifest
         self.geometry = manifest.geometry
         stride = manifest.document["experts"]["record_stride"]
@@ -63,14 +65,16 @@ class ResidentExperts:
             self.pool[batch.first_row:batch.first_row + len(batch.records)].copy_(rows)  # synchronous: rows are reused
             bar.update(len(batch.records) * stride)
 
-        reader = RecordReader(pack.root, sorted({r.file for r in records}), direct=direct_io, callers=READ_THREADS)
+        reader = RecordReader(pack.root, sorted({r.file for r in records}), direct=config.direct_io,
+                              pieces=config.read_pieces, callers=READ_THREADS)
         try:
-            read_records_in_batches(reader, records, stride, place, verify=verify_records, pin=self.device.type == "cuda")
+            read_records_in_batches(reader, records, stride, place, verify=config.verify_records,
+                                    pin=self.device.type == "cuda")
         finally:
             reader.close()
             bar.close()
         self.read_fallback = reader.fallback_reason
-        self.stats.verified_records = len(records) if verify_records else 0
+        self.stats.verified_records = len(records) if config.verify_records else 0
         self._table = table.to(self.device)
         self._bank = ExpertBank.from_pool(self.pool, self.geometry)
 

@@ -8,12 +8,13 @@ through the store. This table is the store's side of that, int32 [layers, expert
 codes runtime/experts.py defines (a device slot, a host slot, or on disk).
 
 The store refreshes a key's code under its lock whenever one of its entries changes (a slot
-filled, a copy landed, a slot evicted), and `publish` copies a snapshot of the table to the device
-before each such step that follows a refresh (the device table is only read there). Only safe mistakes are possible. A device
-slot is named once its copy has landed (until then the expert is staged from the host cache, so
-a step never waits for a copy in flight); an entry cleared after the publish makes a miss, not a
-wrong read; and the store overwrites neither a device slot nor a host slot until the step that
-read the table has run (TieredStore's `hold_slot_table` and `release_slot_table`).
+filled, a copy landed, a slot evicted: placement.py), and `publish` copies a snapshot of the table
+to the device before each such step that follows a refresh (the device table is only read there).
+Only safe mistakes are possible. A device slot is named once its copy has landed (until then the
+expert is staged from the host cache, so a step never waits for a copy in flight); an entry
+cleared after the publish makes a miss, not a wrong read; and the store overwrites neither a
+device slot nor a host slot until the step that read the table has run (TieredStore's
+`hold_slot_table` and `release_slot_table`).
 """
 
 from __future__ import annotations

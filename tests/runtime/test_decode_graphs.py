@@ -165,6 +165,7 @@ def _tiered_pair(tiny_pack, device_slots: int, host_slots: int = 300, staging: b
     from flashpack.runtime.pack_source import PackWeights
     from flashpack.runtime.store import build_store
     from flashpack.runtime.store.budget import STAGING_ROW_SETS
+    from flashpack.runtime.store.config import StoreConfig
 
     pack = Pack.open(tiny_pack)
     stride = pack.manifest.document["experts"]["record_stride"]
@@ -296,6 +297,6 @@ def test_a_failing_step_releases_the_slot_table(tiny_pack, monkeypatch):
     logits = steps[1].forward(torch.randint(0, 1000, (8,)), state, last_only=True).logits
     with pytest.raises(RuntimeError, match="kernel failed"):
         steps[1].forward(torch.tensor([int(logits.argmax())]), state)
-    assert steps[1].graphs.speculation.tries == 0 and not stores[1]._table_held
+    assert steps[1].graphs.speculation.tries == 0 and not stores[1].placement.table_held
     for store in stores:
         store.close()

@@ -117,10 +117,11 @@ def test_resident_counts_requests_as_device_hits(pack):
 
 def test_build_store_goes_resident_only_when_allowed_and_everything_fits(tiny_pack):
     from flashpack.runtime.store import TieredStore, build_store
+    from flashpack.runtime.store.config import StoreConfig
 
-    assert isinstance(build_store(tiny_pack, None, None, allow_resident=True), ResidentExperts)
-    with build_store(tiny_pack, None, None) as store:
+    assert isinstance(build_store(tiny_pack, allow_resident=True), ResidentExperts)
+    with build_store(tiny_pack) as store:
         assert isinstance(store, TieredStore)
     stride = Pack.open(tiny_pack).manifest.document["experts"]["record_stride"]
-    with build_store(tiny_pack, 40 * stride, None, device_reserved=0, allow_resident=True) as store:
+    with build_store(tiny_pack, StoreConfig(vram_budget=40 * stride), device_reserved=0, allow_resident=True) as store:
         assert isinstance(store, TieredStore)

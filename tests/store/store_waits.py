@@ -8,7 +8,8 @@ import time
 def settle(store, timeout: float = 10.0) -> None:
     """Wait until no load is in flight (a released chunk's loads, prefetches and promotions still land)."""
     deadline = time.monotonic() + timeout
-    with store._changed:
-        while store._inflight or store._host_loads or store._landing:
+    placement = store.placement
+    with placement.changed:
+        while placement.busy():
             assert time.monotonic() < deadline, "loads still in flight"
-            store._changed.wait(0.05)
+            placement.changed.wait(0.05)

@@ -41,7 +41,7 @@ def test_every_record_arrives_whole_and_in_order_through_reused_buffers(store_pa
         seen_rows.extend(range(batch.first_row, batch.first_row + len(batch.records)))
         got[batch.first_row:batch.first_row + len(batch.records)] = rows
 
-    reader = RecordReader(pack.root, sorted({r.file for r in records}), direct=direct, callers=3)
+    reader = RecordReader(pack.root, sorted({r.file for r in records}), direct=direct, pieces=4, callers=3)
     try:
         # three records a batch: many batches through four buffers, so every buffer is reused
         read_records_in_batches(reader, records, stride, consume, threads=3, batch_bytes=3 * stride)

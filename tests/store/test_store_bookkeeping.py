@@ -22,7 +22,8 @@ GIB, MIB = 1 << 30, 1 << 20
 
 def test_bookkeeping_is_free_of_torch():
     modules = ", ".join(f"flashpack.runtime.store.{m}" for m in
-                        ("budget", "policy", "residency", "capacity", "simulate", "trace", "stats"))
+                        ("budget", "config", "policy", "residency", "placement", "capacity", "simulate", "trace",
+                         "stats"))
     code = f"import sys, {modules}; assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
 

@@ -7,6 +7,7 @@ import ctypes
 import errno
 import mmap
 import os
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,7 @@ import torch
 from flashpack.layout.pack import Pack
 from flashpack.runtime.pack_source import PackExperts
 from flashpack.runtime.store import build_store
+from flashpack.runtime.store.config import StoreConfig
 from flashpack.runtime.store.reader import O_DIRECT, aligned_empty
 
 PAGE = 4096
@@ -72,16 +74,16 @@ def test_reads_use_o_direct_with_aligned_buffers(store_pack, direct_io_dir, copy
     files = sorted({r.file for r in pack.manifest.expert_records()})
     for file in files:
         _drop_from_page_cache(root / file)
-    with build_store(pack, vram_budget=8 * stride, ram_budget=6 * stride, device_reserved=0) as store:
-        assert store.reader.direct and store.reader.fallback_reason is None
+    with build_store(pack, StoreConfig(vram_budget=8 * stride, ram_budget=6 * stride), device_reserved=0) as store:
+        assert store.transfers.reader.direct and store.transfers.reader.fallback_reason is None
         for file in files:  # the kernel holds our handles open with O_DIRECT
-            assert _fd_flags(store.reader.fd(file)) & O_DIRECT
+            assert _fd_flags(store.transfers.reader.fd(file)) & O_DIRECT
         for index in range(store.host_pool.slots):  # every read target is page-aligned
             assert store.host_pool.slot(index).data_ptr() % PAGE == 0
         # and the kernel enforces direct I/O on them: a misaligned buffer is refused
         misaligned = aligned_empty(stride + PAGE)[1:stride + 1]
         with pytest.raises(OSError) as error:
-            os.preadv(store.reader.fd(files[0]), [memoryview(misaligned.numpy())], 0)
+            os.preadv(store.transfers.reader.fd(files[0]), [memoryview(misaligned.numpy())], 0)
         assert error.value.errno == errno.EINVAL
         layers = sorted({r.layer for r in pack.manifest.expert_records()})
         for layer in layers:
@@ -89,20 +91,20 @@ def test_reads_use_o_direct_with_aligned_buffers(store_pack, direct_io_dir, copy
             want = reference.fetch(layer, [0, 1, 2])
             assert all(torch.equal(got[e].down, want[e].down) for e in want)
         assert store.stats.total().disk_reads == 3 * len(layers)
-        assert store.reader.bytes_read >= 3 * len(layers) * pack.manifest.document["experts"]["record_bytes"]
+        assert store.transfers.reader.bytes_read >= 3 * len(layers) * pack.manifest.document["experts"]["record_bytes"]
     # what the store read bypassed the page cache: look at records the reference's mmap never
     # touched (mapped pages stay cached), then the control: buffered reads do fill the cache
     entry = pack.record_entry(layers[0], 10)
     untouched = [10, 11, 12, 13]
     _drop_from_page_cache(root / entry.file)
     before = _cached_pages(root / entry.file)
-    with build_store(Pack.open(root), vram_budget=8 * stride, ram_budget=6 * stride, device_reserved=0) as store:
+    config = StoreConfig(vram_budget=8 * stride, ram_budget=6 * stride)
+    with build_store(Pack.open(root), config, device_reserved=0) as store:
         store.fetch(layers[0], untouched)
     assert _cached_pages(root / entry.file) == before
-    with build_store(Pack.open(root), vram_budget=8 * stride, ram_budget=6 * stride, device_reserved=0,
-                     direct_io=False) as buffered:
+    with build_store(Pack.open(root), replace(config, direct_io=False), device_reserved=0) as buffered:
         buffered.fetch(layers[0], untouched)
-        assert buffered.reader.fallback_reason == "O_DIRECT turned off"
+        assert buffered.transfers.reader.fallback_reason == "O_DIRECT turned off"
     assert _cached_pages(root / entry.file) >= before + len(untouched)
 
 
@@ -115,12 +117,13 @@ def test_tmpfs_falls_back_to_buffered_reads_and_says_why(store_pack, copy_pack):
         pack = Pack.open(root)
         reference = PackExperts(Pack.open(root))
         stride = pack.manifest.document["experts"]["record_stride"]
-        with build_store(pack, vram_budget=8 * stride, ram_budget=2 * stride, device_reserved=0) as store:
+        config = StoreConfig(vram_budget=8 * stride, ram_budget=2 * stride)
+        with build_store(pack, config, device_reserved=0) as store:
             got = store.fetch(0, [3, 4])
-            if store.reader.direct:
+            if store.transfers.reader.direct:
                 pytest.skip("this tmpfs accepts O_DIRECT (Linux >= 6.6)")
-            assert "does not support O_DIRECT" in store.reader.fallback_reason or \
-                "refused an O_DIRECT read" in store.reader.fallback_reason
+            assert "does not support O_DIRECT" in store.transfers.reader.fallback_reason or \
+                "refused an O_DIRECT read" in store.transfers.reader.fallback_reason
             want = reference.fetch(0, [3, 4])
             assert all(torch.equal(got[e].gate, want[e].gate) for e in want)
     finally:
@@ -143,9 +146,9 @@ def test_filesystem_refusing_o_direct_falls_back_with_a_reason(store_pack, monke
     monkeypatch.setattr(reader_module.os, "open", no_direct)
     pack = Pack.open(store_pack)
     stride = pack.manifest.document["experts"]["record_stride"]
-    with build_store(pack, vram_budget=8 * stride, ram_budget=2 * stride, device_reserved=0) as store:
-        assert not store.reader.direct
-        assert "does not support O_DIRECT (Invalid argument)" in store.reader.fallback_reason
+    with build_store(pack, StoreConfig(vram_budget=8 * stride, ram_budget=2 * stride), device_reserved=0) as store:
+        assert not store.transfers.reader.direct
+        assert "does not support O_DIRECT (Invalid argument)" in store.transfers.reader.fallback_reason
         got = store.fetch(0, [3, 4])
     want = PackExperts(pack).fetch(0, [3, 4])
     assert all(torch.equal(got[e].gate, want[e].gate) for e in want)

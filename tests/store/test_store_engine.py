@@ -20,6 +20,7 @@ from flashpack.runtime.pack_source import PackExperts, PackWeights
 from flashpack.runtime.sampling import SamplingParams
 from flashpack.runtime.engine.profile import profile_pack, record_trace
 from flashpack.runtime.store import build_store, replay_trace
+from flashpack.runtime.store.config import StoreConfig
 from flashpack.runtime.store.trace import Trace
 
 PROMPTS = ["The cache keeps hot experts close.", "Belady evicts what is needed furthest in the future."]
@@ -62,8 +63,9 @@ def test_greedy_output_identical_to_all_in_memory(greedy, all_in_memory, device_
     top_k = pack.manifest.config.num_experts_per_tok
     layers = len({r.layer for r in pack.manifest.expert_records()})
     slots = {"top_k+1": top_k + 1, "top_k+2 per layer": (top_k + 2) * layers, None: None}[device_slots]
-    with build_store(pack, vram_budget=slots and slots * stride, ram_budget=host_slots and host_slots * stride,
-                     device_reserved=0, policy=policy, poison=True, device=device) as store:
+    config = StoreConfig(vram_budget=slots and slots * stride, ram_budget=host_slots and host_slots * stride,
+                         policy=policy)
+    with build_store(pack, config, device, device_reserved=0, poison=True) as store:
         assert greedy.run(store, device=device) == all_in_memory[device]
         store.check_budgets()
         if slots is not None:
@@ -86,7 +88,7 @@ def test_a_streamed_prompt_gives_the_one_chunk_logits_bit_for_bit(greedy, monkey
     logits = []
     for slots in (top_k + 1, None):
         calls.clear()
-        with build_store(pack, vram_budget=slots and slots * stride, ram_budget=None, device_reserved=0,
+        with build_store(pack, StoreConfig(vram_budget=slots and slots * stride), device_reserved=0,
                          poison=True) as store:
             model = Qwen4ExpModel(PackWeights(pack), store, dtype=torch.float32)
             logits.append(model(prompt, model.new_state()).logits)
@@ -123,7 +125,7 @@ def test_profile_writes_a_hot_set_and_reorder_keeps_every_record(pack_copy, tmp_
     for key, weights in reference.items():
         assert torch.equal(reordered.fetch(key[0], [key[1]])[key[1]].up, weights.up)
     # pre-warming the reordered pack reads each layer's hot set in one run
-    with build_store(pack, hot_set="chat", vram_budget=None, ram_budget=None, device_reserved=0) as store:
+    with build_store(pack, StoreConfig(hot_set="chat"), device_reserved=0) as store:
         total = sum(len(entry["experts"]) for entry in stored["layers"])
         assert store.stats.to_dict()["tiers"]["host"]["prewarmed"] == total
         assert store.stats.read_calls == sum(1 for entry in stored["layers"] if entry["experts"])

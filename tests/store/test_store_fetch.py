@@ -32,10 +32,11 @@ def _geometry(pack: Pack) -> tuple[int, int, list[int], int]:
     return pack.manifest.document["experts"]["record_stride"], cfg.num_experts, layers, cfg.num_experts_per_tok
 
 
-def _store(pack, device_slots, host_slots, **options):
+def _store(pack, device_slots, host_slots, device="cpu", **settings):
+    """A store of `device_slots` and `host_slots` slots; `settings`: more of its StoreConfig."""
     stride = pack.manifest.document["experts"]["record_stride"]
-    return build_store(pack, vram_budget=device_slots * stride, ram_budget=host_slots * stride, device_reserved=0,
-                       poison=True, **options)
+    config = StoreConfig(vram_budget=device_slots * stride, ram_budget=host_slots * stride, **settings)
+    return build_store(pack, config, device, device_reserved=0, poison=True)
 
 
 def _assert_same(got, want):
@@ -78,7 +79,7 @@ def test_bit_identical_to_pack_experts_at_any_budget(store_pack, reference, poli
     pack = Pack.open(store_pack)
     stride, experts, layers, top_k = _geometry(pack)
     if device_share is None:  # unlimited: everything fits
-        store = build_store(pack, device_reserved=0, policy=policy, poison=True, device=device)
+        store = build_store(pack, StoreConfig(policy=policy), device, device_reserved=0, poison=True)
     else:  # down to top_k slots for the whole pool (a little more than one token's experts of a layer)
         store = _store(pack, int(top_k * device_share) + (device_share > 1), host_slots, policy=policy,
                        device=device)
@@ -106,18 +107,14 @@ def test_budget_is_kept_after_dense_and_work_buffers(store_pack):
 
     reserved = resident_device_bytes(pack.manifest, "float32")
     budget = reserved + 10 * stride + stride // 2
-    with build_store(pack, vram_budget=budget, ram_budget="64KiB") as store:
+    with build_store(pack, StoreConfig(vram_budget=budget, ram_budget="64KiB")) as store:
         assert store.plan.device_slots == 10 and store.plan.host_slots == 16
         assert store.device_pool.nbytes + reserved <= budget
     with pytest.raises(FlashpackError, match=r"--vram-budget .* too small: the minimum is .*"
                                              rf"{top_k} expert slots \(top_k of one layer\)"):
-        build_store(pack, vram_budget=reserved + (top_k - 1) * stride, ram_budget="1GiB")
+        build_store(pack, StoreConfig(vram_budget=reserved + (top_k - 1) * stride, ram_budget="1GiB"))
     with pytest.raises(FlashpackError, match="--ram-budget"):
-        build_store(pack, vram_budget="1GiB", ram_budget="0")
-    with pytest.raises(FlashpackError, match="cannot read --vram-budget"):
-        build_store(pack, vram_budget="lots")
-    with pytest.raises(FlashpackError, match="unknown eviction policy"):
-        build_store(pack, policy="random")
+        build_store(pack, StoreConfig(vram_budget="1GiB", ram_budget="0"))
 
 
 def test_staging_rows_come_out_of_the_device_budget(store_pack):
@@ -126,8 +123,8 @@ def test_staging_rows_come_out_of_the_device_budget(store_pack):
     pack = Pack.open(store_pack)
     stride, _, _, top_k = _geometry(pack)
     staging = STAGING_ROW_SETS * top_k
-    with build_store(pack, vram_budget=(10 + staging) * stride, ram_budget="64KiB", device_reserved=0,
-                     staging=True) as store:
+    config = StoreConfig(vram_budget=(10 + staging) * stride, ram_budget="64KiB")
+    with build_store(pack, config, device_reserved=0, staging=True) as store:
         assert (store.plan.device_slots, store.plan.staging_slots) == (10, staging)
         assert store.device_pool.nbytes == store.plan.device_pool_bytes == (10 + staging) * stride
         records = store.host_records
@@ -136,7 +133,7 @@ def test_staging_rows_come_out_of_the_device_budget(store_pack):
             assert records.first_slot(ahead_rows(layer)) == 10 + (1 + layer) * top_k
             assert records.rows(ahead_rows(layer)).data_ptr() == records.staging[(1 + layer) * top_k].data_ptr()
     with pytest.raises(FlashpackError, match=rf"{top_k} expert slots \(top_k of one layer\) and {staging} staging"):
-        build_store(pack, vram_budget=(top_k + staging - 1) * stride, device_reserved=0, staging=True)
+        build_store(pack, StoreConfig(vram_budget=(top_k + staging - 1) * stride), device_reserved=0, staging=True)
 
 
 def test_a_store_for_some_layers_gives_the_others_no_room(store_pack):
@@ -149,7 +146,8 @@ def test_a_store_for_some_layers_gives_the_others_no_room(store_pack):
     cfg = pack.manifest.config
     decoder = list(range(cfg.num_hidden_layers))
     assert max(r.layer for r in pack.manifest.expert_records()) >= cfg.num_hidden_layers  # the pack has MTP experts
-    with build_store(pack, layers=decoder, hot_set="*") as store:  # no budget: room for the layers' records
+    # no budget: room for the layers' records
+    with build_store(pack, StoreConfig(hot_set="*"), layers=decoder) as store:
         assert store.layers == decoder
         assert store.plan.device_slots == store.plan.host_slots == len(decoder) * cfg.num_experts
         assert store.stats.total().prewarmed_device == len(decoder) * cfg.num_experts
@@ -182,7 +180,7 @@ def test_corrupt_record_fails_that_request_by_name_and_the_store_keeps_serving(p
         _assert_same(store.fetch(3, [5]), reference.fetch(3, [5]))
         with pytest.raises(FlashpackError, match="layer 2 expert 5"):  # never cached as good
             store.fetch(2, [5])
-        assert (2, 5) not in store.device_slots and (2, 5) not in store.host_slots
+        assert (2, 5) not in store.placement.device_slots and (2, 5) not in store.placement.host_slots
         assert store.stats.layer(2).failed == 2
         store.check_budgets()
     with _store(Pack.open(pack_copy), 8, 4, verify_records=False) as store:  # --no-verify-records
@@ -193,18 +191,18 @@ def test_read_error_fails_that_request_and_others_go_on(store_pack, reference, m
     pack = Pack.open(store_pack)
     bad = pack.record_entry(1, 3)
     with _store(pack, 8, 4) as store:
-        original = store.reader.read
+        original = store.transfers.reader.read
 
         def flaky(file, offset, buffers, need):
             if file == bad.file and offset == bad.offset:
                 raise OSError(errno.EIO, "Input/output error")
             return original(file, offset, buffers, need)
 
-        monkeypatch.setattr(store.reader, "read", flaky)
+        monkeypatch.setattr(store.transfers.reader, "read", flaky)
         with pytest.raises(FlashpackError, match=rf"reading layer 1 expert 3 from {bad.file} .*Input/output error"):
             store.fetch(1, [0, 3, 7])
         _assert_same(store.fetch(1, [0, 7]), reference.fetch(1, [0, 7]))
-        monkeypatch.setattr(store.reader, "read", original)
+        monkeypatch.setattr(store.transfers.reader, "read", original)
         _assert_same(store.fetch(1, [3]), reference.fetch(1, [3]))  # the next attempt reads again
         store.check_budgets()
 
@@ -214,8 +212,8 @@ def test_async_requests_hits_are_ready_and_duplicates_join(store_pack, reference
     with _store(pack, 16, 8, rebalance=False) as store:
         store.fetch(0, [1, 2])
         gate = threading.Event()
-        original = store.reader.read
-        store.reader.read = lambda *a, **k: (gate.wait(10), original(*a, **k))[1]
+        original = store.transfers.reader.read
+        store.transfers.reader.read = lambda *a, **k: (gate.wait(10), original(*a, **k))[1]
         first = store.request(0, [1, 2, 3])
         assert [h.source for h in first] == ["device", "device", "disk"]
         assert first[0].ready() and first[1].ready() and not first[2].ready()
@@ -228,7 +226,7 @@ def test_async_requests_hits_are_ready_and_duplicates_join(store_pack, reference
         assert store.stats.layer(0).joined == 1
         with pytest.raises(FlashpackError, match="cannot hold"):
             store.request(0, list(range(20)))  # more than the pool: fetch() streams, request() refuses
-        assert all(e.pins == 0 for e in store.device_slots.entries.values())
+        assert all(e.pins == 0 for e in store.placement.device_slots.entries.values())
 
 
 @pytest.mark.parametrize("device", store_devices())
@@ -262,8 +260,8 @@ def test_prewarm_from_hot_set_shows_in_stats(pack_copy):
     fetches = [(layer, sorted(rng.sample(range(6), top_k))) for _ in range(12) for layer in layers]
     save_hot_set(pack_copy, "chat", hot_set_from_trace(Trace.from_fetches(fetches, experts, top_k)))
     slots = 6 * len(layers)
-    budget = dict(vram_budget=slots * stride, ram_budget=(slots + 20) * stride, device_reserved=0)
-    with build_store(Pack.open(pack_copy), hot_set="chat", **budget) as store:
+    budget = dict(vram_budget=slots * stride, ram_budget=(slots + 20) * stride)
+    with build_store(Pack.open(pack_copy), StoreConfig(hot_set="chat", **budget), device_reserved=0) as store:
         stats = store.stats.to_dict()
         assert stats["tiers"]["device"]["prewarmed"] == slots
         assert stats["tiers"]["host"]["prewarmed"] == slots  # the hot set has 6 experts a layer
@@ -273,12 +271,12 @@ def test_prewarm_from_hot_set_shows_in_stats(pack_copy):
             store.fetch(layer, wanted)
         assert store.stats.total().device_hits == len(fetches) * top_k  # every request a hit
         store.check_budgets()
-    with build_store(Pack.open(pack_copy), **budget) as cold:
+    with build_store(Pack.open(pack_copy), StoreConfig(**budget), device_reserved=0) as cold:
         for layer, wanted in fetches:
             cold.fetch(layer, wanted)
         assert cold.stats.total().device_hits < len(fetches) * top_k
     with pytest.raises(FlashpackError, match="no hot set 'code' .*chat"):
-        build_store(Pack.open(pack_copy), hot_set="code")
+        build_store(Pack.open(pack_copy), StoreConfig(hot_set="code"))
 
 
 def test_prewarm_every_record_leaves_no_disk_reads(pack_copy):
@@ -288,8 +286,8 @@ def test_prewarm_every_record_leaves_no_disk_reads(pack_copy):
     stride, experts, layers, top_k = _geometry(pack)
     records = experts * len(layers)
     slots = 4 * len(layers)
-    budget = dict(vram_budget=slots * stride, ram_budget=records * stride, device_reserved=0)
-    with build_store(pack, hot_set="*", **budget) as store:
+    budget = dict(vram_budget=slots * stride, ram_budget=records * stride)
+    with build_store(pack, StoreConfig(hot_set="*", **budget), device_reserved=0) as store:
         stats = store.stats.to_dict()
         assert stats["tiers"]["host"]["prewarmed"] == records and stats["tiers"]["device"]["prewarmed"] == slots
         rng = random.Random(1)
@@ -297,7 +295,8 @@ def test_prewarm_every_record_leaves_no_disk_reads(pack_copy):
             for layer in layers:
                 store.fetch(layer, sorted(rng.sample(range(experts), top_k)))
         assert store.stats.total().disk_reads == 0 and store.stats.total().host_hits > 0
-    with build_store(pack, hot_set="*", **{**budget, "ram_budget": (records - 1) * stride}) as short:
+    with build_store(pack, StoreConfig(hot_set="*", **{**budget, "ram_budget": (records - 1) * stride}),
+                     device_reserved=0) as short:
         assert short.stats.to_dict()["tiers"]["host"]["prewarmed"] == records - 1
 
 

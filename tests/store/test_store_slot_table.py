@@ -16,14 +16,15 @@ from flashpack.layout.pack import Pack
 from flashpack.runtime.experts import ON_DISK, host_code
 from flashpack.runtime.store import build_store
 from flashpack.runtime.store.budget import STAGING_ROW_SETS
+from flashpack.runtime.store.config import StoreConfig
 
 
 def _store(pack: Pack, device_slots: int, host_slots: int, layers: list[int] | None = None, promote: bool = False):
     stride = pack.manifest.document["experts"]["record_stride"]
     staging = STAGING_ROW_SETS * pack.manifest.config.num_experts_per_tok
-    return build_store(pack, vram_budget=(device_slots + staging) * stride, ram_budget=host_slots * stride,
-                       device_reserved=0, poison=True, rebalance=False, staging=True, layers=layers,
-                       promote=promote)
+    config = StoreConfig(vram_budget=(device_slots + staging) * stride, ram_budget=host_slots * stride,
+                         rebalance=False, promote=promote)
+    return build_store(pack, config, device_reserved=0, poison=True, staging=True, layers=layers)
 
 
 def _table(store) -> torch.Tensor:
@@ -34,10 +35,10 @@ def _table(store) -> torch.Tensor:
 
 def _expected_table(store, shape) -> torch.Tensor:
     expected = torch.full(shape, ON_DISK, dtype=torch.int32)
-    for (layer, expert), entry in store.host_slots.entries.items():
+    for (layer, expert), entry in store.placement.host_slots.entries.items():
         if entry.ready:
             expected[layer, expert] = host_code(entry.slot)
-    for (layer, expert), entry in store.device_slots.entries.items():
+    for (layer, expert), entry in store.placement.device_slots.entries.items():
         if entry.ready:
             expected[layer, expert] = entry.slot
     return expected
@@ -73,7 +74,7 @@ def test_table_names_device_then_host_slots_and_drops_evicted_ones(store_pack):
         settle(store)
         table = _table(store)
         assert torch.equal(table, _expected_table(store, table.shape))
-        assert int((table >= 0).sum()) == len(store.device_slots.entries) <= 8
+        assert int((table >= 0).sum()) == len(store.placement.device_slots.entries) <= 8
         assert int((table <= host_code(0)).sum()) > 0  # evicted from the device, still in the host cache
         for codes in (table[table >= 0], table[table <= host_code(0)]):
             assert codes.unique().numel() == codes.numel()  # no slot named twice
@@ -91,14 +92,14 @@ def test_no_copy_or_read_lands_while_a_step_holds_the_table(store_pack):
         try:
             assert store.prefetch(layer, [5]) == 1
             time.sleep(0.3)  # the disk read into a host slot must wait for the release, and the copy
-            with store._lock:
-                assert not store.host_slots.get((layer, 5)).ready
-                assert not store.device_slots.get((layer, 5)).ready
+            with store.placement.changed:
+                assert not store.placement.host_slots.get((layer, 5)).ready
+                assert not store.placement.device_slots.get((layer, 5)).ready
         finally:
             store.release_slot_table()
         settle(store)
-        assert store.device_slots.get((layer, 5)).ready
-        assert int(_table(store)[layer, 5]) == store.device_slots.get((layer, 5)).slot
+        assert store.placement.device_slots.get((layer, 5)).ready
+        assert int(_table(store)[layer, 5]) == store.placement.device_slots.get((layer, 5)).slot
 
 
 def test_record_step_counts_requests_and_uses_prefetches(store_pack):
@@ -129,15 +130,15 @@ def test_a_staged_expert_is_promoted_once_it_outranks_what_it_would_evict(store_
         settle(store)
         store.record_step([(layer, [], [9], 0)])  # one request: ties the victim's count, stays staged
         settle(store)
-        assert (layer, 9) not in store.device_slots
+        assert (layer, 9) not in store.placement.device_slots
         store.record_step([(layer, [], [9], 0)])  # two: outranks it, loaded into a device slot
         settle(store)
         if not promote:
-            assert (layer, 9) not in store.device_slots and store.stats.layer(layer).prefetch_issued == 0
+            assert (layer, 9) not in store.placement.device_slots and store.stats.layer(layer).prefetch_issued == 0
             return
-        assert store.device_slots.get((layer, 9)).ready
-        assert int(_table(store)[layer, 9]) == store.device_slots.get((layer, 9)).slot
-        assert store.stats.layer(layer).prefetch_issued == 1 and len(store.device_slots.entries) == 4
+        assert store.placement.device_slots.get((layer, 9)).ready
+        assert int(_table(store)[layer, 9]) == store.placement.device_slots.get((layer, 9)).slot
+        assert store.stats.layer(layer).prefetch_issued == 1 and len(store.placement.device_slots.entries) == 4
 
 
 def test_a_closed_store_refuses_to_hold_its_table(store_pack):

@@ -22,6 +22,7 @@ from flashpack.runtime.kernels.bank import ExpertBank
 from flashpack.runtime.kernels.reference import dequantize_expert
 from flashpack.runtime.pack_source import PackExperts
 from flashpack.runtime.store import build_store
+from flashpack.runtime.store.config import StoreConfig
 from flashpack.runtime.store.lanes import ReadLanes
 from flashpack.runtime.store.tiers import SlotPool
 
@@ -33,16 +34,17 @@ def _info(pack: Pack) -> SimpleNamespace:
                            top_k=cfg.num_experts_per_tok)
 
 
-def _store(pack: Pack, device_slots: int, host_slots: int, **options):
+def _store(pack: Pack, device_slots: int, host_slots: int, **settings):
+    """A store of `device_slots` and `host_slots` slots; `settings`: more of its StoreConfig."""
     stride = pack.manifest.document["experts"]["record_stride"]
-    return build_store(pack, vram_budget=device_slots * stride, ram_budget=host_slots * stride, device_reserved=0,
-                       poison=True, **options)
+    config = StoreConfig(vram_budget=device_slots * stride, ram_budget=host_slots * stride, **settings)
+    return build_store(pack, config, device_reserved=0, poison=True)
 
 
 def _nothing_pinned(store) -> bool:
     settle(store)
-    return all(e.pins == 0 for e in store.device_slots.entries.values()) and \
-        all(e.pins == 0 for e in store.host_slots.entries.values())
+    return all(e.pins == 0 for e in store.placement.device_slots.entries.values()) and \
+        all(e.pins == 0 for e in store.placement.host_slots.entries.values())
 
 
 def _slot_bytes(store, slot: int, length: int) -> bytes:
@@ -53,7 +55,7 @@ def _gate_reads(store, pack: Pack, keys: set[tuple[int, int]], gate: threading.E
     """Make reads of `keys` block until `gate` is set; returns the list of keys read, in order."""
     where = {(pack.record_entry(*key).file, pack.record_entry(*key).offset): key for key in
              ((r.layer, r.expert) for r in pack.manifest.expert_records())}
-    original, order = store.reader.read, []
+    original, order = store.transfers.reader.read, []
 
     def read(file, offset, buffers, need):
         key = where[(file, offset)]
@@ -62,7 +64,7 @@ def _gate_reads(store, pack: Pack, keys: set[tuple[int, int]], gate: threading.E
             assert gate.wait(20), "gate never opened"
         return original(file, offset, buffers, need)
 
-    store.reader.read = read
+    store.transfers.reader.read = read
     return order
 
 
@@ -110,9 +112,9 @@ def test_stream_starts_the_next_chunk_before_yielding(store_pack):
         first = next(stream)
         assert sorted(h.expert for h in first) == [0, 1, 2, 3]
         assert counters.requests == 8  # the second chunk was requested ...
-        with store._lock:
-            assert second <= set(store._inflight)  # ... and its reads are under way
-            assert all(store.device_slots.get(key).pins for key in second)
+        with store.placement.changed:
+            assert second <= set(store.placement.inflight)  # ... and its reads are under way
+            assert all(store.placement.device_slots.get(key).pins for key in second)
         gate.set()
         seen = len(first)
         for chunk in stream:
@@ -152,7 +154,7 @@ def test_stream_names_a_corrupt_record_and_frees_everything(pack_copy, corrupt_r
             for _ in store.stream(2, list(range(experts))):
                 pass
         assert _nothing_pinned(store)
-        assert (2, 13) not in store.device_slots
+        assert (2, 13) not in store.placement.device_slots
         with pytest.raises(FlashpackError, match="layer 2 expert 13"):
             store.fetch(2, [12, 13])
         good = [e for e in range(experts) if e != 13]
@@ -235,7 +237,7 @@ def test_prefetch_is_counted_apart_and_a_later_request_uses_it(store_pack):
         counters = store.stats.layer(layer)
         assert counters.requests == 1 and counters.prefetch_issued == 3 and counters.prefetch_from_disk == 3
         assert store.prefetch(layer, [0, 1, 2]) == 0  # resident now
-        assert all(store.device_slots.get((layer, e)).pins == 0 for e in (0, 1, 2))  # unpinned once landed
+        assert all(store.placement.device_slots.get((layer, e)).pins == 0 for e in (0, 1, 2))  # unpinned once landed
         got = store.fetch(layer, [0, 1, 2, 3])
         want = reference.fetch(layer, [0, 1, 2, 3])
         assert all(torch.equal(got[e].up, want[e].up) for e in want)
@@ -265,7 +267,7 @@ def test_prefetch_evicted_unused_is_wasted_and_host_hits_only_copy(store_pack):
         layer = layers[0]
         store.fetch(layer, [0, 1])
         store.fetch(layer, list(range(8, 16)))  # the layer's share of 8: 0 and 1 go to the host cache only
-        assert (layer, 0) not in store.device_slots and (layer, 0) in store.host_slots
+        assert (layer, 0) not in store.placement.device_slots and (layer, 0) in store.placement.host_slots
         reads = store.stats.read_calls
         assert store.prefetch(layer, [0, 1]) == 2
         settle(store)
@@ -284,17 +286,17 @@ def test_prefetch_never_evicts_pinned_entries_nor_leaves_its_share(store_pack):
     with _store(pack, 8 * len(layers), 64, rebalance=False) as store:
         held = store.request(layers[0], list(range(8)))  # the layer's whole share, pinned
         assert store.prefetch(layers[0], list(range(8, 16))) == 0
-        assert all((layers[0], e) in store.device_slots for e in range(8))
+        assert all((layers[0], e) in store.placement.device_slots for e in range(8))
         # a layer prefetches into its own share only, though most of the pool is free
-        assert store.prefetch(layers[1], list(range(experts))) == store.device_slots.capacity[layers[1]]
+        assert store.prefetch(layers[1], list(range(experts))) == store.placement.device_slots.capacity[layers[1]]
         settle(store)
         for layer in layers:
-            assert store.device_slots.count[layer] <= store.device_slots.capacity[layer]
+            assert store.placement.device_slots.count[layer] <= store.placement.device_slots.capacity[layer]
         assert store.stats.total().requests == 8
         store.check_budgets()
         # and a prefetch for the held layer never takes the slots the request holds
         store.prefetch(layers[0], list(range(16, 32)))
-        assert all((layers[0], e) in store.device_slots for e in range(8))
+        assert all((layers[0], e) in store.placement.device_slots for e in range(8))
         store.wait(held)
         assert _nothing_pinned(store)
         store.check_budgets()
@@ -309,7 +311,8 @@ def test_read_ahead_brings_disk_records_into_the_host_cache_only_and_a_later_loa
         store.fetch(layer, [20])  # in the host cache and on the device: skipped
         assert store.read_ahead(layer, [0, 1, 2, 20]) == 3
         settle(store)
-        assert all((layer, e) in store.host_slots and (layer, e) not in store.device_slots for e in (0, 1, 2))
+        placement = store.placement
+        assert all((layer, e) in placement.host_slots and (layer, e) not in placement.device_slots for e in (0, 1, 2))
         assert store.read_ahead(layer, [0, 1, 2]) == 0  # in the host cache now
         reads = store.stats.read_calls
         handles = store.request(layer, [0, 1])
@@ -322,7 +325,7 @@ def test_read_ahead_brings_disk_records_into_the_host_cache_only_and_a_later_loa
         for other, first in ((layers[3], 8), (layers[1], 8), (layers[0], 8), (layers[0], 16)):  # 32 records
             store.fetch(other, list(range(first, first + 8)))
         counters = store.stats.layer(layer)
-        assert (layer, 2) not in store.host_slots and counters.read_ahead_wasted == 1
+        assert (layer, 2) not in store.placement.host_slots and counters.read_ahead_wasted == 1
         assert _nothing_pinned(store)
 
 
@@ -362,7 +365,7 @@ def test_required_reads_go_before_queued_prefetch_reads(store_pack):
             assert time.monotonic() < deadline
             time.sleep(0.01)
         handles = store.request(2, [7])
-        assert store._readers.pending() == (1, 2)
+        assert store.transfers.pending_reads() == (1, 2)
         gate.set()
         store.wait(handles)
         settle(store)
@@ -384,33 +387,30 @@ def test_a_prefetch_after_a_request_starts_while_its_loads_are_in_flight(store_p
         while store.stats.layer(layers[2]).prefetch_issued < 2 or not order:  # issued while the read is held
             assert time.monotonic() < deadline, "the prefetch waited for the request's loads"
             time.sleep(0.01)
-        assert first.is_alive() and store._readers.pending() == (0, 2)
+        assert first.is_alive() and store.transfers.pending_reads() == (0, 2)
         gate.set()
         first.join(10)
         stream.close()
         settle(store)
         assert order == [asked, *guessed]
-        assert all((layer, expert) in store.device_slots for layer, expert in guessed)
+        assert all((layer, expert) in store.placement.device_slots for layer, expert in guessed)
         assert _nothing_pinned(store)
 
 
-def test_request_copies_go_before_queued_prefetch_copies(store_pack, monkeypatch):
+def test_request_copies_go_before_queued_prefetch_copies(store_pack):
     """One copy thread, two lanes: a request's host-to-device copies overtake the prefetch copies
     queued before them. The copy thread takes a prompt's batches and promotions; a decode layer's
-    few copies it takes only with COPY_ON_REQUESTING_THREAD off, as here."""
-    from flashpack.runtime.store import store as tiered
-
-    monkeypatch.setattr(tiered, "COPY_ON_REQUESTING_THREAD", False)
+    few copies it takes only with copy_on_requesting_thread off, as here."""
     pack = Pack.open(store_pack)
     info = _info(pack)
     layers, experts = info.layers, info.experts
-    with _store(pack, 4 * len(layers), 64, rebalance=False) as store:
+    with _store(pack, 4 * len(layers), 64, rebalance=False, copy_on_requesting_thread=False) as store:
         store.prewarm({layer: list(range(experts)) for layer in layers})
         settle(store)
-        host_only = [[e for e in range(experts) if store.host_slots.get((layer, e)) is not None
-                      and store.device_slots.get((layer, e)) is None] for layer in layers[1:3]]
+        host_only = [[e for e in range(experts) if store.placement.host_slots.get((layer, e)) is not None
+                      and store.placement.device_slots.get((layer, e)) is None] for layer in layers[1:3]]
         guessed, asked = [(layers[1], e) for e in host_only[0][:3]], (layers[2], host_only[1][0])
-        gate, order, original = threading.Event(), [], store._copy_job
+        gate, order, original = threading.Event(), [], store.transfers.copy
 
         def copy_job(copies, *args):
             order.append([copy.key for copy in copies])
@@ -418,7 +418,7 @@ def test_request_copies_go_before_queued_prefetch_copies(store_pack, monkeypatch
                 assert gate.wait(20), "gate never opened"
             return original(copies, *args)
 
-        store._copy_job = copy_job
+        store.transfers.copy = copy_job
         assert store.prefetch(layers[1], [guessed[0][1]]) == 1
         deadline = time.monotonic() + 10
         while not order:  # the first prefetch's copy holds the only copy thread
@@ -441,11 +441,11 @@ def test_a_requests_host_hits_cross_as_one_copy_job(store_pack):
     with _store(pack, 4 * len(info.layers), 64, rebalance=False) as store:
         store.prewarm({layer: list(range(experts))})
         settle(store)
-        host_only = [e for e in range(experts) if store.host_slots.get((layer, e)) is not None
-                     and store.device_slots.get((layer, e)) is None][:3]
+        host_only = [e for e in range(experts) if store.placement.host_slots.get((layer, e)) is not None
+                     and store.placement.device_slots.get((layer, e)) is None][:3]
         assert len(host_only) == 3
-        jobs, original = [], store._copy_job
-        store._copy_job = lambda copies, *args: (jobs.append([c.key[1] for c in copies]), original(copies, *args))
+        jobs, original = [], store.transfers.copy
+        store.transfers.copy = lambda copies, *args: (jobs.append([c.key[1] for c in copies]), original(copies, *args))
         handles = store.request(layer, host_only)
         assert all(handle.source == "host" for handle in handles)
         for handle in handles:  # each record lands in its own slot
@@ -458,27 +458,24 @@ def test_a_requests_host_hits_cross_as_one_copy_job(store_pack):
         assert _nothing_pinned(store)
 
 
-def test_a_decode_layers_host_hits_are_copied_by_the_calling_thread_a_prompts_by_the_copy_thread(
-        store_pack, monkeypatch):
+def test_a_decode_layers_host_hits_are_copied_by_the_calling_thread_a_prompts_by_the_copy_thread(store_pack):
     """A handed-off copy waits for the GIL while the caller runs Python; a decode layer's few
     copies, its request's and its prefetch's, are enqueued where they are asked for, a prompt's many
     on the copy thread."""
-    from flashpack.runtime.store import store as tiered
-
     pack = Pack.open(store_pack)
     info = _info(pack)
     layer, experts = info.layers[0], info.experts
 
     def copying_threads(inline: bool, count: int, prefetch: bool = False) -> set[str]:
-        monkeypatch.setattr(tiered, "COPY_ON_REQUESTING_THREAD", inline)
-        with _store(pack, 4 * len(info.layers) + experts, 64, rebalance=False) as store:
+        with _store(pack, 4 * len(info.layers) + experts, 64, rebalance=False,
+                    copy_on_requesting_thread=inline) as store:
             store.prewarm({layer: list(range(experts))})
             settle(store)
-            host_only = [e for e in range(experts) if store.host_slots.get((layer, e)) is not None
-                         and store.device_slots.get((layer, e)) is None][:count]
+            host_only = [e for e in range(experts) if store.placement.host_slots.get((layer, e)) is not None
+                         and store.placement.device_slots.get((layer, e)) is None][:count]
             assert len(host_only) == count
-            threads, original = set(), store._copy_job
-            store._copy_job = lambda copies, *args: (threads.add(threading.current_thread().name),
+            threads, original = set(), store.transfers.copy
+            store.transfers.copy = lambda copies, *args: (threads.add(threading.current_thread().name),
                                                      original(copies, *args))
             if prefetch:
                 assert store.prefetch(layer, host_only) == count
@@ -513,13 +510,10 @@ def test_read_lanes_keep_a_thread_for_required_reads():
         lanes.submit(done.set)
 
 
-def _running_while_required_reads(beside: bool, monkeypatch) -> tuple[bool, bool]:
+def _running_while_required_reads(beside: bool) -> tuple[bool, bool]:
     """(a prefetch job ran while a required job ran, a queued one was promoted and then ran while
     it ran): three threads, one required job held until the end."""
-    from flashpack.runtime.store import lanes as lanes_module
-
-    monkeypatch.setattr(lanes_module, "GUESSES_BESIDE_REQUIRED", beside)
-    lanes = ReadLanes(3)
+    lanes = ReadLanes(3, guesses_beside_required=beside)
     hold, started, guessed, promoted = threading.Event(), threading.Event(), threading.Event(), threading.Event()
     lanes.submit(lambda: (started.set(), hold.wait(10)))
     assert started.wait(5)
@@ -534,12 +528,12 @@ def _running_while_required_reads(beside: bool, monkeypatch) -> tuple[bool, bool
     return beside_ran, moved and promoted_ran
 
 
-def test_a_guess_starts_beside_a_running_required_read_unless_guesses_wait(monkeypatch):
-    beside, _ = _running_while_required_reads(True, monkeypatch)  # the store's rule (run 27)
+def test_a_guess_starts_beside_a_running_required_read_unless_guesses_wait():
+    beside, _ = _running_while_required_reads(True)  # the store's default rule
     assert beside
-    # the stricter rule of session 11: a guess waits while a required read runs, unless a request
-    # comes to wait for it (promoted)
-    beside, promoted = _running_while_required_reads(False, monkeypatch)
+    # the stricter rule: a guess waits while a required read runs, unless a request comes to wait
+    # for it (promoted)
+    beside, promoted = _running_while_required_reads(False)
     assert not beside and promoted
 
 
@@ -560,7 +554,7 @@ def test_a_request_for_a_queued_guess_promotes_its_read(store_pack, guess, sourc
             time.sleep(0.01)
         assert getattr(store, guess)(queued[0], [queued[1]]) == 1
         time.sleep(0.2)
-        assert order == [running] and store._readers.pending() == (0, 1)  # one guess at a time
+        assert order == [running] and store.transfers.pending_reads() == (0, 1)  # one guess at a time
         handles = store.request(queued[0], [queued[1]])
         assert handles[0].source == source
         while len(order) < 2:

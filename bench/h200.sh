@@ -177,15 +177,15 @@ for stage in $STAGES; do
     late-prefetch)  # a through-store layer prefetches once its own loads landed (before session 11)
       hot_8g -late-prefetch "from flashpack.runtime.model import moe; moe.PREFETCH_DURING_LOADS = False" ;;
     guesses-wait)  # a prefetch read waits while a required read runs (session 11)
-      hot_8g -guesses-wait "from flashpack.runtime.store import lanes; lanes.GUESSES_BESIDE_REQUIRED = False" ;;
+      hot_8g -guesses-wait "" --set store.guesses_beside_required=false ;;
     no-read-ahead)  # no disk reads for the layer after next (before session 13)
       hot_8g -no-read-ahead "" --no-read-ahead ;;
     switch-interval)  # the interpreter handing the GIL between threads every SWITCH seconds (default 0.0005; Python's 0.005)
       for s in ${SWITCH:-0.0005}; do hot_8g -switch-$s "import sys; sys.setswitchinterval($s)"; done ;;
     copy-thread)  # a decode layer's host-cache copies handed to the copy thread (before session 12)
-      hot_8g -copy-thread "import flashpack.runtime.store.store as tiered; tiered.COPY_ON_REQUESTING_THREAD = False" ;;
+      hot_8g -copy-thread "" --set store.copy_on_requesting_thread=false ;;
     whole-reads)  # each record read as one part (before session 11)
-      hot_8g -whole-reads "from flashpack.runtime.store import reader; reader.READ_PIECES = 1" ;;
+      hot_8g -whole-reads "" --set store.read_pieces=1 ;;
     profile-8g|profile-24g)  # 8/32 or 24/64 on the --dense-fp8 pack with the hot set: where a decode layer's time goes
       fp8_pack; hot_set full-fp8
       if [ $stage = profile-8g ]; then vram=8 ram=32; else vram=24 ram=64; fi

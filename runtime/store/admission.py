@@ -98,7 +98,7 @@ class Admission:
                     break
                 self._placement.place_host(key, seed=0.0)
                 self._transfers.read([key], guess=True)
-                self._placement.read_ahead(key)
+                self._placement.mark_read_ahead(key)
                 started += 1
             if started:
                 self._stats.bump(layer, read_ahead_issued=started)
@@ -293,7 +293,7 @@ class Admission:
                 break  # the layer's share is full of pinned entries
             self._placement.evicted_device(evicted)
             _, source = self._start_load(key, slot, copies, prefetch=True)
-            self._placement.prefetched(key)
+            self._placement.mark_prefetched(key)
             started, from_disk = started + 1, from_disk + (source == "disk")
         if started:
             self._stats.bump(layer, prefetch_issued=started, prefetch_from_disk=from_disk)

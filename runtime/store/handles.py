@@ -1,4 +1,7 @@
-"""ExpertHandle: one requested expert's device slot, ready now or once its copy lands."""
+"""ExpertHandle: one requested expert's device slot, ready now or once its copy lands.
+
+The engine reads `layer`, `expert`, `slot` and `source`, waits and releases; the private fields are
+admission.py's, which makes the handles and unpins their slots on release."""
 
 from __future__ import annotations
 

@@ -79,8 +79,8 @@ class Placement:
             if evicted in self._read_ahead:
                 self._read_ahead.discard(evicted)
                 self._stats.bump(evicted[0], read_ahead_wasted=1)
-        load = self.host_loads[key] = Future()
-        return load
+        read = self.host_loads[key] = Future()
+        return read
 
     def evicted_device(self, key: Key | None) -> None:
         """Count a device eviction (a prefetch that no request used is wasted)."""
@@ -92,7 +92,7 @@ class Placement:
             self._prefetched.discard(key)
             self._stats.bump(key[0], prefetch_wasted=1)
 
-    def prefetched(self, key: Key) -> None:
+    def mark_prefetched(self, key: Key) -> None:
         self._prefetched.add(key)
 
     def use_prefetch(self, key: Key) -> bool:
@@ -102,7 +102,7 @@ class Placement:
             return True
         return False
 
-    def read_ahead(self, key: Key) -> None:
+    def mark_read_ahead(self, key: Key) -> None:
         self._read_ahead.add(key)
 
     def use_read_ahead(self, key: Key) -> bool:

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from flashpack.layout.model_config import TextConfig
-from flashpack.runtime.experts import ExpertFetcher
+from flashpack.runtime.experts import ExpertFetcher, ExpertSlots
 from flashpack.runtime.model.norms import activation
 
 
@@ -52,7 +52,12 @@ class DequantisedExperts:
 
 def as_routed_experts(experts: RoutedExperts | ExpertFetcher, cfg: TextConfig, dtype: torch.dtype, device
                       ) -> RoutedExperts:
-    """`experts` itself, or an ExpertFetcher's dequantised weights as the plain DequantisedExperts."""
+    """`experts` itself, or an ExpertFetcher's dequantised weights as the plain DequantisedExperts. A
+    source of device slots (an expert store) runs its records in place through the engine's
+    RoutedExperts (runtime/engine/expert_paths.py), never dequantised here by accident."""
+    if isinstance(experts, ExpertSlots):
+        raise TypeError("an expert store's slots run through the engine's RoutedExperts "
+                        "(runtime.engine.expert_paths.routed_experts), not as dequantised weights")
     if isinstance(experts, ExpertFetcher):
         return DequantisedExperts(experts, activation(cfg.hidden_act), dtype, device)
     return experts

@@ -1,4 +1,5 @@
-"""The MoE block's kernel path (experts as rows of a device bank) against the dequantised path.
+"""The engine's bank path (experts as rows of a device bank, expert_paths.BankExperts) against the
+dequantised path.
 
 Both engines read the same pack; only how routed experts reach the MoE block differs. FP32 on the
 CPU: the fused path (Triton interpreter or the plain reference, whichever the dispatcher takes
@@ -16,8 +17,9 @@ from functools import partial
 import pytest
 import torch
 
-import flashpack.runtime.model.moe as moe_module
+import flashpack.runtime.engine.expert_paths as expert_paths
 from flashpack.layout.pack import Pack
+from flashpack.runtime.engine.expert_paths import BankExperts
 from flashpack.runtime.kernels import moe_experts, triton_available
 from flashpack.runtime.kernels.dispatch import kernels_interpreted
 from flashpack.runtime.model import Qwen4ExpModel
@@ -54,7 +56,7 @@ def reference_logits(pack):
 def test_resident_experts_match_dequantised_path(pack, reference_logits):
     prompt, expected = reference_logits
     resident = ResidentExperts(pack, "cpu", progress=False)
-    model = Qwen4ExpModel(PackWeights(pack), resident, dtype=torch.float32)
+    model = Qwen4ExpModel(PackWeights(pack), BankExperts(resident), dtype=torch.float32)
     assert _rel(_logits(model, prompt, [5, 77, 300]), expected) < TOLERANCE
     cfg = pack.manifest.config
     assert resident.slot_table.shape == (cfg.num_hidden_layers + cfg.mtp_num_hidden_layers, cfg.num_experts)
@@ -66,11 +68,11 @@ def test_moe_block_through_triton_kernels(pack, monkeypatch):
     if not torch.cuda.is_available() and not (triton_available() and kernels_interpreted()):
         pytest.skip("the Triton kernels cannot run here (no GPU, interpreter not enabled)")
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    monkeypatch.setattr(moe_module, "moe_experts", partial(moe_experts, backend="triton"))
+    monkeypatch.setattr(expert_paths, "moe_experts", partial(moe_experts, backend="triton"))
     x = torch.randn(2, pack.manifest.config.hidden_size, generator=torch.Generator().manual_seed(4)).to(device)
     plain = Qwen4ExpModel(PackWeights(pack), PackExperts(pack), dtype=torch.float32, device=device)
-    fused = Qwen4ExpModel(PackWeights(pack), ResidentExperts(pack, device, progress=False), dtype=torch.float32,
-                          device=device)
+    fused = Qwen4ExpModel(PackWeights(pack), BankExperts(ResidentExperts(pack, device, progress=False)),
+                          dtype=torch.float32, device=device)
     assert _rel(fused.layers[2].moe(x), plain.layers[2].moe(x)) < TOLERANCE
 
 
@@ -80,7 +82,7 @@ def test_resident_control_swapped_nibbles_fails(pack, reference_logits):
     resident = ResidentExperts(pack, "cpu", progress=False)
     nibbles = resident.bank.gate_nibbles
     nibbles.copy_((nibbles << 4) | (nibbles >> 4))
-    model = Qwen4ExpModel(PackWeights(pack), resident, dtype=torch.float32)
+    model = Qwen4ExpModel(PackWeights(pack), BankExperts(resident), dtype=torch.float32)
     assert _rel(_logits(model, prompt, [5, 77, 300]), expected) > 100 * TOLERANCE
 
 
@@ -103,7 +105,7 @@ def test_resident_rejects_a_corrupt_record(tiny_pack, tmp_path):
 
 def test_resident_counts_requests_as_device_hits(pack):
     resident = ResidentExperts(pack, "cpu", progress=False)
-    model = Qwen4ExpModel(PackWeights(pack), resident, dtype=torch.float32)
+    model = Qwen4ExpModel(PackWeights(pack), BankExperts(resident), dtype=torch.float32)
     state = model.new_state()
     model(torch.arange(10), state)
     prompt = resident.stats.total().requests
@@ -125,3 +127,10 @@ def test_build_store_goes_resident_only_when_allowed_and_everything_fits(tiny_pa
     stride = Pack.open(tiny_pack).manifest.document["experts"]["record_stride"]
     with build_store(tiny_pack, StoreConfig(vram_budget=40 * stride), device_reserved=0, allow_resident=True) as store:
         assert isinstance(store, TieredStore)
+
+
+def test_a_store_is_never_run_as_dequantised_weights(pack):
+    """A source of device slots given to the model itself is refused: its records run in place
+    through the engine's RoutedExperts, not through the plain path its `fetch` would allow."""
+    with pytest.raises(TypeError, match="RoutedExperts"):
+        Qwen4ExpModel(PackWeights(pack), ResidentExperts(pack, "cpu", progress=False), dtype=torch.float32)

@@ -13,7 +13,7 @@ from flashpack.errors import FlashpackError
 from flashpack.layout.manifest import Manifest
 from flashpack.layout.pack import Pack
 from flashpack.runtime.engine.generate import Generator
-from flashpack.runtime.engine.build import load_engine
+from flashpack.runtime.engine.build import engine_model, load_engine
 from flashpack.runtime.engine.config import EngineConfig
 from flashpack.runtime.model import Qwen4ExpModel
 from flashpack.runtime.pack_source import PackExperts, PackWeights
@@ -38,7 +38,8 @@ class Greedy:
         self.prompts = [self.engine.tokenizer.encode(text) for text in PROMPTS]
 
     def run(self, fetcher, max_tokens=8, device="cpu") -> list[list[int]]:
-        model = Qwen4ExpModel(PackWeights(self.pack), fetcher, dtype=torch.float32, device=device)
+        model = engine_model(PackWeights(self.pack), fetcher, EngineConfig(dtype="float32"), torch.float32,
+                             torch.device(device))
         generator = Generator(model, self.engine.tokenizer)
         return [generator.generate(ids, SamplingParams(max_tokens=max_tokens)).token_ids for ids in self.prompts]
 
@@ -77,20 +78,21 @@ def test_a_streamed_prompt_gives_the_one_chunk_logits_bit_for_bit(greedy, monkey
     """A prompt whose experts the store streams in chunks fills each (token, pick) row once and sums
     them as the one-call path does: its logits equal a whole-budget store's exactly, however the
     chunks fell."""
-    from flashpack.runtime.model import moe as moe_module
+    from flashpack.runtime.engine import expert_paths
 
     pack = greedy.pack
     stride = pack.manifest.document["experts"]["record_stride"]
     top_k = pack.manifest.config.num_experts_per_tok
     prompt = torch.tensor(greedy.prompts[1])
-    calls, pairs = [], moe_module.moe_expert_pairs
-    monkeypatch.setattr(moe_module, "moe_expert_pairs", lambda *args: (calls.append(1), pairs(*args))[1])
+    calls, pairs = [], expert_paths.moe_expert_pairs
+    monkeypatch.setattr(expert_paths, "moe_expert_pairs", lambda *args: (calls.append(1), pairs(*args))[1])
     logits = []
     for slots in (top_k + 1, None):
         calls.clear()
         with build_store(pack, StoreConfig(vram_budget=slots and slots * stride), device_reserved=0,
                          poison=True) as store:
-            model = Qwen4ExpModel(PackWeights(pack), store, dtype=torch.float32)
+            model = engine_model(PackWeights(pack), store, EngineConfig(dtype="float32"), torch.float32,
+                                 torch.device("cpu"))
             logits.append(model(prompt, model.new_state()).logits)
         assert (len(calls) > len(pack.manifest.config.layer_types)) == (slots is not None)  # chunks, or one call
     assert torch.equal(logits[0], logits[1])

@@ -7,9 +7,11 @@ reference expert of each shape and init distribution is sampled and quantised ex
 sampled path does it, and its 16-element blocks, each 8 code bytes (16 E2M1 codes) with its FP8
 block scale, form a pool together with their negations. Every expert tensor is then a uniform random
 draw of blocks from that pool, under the reference's global scale (gate and up share one, as
-ModelOpt fuses them). Each block's codes and scale stay consistent (its largest code is 6 times its
-scale), and the distributions of block scales and decoded values are the sampled path's up to the
-noise of drawing. A tensor costs one random index a block and two gathers: about 3 ms an expert.
+ModelOpt fuses them). Each block keeps the codes its scale was chosen for (its largest value near 6
+times the scale), and block scales and decoded values follow the reference's distributions up to the
+noise of drawing; only the global scale no longer varies from expert to expert as sampled experts'
+amax does (about +-7 %). A tensor costs one random index a block and two gathers: about 4 ms an
+expert on one core.
 
 The router skew zeroes down_proj's row of the massive channel; the drawn tensors zero the same rows
 (zero codes, zero block scales, as the quantiser writes an all-zero row), so the channel survives

@@ -101,7 +101,7 @@ def _input_buffers(scratch: threading.local, shapes: tuple[tuple[int, ...], ...]
 def disk_tensors(plan: SynthPlan, values: ValueSource) -> list[DiskTensor]:
     cfg, form = plan.cfg, plan.form
     specs = list(iter_specs(cfg, with_mtp=cfg.mtp_num_hidden_layers > 0))
-    quantizer = None
+    stream = None
     if plan.options.format == "nvfp4":
         by_expert: dict[ExpertKey, list[TensorSpec]] = {}
         for spec in specs:
@@ -111,18 +111,18 @@ def disk_tensors(plan: SynthPlan, values: ValueSource) -> list[DiskTensor]:
             make: MakeExpert = FastExperts(values, by_expert.values()).expert
         else:
             make = partial(sampled_expert, values)
-        quantizer = ExpertStream(make, by_expert)
+        stream = ExpertStream(make, by_expert)
 
     tensors: list[DiskTensor] = []
     for spec in specs:
-        if quantizer is not None and spec.role == "expert":
+        if stream is not None and spec.role == "expert":
             for entry in quantized_entries(spec):
                 tensors.append(
                     DiskTensor(
                         checkpoint_key(expert_key(spec, entry.suffix), form),
                         entry.dtype,
                         entry.shape,
-                        _one(quantizer, spec, entry.suffix),
+                        _one(stream, spec, entry.suffix),
                         prefetch=False,
                     )
                 )
@@ -146,8 +146,8 @@ def _text_blocks(values: ValueSource, spec: TensorSpec):
     return lambda: values.text_blocks(spec)
 
 
-def _one(quantizer: ExpertStream, spec: TensorSpec, suffix: str):
+def _one(stream: ExpertStream, spec: TensorSpec, suffix: str):
     def produce() -> Iterator[torch.Tensor]:
-        yield quantizer.tensor(spec, suffix)
+        yield stream.tensor(spec, suffix)
 
     return produce

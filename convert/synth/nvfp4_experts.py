@@ -15,13 +15,14 @@ import torch
 from flashpack.layout.checkpoint_spec import TensorSpec, expert_shapes
 from flashpack.convert.nvfp4 import E2M1_MAX, quantize_nvfp4
 from flashpack.layout.model_config import TextConfig
-from flashpack.layout.nvfp4 import FP8_MAX, NVFP4_BLOCK
+from flashpack.layout.nvfp4 import FP8_MAX, NVFP4_BLOCK, NVFP4Tensor
 
 QUANT_ALGO = "NVFP4"
 # Stand-ins for calibrated activation ranges (flashpack's W4A16 path does not use input_scale):
 # the MoE input is normalised with one massive channel; the down projection sees SiLU(gate) * up.
 _INPUT_AMAX = {"gate_proj": 32.0, "up_proj": 32.0, "down_proj": 8.0}
 _QUANT_SUFFIXES = ("weight", "weight_scale", "weight_scale_2", "input_scale")
+QuantizedExpert = dict[str, dict[str, torch.Tensor]]  # projection -> suffix -> tensor
 
 
 @dataclass(frozen=True)
@@ -42,19 +43,24 @@ def quantized_entries(spec: TensorSpec) -> list[QuantEntry]:
     ]
 
 
-def quantize_expert(gate_up: torch.Tensor, down: torch.Tensor) -> dict[str, dict[str, torch.Tensor]]:
+def quantize_expert(gate_up: torch.Tensor, down: torch.Tensor) -> QuantizedExpert:
     """gate over up [2 * inter, hidden], down [hidden, inter] (float) -> {projection: {suffix: tensor}}
     in ModelOpt layout."""
     inter = gate_up.shape[0] // 2
     gate_up = quantize_nvfp4(gate_up)
     down = quantize_nvfp4(down)
-    parts = {
-        "gate_proj": (gate_up.packed[:inter], gate_up.block_scale[:inter], gate_up.global_scale),
-        "up_proj": (gate_up.packed[inter:], gate_up.block_scale[inter:], gate_up.global_scale),
-        "down_proj": (down.packed, down.block_scale, down.global_scale),
-    }
+    return modelopt_tensors({
+        "gate_proj": NVFP4Tensor(gate_up.packed[:inter], gate_up.block_scale[:inter], gate_up.global_scale),
+        "up_proj": NVFP4Tensor(gate_up.packed[inter:], gate_up.block_scale[inter:], gate_up.global_scale),
+        "down_proj": down,
+    })
+
+
+def modelopt_tensors(parts: dict[str, NVFP4Tensor]) -> QuantizedExpert:
+    """{projection: NVFP4Tensor} -> {projection: {suffix: tensor}} as a ModelOpt checkpoint stores them."""
     result = {}
-    for projection, (packed, block_scale, global_scale) in parts.items():
+    for projection, part in parts.items():
+        packed, block_scale, global_scale = part.packed, part.block_scale, part.global_scale
         input_scale = torch.tensor(_INPUT_AMAX[projection] / (E2M1_MAX * FP8_MAX), dtype=torch.float32)
         result[projection] = {
             "weight": packed.contiguous(),

@@ -36,6 +36,7 @@ class SynthOptions:
     text_only: bool = False
     ple_rows_per_head: int | None = None
     shard_mb: float | None = None
+    fast_experts: bool = False  # NVFP4 experts drawn from quantised blocks (fast_experts.py), not sampled
 
 
 @dataclass(frozen=True)
@@ -74,6 +75,8 @@ def resolve_plan(options: SynthOptions) -> SynthPlan:
     preset = load_preset(options.preset)
     if options.format not in FORMATS:
         raise FlashpackError(f"unknown format {options.format!r}: choose one of {', '.join(FORMATS)}")
+    if options.fast_experts and options.format != "nvfp4":
+        raise FlashpackError("fast experts are drawn NVFP4 blocks: they need format nvfp4")
     text = dict(preset["text_config"])
     nominal_layers = int(text["num_hidden_layers"])
     _cut_layers(text, options.layers, nominal_layers)

@@ -27,6 +27,7 @@ def synth_record(plan: SynthPlan, routing: dict[str, Any] | None) -> dict[str, A
         "preset": options.preset,
         "seed": options.seed,
         "format": options.format,
+        "experts_from": _experts_from(plan),
         "form": plan.form,
         "layers": plan.cfg.num_hidden_layers,
         "preset_layers": plan.nominal_layers,
@@ -36,6 +37,12 @@ def synth_record(plan: SynthPlan, routing: dict[str, Any] | None) -> dict[str, A
         "router_skew": plan.router_skew,
         "routing": routing,
     }
+
+
+def _experts_from(plan: SynthPlan) -> str:
+    if plan.options.format != "nvfp4":
+        return "sampled"
+    return "drawn blocks" if plan.options.fast_experts else "sampled, quantised"
 
 
 def config_json(plan: SynthPlan, quantization: dict[str, Any] | None, record: dict[str, Any]) -> dict[str, Any]:
@@ -115,6 +122,7 @@ def readme(plan: SynthPlan, record: dict[str, Any], total_bytes: int, shards: in
         "",
         f"- preset: {plan.options.preset} ({plan.description})",
         f"- seed: {plan.options.seed}; format: {plan.options.format}; form: {plan.form}",
+        f"- expert values: {record['experts_from']}",
         f"- layers: {cfg.num_hidden_layers} of the preset's {plan.nominal_layers}; experts: {cfg.num_experts}, top-{cfg.num_experts_per_tok}",
         f"- router skew: {plan.router_skew} (0 = near-uniform random routing, 1 = the published routing-mass curve)",
         f"- tensors: {total_bytes:,} bytes in {shards} safetensors shards",

@@ -10,13 +10,15 @@ from __future__ import annotations
 import os
 import threading
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from functools import partial
 
 import torch
-from flashpack.layout.checkpoint_spec import EXPERT_PROJECTIONS, TensorSpec, checkpoint_key, iter_specs
+from flashpack.convert.synth.fast_experts import FastExperts
 from flashpack.convert.synth.init_values import ValueSource
 from flashpack.convert.synth.nvfp4_experts import (
+    QuantizedExpert,
     expert_key,
     quantize_expert,
     quantized_entries,
@@ -24,23 +26,25 @@ from flashpack.convert.synth.nvfp4_experts import (
 from flashpack.convert.synth.presets import SynthPlan
 from flashpack.convert.synth.shard_writer import DiskTensor
 from flashpack.convert.synth.vision import iter_vision_tensors
+from flashpack.layout.checkpoint_spec import EXPERT_PROJECTIONS, TensorSpec, checkpoint_key, iter_specs
 
 _WORKERS = min(16, os.cpu_count() or 1)
-_WINDOW = 2 * _WORKERS  # experts quantised ahead of the writer: about 3 MB each at real dims
+_WINDOW = 2 * _WORKERS  # experts made ahead of the writer: about 3 MB each at real dims
 ExpertKey = tuple[int, int]  # (layer, expert)
-QuantizedExpert = dict[str, dict[str, torch.Tensor]]  # projection -> suffix -> tensor
+MakeExpert = Callable[[list[TensorSpec], threading.local], QuantizedExpert]  # may run on any thread
 
 
-class ExpertQuantizer:
-    """Quantises one expert's three projections together, once, for its twelve on-disk tensors.
+class ExpertStream:
+    """Makes one expert's three projections together, once, for its twelve on-disk tensors.
 
-    Sampling and NVFP4 rounding cost far more than writing, so the experts after the one the writer
-    asks for are produced a bounded window ahead on worker threads; an expert is dropped once the
-    writer moves on. The writer must ask for experts in checkpoint order, from one thread.
+    Making an expert (sampling and NVFP4 rounding, or drawing blocks) costs far more than writing
+    it, so the experts after the one the writer asks for are made a bounded window ahead on worker
+    threads; an expert is dropped once the writer moves on. The writer must ask for experts in
+    checkpoint order, from one thread.
     """
 
-    def __init__(self, values: ValueSource, specs_by_expert: dict[ExpertKey, list[TensorSpec]]):
-        self._in_order = _quantized_in_order(values, specs_by_expert)
+    def __init__(self, make: MakeExpert, specs_by_expert: dict[ExpertKey, list[TensorSpec]]):
+        self._in_order = _made_in_order(make, specs_by_expert)
         self._current: tuple[ExpertKey, QuantizedExpert] | None = None
 
     def tensor(self, spec: TensorSpec, suffix: str) -> torch.Tensor:
@@ -52,15 +56,15 @@ class ExpertQuantizer:
         return self._current[1][spec.projection][suffix]
 
 
-def _quantized_in_order(
-    values: ValueSource, specs_by_expert: dict[ExpertKey, list[TensorSpec]]
+def _made_in_order(
+    make: MakeExpert, specs_by_expert: dict[ExpertKey, list[TensorSpec]]
 ) -> Iterator[tuple[ExpertKey, QuantizedExpert]]:
     pool = ThreadPoolExecutor(max_workers=_WORKERS)
-    scratch = threading.local()  # each worker's input buffers, reused from expert to expert
+    scratch = threading.local()  # each worker's buffers, reused from expert to expert
     pending: deque[tuple[ExpertKey, Future[QuantizedExpert]]] = deque()
     try:
         for key, specs in specs_by_expert.items():
-            pending.append((key, pool.submit(_quantize, values, specs, scratch)))
+            pending.append((key, pool.submit(make, specs, scratch)))
             if len(pending) > _WINDOW:
                 done, future = pending.popleft()
                 yield done, future.result()
@@ -73,7 +77,8 @@ def _quantized_in_order(
         yield done, future.result()
 
 
-def _quantize(values: ValueSource, specs: list[TensorSpec], scratch: threading.local) -> QuantizedExpert:
+def sampled_expert(values: ValueSource, specs: list[TensorSpec], scratch: threading.local) -> QuantizedExpert:
+    """The expert's BF16 values, sampled as the BF16 snapshot holds them, quantised."""
     by_projection = {spec.projection: spec for spec in specs}
     gate, up, down = (by_projection[projection] for projection in EXPERT_PROJECTIONS)
     inter = gate.shape[0]
@@ -96,25 +101,28 @@ def _input_buffers(scratch: threading.local, shapes: tuple[tuple[int, ...], ...]
 def disk_tensors(plan: SynthPlan, values: ValueSource) -> list[DiskTensor]:
     cfg, form = plan.cfg, plan.form
     specs = list(iter_specs(cfg, with_mtp=cfg.mtp_num_hidden_layers > 0))
-    quantize = plan.options.format == "nvfp4"
-    quantizer = None
-    if quantize:
+    stream = None
+    if plan.options.format == "nvfp4":
         by_expert: dict[ExpertKey, list[TensorSpec]] = {}
         for spec in specs:
             if spec.role == "expert":
                 by_expert.setdefault((spec.layer, spec.expert), []).append(spec)
-        quantizer = ExpertQuantizer(values, by_expert)
+        if plan.options.fast_experts:
+            make: MakeExpert = FastExperts(values, by_expert.values()).expert
+        else:
+            make = partial(sampled_expert, values)
+        stream = ExpertStream(make, by_expert)
 
     tensors: list[DiskTensor] = []
     for spec in specs:
-        if quantizer is not None and spec.role == "expert":
+        if stream is not None and spec.role == "expert":
             for entry in quantized_entries(spec):
                 tensors.append(
                     DiskTensor(
                         checkpoint_key(expert_key(spec, entry.suffix), form),
                         entry.dtype,
                         entry.shape,
-                        _one(quantizer, spec, entry.suffix),
+                        _one(stream, spec, entry.suffix),
                         prefetch=False,
                     )
                 )
@@ -138,8 +146,8 @@ def _text_blocks(values: ValueSource, spec: TensorSpec):
     return lambda: values.text_blocks(spec)
 
 
-def _one(quantizer: ExpertQuantizer, spec: TensorSpec, suffix: str):
+def _one(stream: ExpertStream, spec: TensorSpec, suffix: str):
     def produce() -> Iterator[torch.Tensor]:
-        yield quantizer.tensor(spec, suffix)
+        yield stream.tensor(spec, suffix)
 
     return produce

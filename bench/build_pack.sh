@@ -8,7 +8,8 @@
 # part took and the sizes; refuses to start when the disk cannot hold the snapshot and the pack
 # together (16 layers: 29.0 GB each).
 # Environment: EXPERTS (cut the routed experts a layer, default all 512), PYTHON (default python3, with
-# flashpack importable), CHECK=1 (also `flashpack inspect --check` the pack: it reads every byte).
+# flashpack importable), CHECK=1 (also `flashpack inspect --check` the pack: it reads every byte),
+# DENSE_FP8=1 (convert with --dense-fp8: dense projections as FP8 rows, as an 8 GB card needs at 48 layers).
 set -eo pipefail
 OUT_DIR=${1:?usage: bench/build_pack.sh OUT_DIR [LAYERS]}
 LAYERS=${2:-16}
@@ -52,7 +53,7 @@ start=$(now)
 "$PY" -m flashpack.cli synth "${SYNTH_ARGS[@]}" >/dev/null
 synthed=$(now)
 echo "synth $(seconds "$start" "$synthed") s ($(gb "$(du -sb "$SRC" | cut -f1)"))"
-"$PY" -m flashpack.cli convert "$SRC" "$PACK" --force --quiet >/dev/null
+"$PY" -m flashpack.cli convert "$SRC" "$PACK" --force --quiet $( [ "$DENSE_FP8" = 1 ] && echo --dense-fp8 ) >/dev/null
 converted=$(now)
 echo "convert $(seconds "$synthed" "$converted") s ($(gb "$(du -sb "$PACK" | cut -f1)"))"
 if [ "$CHECK" = 1 ]; then

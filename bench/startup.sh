@@ -12,9 +12,7 @@ export PYTHONPATH=/tmp/pkg:/tmp/site PYTHONUNBUFFERED=1
 LAYERS=${LAYERS:-4} EXPERTS=${EXPERTS:-128} W=/tmp/fp J=$OUT/startup.jsonl
 start=$(date +%s)
 stamp() { echo "== $1 at $(( $(date +%s) - start )) s"; }
-timeout 300 python3 -m flashpack.cli synth full $W/src --format nvfp4 --layers $LAYERS --experts $EXPERTS \
-  --ple-rows-per-head 2000 --text-only --force >/dev/null || exit 1
-timeout 150 python3 -m flashpack.cli convert $W/src $W/full.pack --force --quiet >/dev/null || exit 1
+EXPERTS=$EXPERTS KEEP_SNAPSHOT=0 timeout 300 bash bench/build_pack.sh $W $LAYERS || exit 1
 stamp built
 drop() { sync; echo 3 > /proc/sys/vm/drop_caches 2>/dev/null || echo "(cannot drop the page cache)"; }
 caches() { export TRITON_CACHE_DIR=/tmp/cache-$1/triton TORCHINDUCTOR_CACHE_DIR=/tmp/cache-$1/inductor; }

@@ -13,7 +13,7 @@ class PinnedStaging:
     """Copies small host tensors to a GPU from pinned buffers it keeps. A copy from pageable memory is
     synchronous (the host stages it and waits for the GPU to take it); one from pinned memory is only
     queued. Pinning a fresh tensor each time (`Tensor.pin_memory()`) takes PyTorch's caching host
-    allocator 30-1000 us with the GIL held (run 27's 8/32 profile: up to 1 ms, four times a step,
+    allocator 30-1000 us with the GIL held (an 8/32 decode profile on the H200: up to 1 ms, four times a step,
     stalling the store's copy and reader threads), so each buffer here is pinned once and reused once
     the copy that last read it has run (its event, long done when the ring comes round)."""
 

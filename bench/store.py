@@ -36,6 +36,7 @@ from flashpack.runtime.store.config import StoreConfig
 from flashpack.runtime.store.reader import RecordReader, aligned_empty
 from flashpack.runtime.store.simulate import replay, simulate_policy
 from flashpack.runtime.store.stats import LayerCounters
+from flashpack.runtime.engine.config import EngineConfig
 from flashpack.runtime.engine.workload import run_workload
 
 PROFILE_PROMPTS = [
@@ -213,10 +214,11 @@ def routing_sections(args, pack: Pack, results: dict) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         start = time.perf_counter()
-        profile_trace = run_workload(args.pack, _workload(tmp / "p.jsonl", PROFILE_PROMPTS, args.max_tokens),
-                                     max_tokens=args.max_tokens, device=args.device)
-        trace = run_workload(args.pack, _workload(tmp / "t.jsonl", TEST_PROMPTS, args.max_tokens),
-                             max_tokens=args.max_tokens, device=args.device)
+        config = EngineConfig(device=args.device)
+        profile_trace = run_workload(args.pack, _workload(tmp / "p.jsonl", PROFILE_PROMPTS, args.max_tokens), config,
+                                     max_tokens=args.max_tokens)
+        trace = run_workload(args.pack, _workload(tmp / "t.jsonl", TEST_PROMPTS, args.max_tokens), config,
+                             max_tokens=args.max_tokens)
         results["trace_seconds"] = time.perf_counter() - start
     if args.trace_out:
         trace.save(args.trace_out)

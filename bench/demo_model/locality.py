@@ -21,9 +21,10 @@ from pathlib import Path
 
 import torch
 
+from flashpack.runtime.engine.config import EngineConfig
+from flashpack.runtime.engine.workload import run_workload
 from flashpack.runtime.store.simulate import replay
 from flashpack.runtime.store.trace import Trace
-from flashpack.runtime.engine.workload import run_workload
 
 REPLAYED = ("lru", "lfu", "lfu-decay", "belady", "belady-global")
 
@@ -83,7 +84,7 @@ def write_workload(path: Path, prompts: list[str], max_tokens: int) -> Path:
 def trace_pack(pack: Path, workload: Path, out: Path, max_tokens: int) -> Trace:
     """`flashpack trace record PACK --workload F --out T` on the CPU in FP32 (its function,
     profile.record_trace, is run_workload and a save; called here without the progress bar)."""
-    trace = run_workload(pack, workload, max_tokens=max_tokens, device="cpu", dtype="float32", progress=False)
+    trace = run_workload(pack, workload, EngineConfig(dtype="float32"), max_tokens=max_tokens, progress=False)
     trace.save(out)
     return trace
 

@@ -91,8 +91,9 @@ def _captured(monkeypatch, arguments: list[str]) -> EngineConfig:
         seen["config"] = config
         raise click.exceptions.Exit(0)
 
+    import flashpack.runtime.bench.bench as bench_module  # first, or it would bind the recording for good
+
     monkeypatch.setattr(build, "load_engine", recording)
-    import flashpack.runtime.bench.bench as bench_module
     monkeypatch.setattr(bench_module, "load_engine", recording)
     result = CliRunner().invoke(main, arguments)
     assert result.exit_code == 0, result.output

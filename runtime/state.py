@@ -204,7 +204,7 @@ class SequenceState:
         """Become a deep copy of `snapshot` (which stays valid for further restores).
 
         State is copied into this state's own buffers (attention caches too, while they have
-        room), so CUDA graphs captured against them (runtime/model/decode_graphs.py) stay valid
+        room), so CUDA graphs captured against them (runtime/engine/decode_graphs.py) stay valid
         across a rollback."""
         self.position = snapshot.position
         for layer, saved in snapshot.deltanet.items():

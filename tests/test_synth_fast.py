@@ -28,7 +28,9 @@ from flashpack.convert.synth.routing_law import TARGET_FRACTIONS
 from flashpack.convert.synth.tensor_plan import sampled_expert
 from flashpack.errors import FlashpackError
 from flashpack.layout.nvfp4 import dequantize_nvfp4, unpack_e2m1
-from flashpack.runtime.loader import load_engine
+from flashpack.runtime.engine.build import load_engine
+from flashpack.runtime.engine.config import EngineConfig
+from flashpack.runtime.store.config import StoreConfig
 
 
 def _tensors(snapshot: Path) -> dict[str, torch.Tensor]:
@@ -41,7 +43,7 @@ def _tensors(snapshot: Path) -> dict[str, torch.Tensor]:
 
 def _routing_curve(pack: Path) -> list[float]:
     """Routing mass of the top 1/16 .. 1/2 of experts, mean over layers, 512 random tokens."""
-    model = load_engine(pack, verify_records=False).model
+    model = load_engine(pack, EngineConfig(store=StoreConfig(verify_records=False))).model
     cfg = model.config
     counts = torch.zeros(cfg.num_hidden_layers, cfg.num_experts)
 

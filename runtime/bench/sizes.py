@@ -5,7 +5,7 @@ and the expert records.
 "Fixed" is everything that does not grow with the layer count: dense tensors whose names do not
 start with `layers.` (embed_tokens, lm_head, the final mixer, mtp.*) plus the store's one-fetch work
 buffer and, on a GPU, its staging rows (STAGING_ROW_SETS * top_k records: the engine's store sets
-them aside there, runtime/loader.py); `device_fixed` is what the store's `resident_device_bytes` counts minus the
+them aside there, runtime/engine/build.py); `device_fixed` is what the store's `resident_device_bytes` counts minus the
 layers' dense tensors, plus those rows, so budget scaling and the store's budget check agree.
 """
 

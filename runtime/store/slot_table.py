@@ -1,7 +1,7 @@
 """Where each expert is, published to the device for decode steps that look it up there.
 
 A decode step needs no host round trip when it finds its experts without asking the store: it
-looks them up on the device (runtime/model/decode_graphs.py) like a resident source's slot
+looks them up on the device (runtime/engine/decode_graphs.py) like a resident source's slot
 table, runs the ones in the pinned host cache from staging rows it copies them into itself
 (kernels.stage_records), and reports the experts it found nowhere, for the step to be redone
 through the store. This table is the store's side of that, int32 [layers, experts], with the

@@ -1,4 +1,4 @@
-"""The engine's warm-up (LoadedEngine.warm_up): it runs every prompt shape class and decode steps,
+"""The engine's warm-up (Engine.warm_up): it runs every prompt shape class and decode steps,
 and leaves nothing behind that changes what the next request computes."""
 
 from __future__ import annotations

@@ -141,6 +141,19 @@ class AttentionCache:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self._keys, self._values, self._index_keys, self._block_keys))
 
+    def to(self, device: torch.device, pin: bool = False) -> "AttentionCache":
+        """A copy on `device` (pinned host memory with `pin`)."""
+        moved = AttentionCache.__new__(AttentionCache)
+        moved.ratio, moved.length, moved.blocks = self.ratio, self.length, self.blocks
+        moved._keys, moved._values, moved._index_keys, moved._block_keys = (
+            _moved(t, device, pin) for t in self.buffers())
+        return moved
+
+
+def _moved(tensor: torch.Tensor, device: torch.device, pin: bool) -> torch.Tensor:
+    moved = tensor.to(device)
+    return moved.pin_memory() if pin and moved.device.type == "cpu" else moved
+
 
 def _resized(buffer: torch.Tensor, dim: int, size: int, filled: int) -> torch.Tensor:
     shape = list(buffer.shape)
@@ -215,6 +228,16 @@ class SequenceState:
             self.ple[layer].conv.copy_(saved.conv)
         for layer, saved in snapshot.attention.items():
             self.attention[layer].load(saved)
+
+    def to(self, device: torch.device, pin: bool = False) -> "SequenceState":
+        """A copy on `device` (pinned host memory with `pin`: a GPU copies it back asynchronously)."""
+        return SequenceState(
+            position=self.position,
+            deltanet={layer: DeltaNetState(_moved(s.conv, device, pin), _moved(s.recurrent, device, pin))
+                      for layer, s in self.deltanet.items()},
+            attention={layer: cache.to(device, pin) for layer, cache in self.attention.items()},
+            ple={layer: PLEState(s.context.clone(), _moved(s.conv, device, pin)) for layer, s in self.ple.items()},
+        )
 
     def nbytes(self) -> int:
         tensors = [t for s in self.deltanet.values() for t in (s.conv, s.recurrent)]

@@ -6,6 +6,12 @@ Stops: a stop token (end of turn), a stop string (cut before it), `max_tokens`, 
 has terminated, or the caller cancelling. The step function is the engine's `forward`; a
 `TokenConstraint` (grammar-constrained decoding) may mask logits before each choice.
 
+With a PrefixCache (prefix_cache.py), a prompt restores the longest saved state of its own first
+tokens and prefills the rest; the prompt is prefilled in segments ending at the `checkpoints` it
+is given (the chat template's message boundaries) and at its end, each end saved, and the end of
+the reply is saved too, so a follow-up turn restores everything before its new tokens. The last
+event's timings say how many prompt tokens were restored (`cached_tokens`).
+
 Asked for (a LogprobRequest), events also carry the model's own log-probabilities (runtime/logprobs.py):
 of each sampled token, of the stop token that ended the reply, and of the prompt's tokens; `score`
 reports a prompt's alone, sampling nothing. Not asked for, nothing of that is computed.
@@ -14,7 +20,7 @@ reports a prompt's alone, sampling nothing. Not asked for, nothing of that is co
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -22,6 +28,7 @@ import torch
 
 from flashpack.errors import FlashpackError
 from flashpack.runtime.detokenize import IncrementalDetokenizer, StopStringFilter
+from flashpack.runtime.engine.prefix_cache import PrefixCache
 from flashpack.runtime.logprobs import LogprobRequest, TokenLogprob, prompt_logprobs, token_logprobs
 from flashpack.runtime.sampling import Sampler, SamplingParams
 
@@ -41,7 +48,7 @@ class GenerationEvent:
     text: str  # new text (may be empty while a character or stop string is pending)
     token_id: int | None = None
     finish_reason: str | None = None  # "stop", "length", "cancelled" on the last event
-    timings: dict[str, float] | None = None  # on the last event: first_token_seconds, total_seconds
+    timings: dict[str, float] | None = None  # on the last event: first_token_seconds, total_seconds, cached_tokens
     logprob: TokenLogprob | None = None  # token_id's; on the last event, the stop token's that ended it
     prompt_logprobs: list[TokenLogprob] | None = None  # prompt tokens 1..T-1, on an event of its own
 
@@ -54,6 +61,7 @@ class GenerationResult:
     finish_reason: str
     first_token_seconds: float
     total_seconds: float
+    cached_tokens: int = 0  # prompt tokens restored from the prefix cache, not prefilled
 
     @property
     def completion_tokens(self) -> int:
@@ -75,6 +83,7 @@ class Generator:
     step: object  # runtime.engine.step.Step (forward, new_state, logits, config), or a model alike
     tokenizer: object  # runtime.tokenizer.PackTokenizer
     max_context: int = 0  # 0: the model's max_position_embeddings
+    prefix_cache: PrefixCache | None = None
     _state: object = field(default=None, init=False, repr=False)  # runtime.state.SequenceState, reused
 
     def stream(
@@ -84,25 +93,31 @@ class Generator:
         constraint: TokenConstraint | None = None,
         cancelled: Callable[[], bool] = lambda: False,
         logprobs: LogprobRequest | None = None,
+        checkpoints: Sequence[int] = (),
     ) -> Iterator[GenerationEvent]:
         """Yield text pieces; the last event carries the finish reason. With `logprobs.prompt`, the
-        first event carries the prompt's log-probabilities and no text."""
+        first event carries the prompt's log-probabilities and no text (the whole prompt is then
+        prefilled: its every position's streams are needed). `checkpoints`: prompt lengths after
+        which to save the state (message boundaries)."""
         limit = self._checked_limit(prompt_ids, room=1)
         stop_ids = set(params.stop_token_ids) | set(self.tokenizer.stop_token_ids)
         detok = IncrementalDetokenizer(self.tokenizer.tokenizer)
         stops = StopStringFilter(params.stop_strings)
         state = self._fresh_state(min(limit, len(prompt_ids) + min(params.max_tokens, RESERVE_MAX_TOKENS) + 1))
         start = time.perf_counter()
-        prefill = self.step.forward(torch.tensor(prompt_ids), state, last_only=True)
-        logits = prefill.logits[-1]
-        if logprobs is not None and logprobs.prompt:
-            yield GenerationEvent("", prompt_logprobs=prompt_logprobs(self.step, prefill.streams, prompt_ids,
-                                                                      logprobs.top_n))
+        whole_prompt = logprobs is not None and logprobs.prompt
+        cached = 0
+        if self.prefix_cache is not None and not whole_prompt:
+            cached = self.prefix_cache.restore_longest(prompt_ids, state)
+        logits, streams = self._prefill(prompt_ids, state, cached, checkpoints)
+        if whole_prompt:
+            yield GenerationEvent("", prompt_logprobs=prompt_logprobs(self.step, streams, prompt_ids, logprobs.top_n))
         # sampled where the logits are: on a GPU only the token id comes back (a top-p cut sorts the
         # whole vocabulary: 41 ms a token on a 2-core CPU for 248k entries, bench/sampling.py)
         sampler = Sampler(params, device=logits.device)
         generated, first_token_seconds = 0, 0.0
         finish, stop_logprob = "length", None
+        fed: list[int] = []  # generated tokens the state has consumed
         while True:
             raw = logits  # the unmodified model's: what logprobs report
             if constraint is not None:
@@ -132,8 +147,27 @@ class Generator:
                 finish = "cancelled"
                 break
             logits = self.step.forward(torch.tensor([token]), state, last_only=True).logits[-1]
-        timings = {"first_token_seconds": first_token_seconds, "total_seconds": time.perf_counter() - start}
+            fed.append(token)
+        if self.prefix_cache is not None and fed:
+            self.prefix_cache.save(prompt_ids + fed, state)
+        timings = {"first_token_seconds": first_token_seconds, "total_seconds": time.perf_counter() - start,
+                   "cached_tokens": cached}
         yield GenerationEvent(stops.flush(), None, finish, timings, logprob=stop_logprob)
+
+    def _prefill(self, prompt_ids: list[int], state, start: int, checkpoints: Sequence[int]
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Prefill prompt_ids[start:] in segments ending at each checkpoint and at the prompt's end,
+        saving the state after each (with a prefix cache). Returns the last position's logits and
+        the streams of the prefilled positions."""
+        ends = sorted({end for end in checkpoints if start < end < len(prompt_ids)} | {len(prompt_ids)})
+        streams, logits = [], None
+        for end in ends:
+            out = self.step.forward(torch.tensor(prompt_ids[start:end]), state, last_only=True)
+            streams.append(out.streams)
+            logits, start = out.logits[-1], end
+            if self.prefix_cache is not None:
+                self.prefix_cache.save(prompt_ids[:end], state)
+        return logits, torch.cat(streams) if len(streams) > 1 else streams[0]
 
     def score(self, prompt_ids: list[int], top_n: int = 0) -> Iterator[GenerationEvent]:
         """The prompt's own log-probabilities, nothing sampled (`echo` with `max_tokens` 0): one
@@ -201,5 +235,5 @@ class Generator:
             last = event
         return GenerationResult(
             "".join(pieces), token_ids, len(prompt_ids), last.finish_reason,
-            last.timings["first_token_seconds"], last.timings["total_seconds"],
+            last.timings["first_token_seconds"], last.timings["total_seconds"], last.timings.get("cached_tokens", 0),
         )

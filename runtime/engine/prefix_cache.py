@@ -1,0 +1,180 @@
+"""Prompt-state reuse: sequence states at checkpoints of token sequences, found again by prefix.
+
+A checkpoint is the whole SequenceState after a sequence's first L tokens (DeltaNet recurrent and
+conv states, QSA keys and indexer keys, PLE n-gram context and conv tails, the position): the
+hybrid model's DeltaNet state exists only where it was saved, not per token, so reuse restores a
+saved point exactly and prefills what follows it. Generation saves one at the end of each prompt,
+at the chat template's message boundaries (the prompt is prefilled in those segments, so a
+follow-up that edits only its last message still restores everything before it) and at the end
+of each reply.
+
+An entry is keyed by its length and the xxh64 of its tokens (int64, little-endian). Lookup hashes
+the prompt once, in order, taking the digest at each length an entry has, and restores the longest
+entry that leaves at least one token to prefill (whose logits the next token is sampled from).
+
+Live entries are compact host copies (pinned on a GPU, so a restore is one fast copy per tensor)
+under a byte budget, least recently used evicted first. With a StoredStates tier (stored_states.py)
+every saved entry is also written to disk in the background, and a prompt that finds nothing live
+looks there.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import torch
+import xxhash
+
+from flashpack.runtime.state import SequenceState
+
+
+def entry_key(length: int, digest: int) -> str:
+    return f"{length}-{digest:016x}"
+
+
+def prefix_digests(tokens: list[int], lengths: list[int]) -> dict[int, int]:
+    """xxh64 of tokens[:L] for each L in `lengths` (each at most len(tokens)), in one pass."""
+    hasher, done, digests = xxhash.xxh64(), 0, {}
+    data = torch.tensor(tokens, dtype=torch.int64).numpy().tobytes()
+    for length in sorted(set(lengths)):
+        hasher.update(data[8 * done:8 * length])
+        done = length
+        digests[length] = hasher.intdigest()
+    return digests
+
+
+@dataclass
+class CacheStats:
+    hits: int = 0
+    misses: int = 0
+    stored_hits: int = 0
+    tokens_reused: int = 0
+    saved: int = 0
+    evicted: int = 0
+    restore_seconds: float = 0.0
+    live_entries: int = 0
+    live_bytes: int = 0
+
+    def to_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+@dataclass
+class _Entry:
+    length: int
+    state: SequenceState
+    nbytes: int
+
+
+@dataclass
+class PrefixCache:
+    ram_budget: int  # bytes of live entries
+    stored: object | None = None  # stored_states.StoredStates
+    stats: CacheStats = field(default_factory=CacheStats)
+
+    def __post_init__(self) -> None:
+        self._live: OrderedDict[str, _Entry] = OrderedDict()
+        self._lengths: dict[int, int] = {}  # entry length -> live entries of that length
+        self._lock = threading.Lock()  # the server's metrics thread reads stats while the engine saves
+
+    def restore_longest(self, tokens: list[int], state: SequenceState) -> int:
+        """Restore into `state` the longest saved prefix of `tokens` that leaves a token to prefill;
+        returns its length (0: nothing found, `state` untouched)."""
+        start = time.perf_counter()
+        lengths = self._candidate_lengths(len(tokens) - 1)
+        digests = prefix_digests(tokens, lengths) if lengths else {}
+        for length in sorted(digests, reverse=True):
+            key = entry_key(length, digests[length])
+            saved, stored = self._live_state(key), False
+            if saved is None and self.stored is not None:
+                saved, stored = self.stored.get(key, state), True
+            if saved is None:
+                continue
+            state.restore(saved)
+            if stored:  # a stored hit becomes live again
+                self._keep(key, length, state.snapshot(), write=False)
+            with self._lock:
+                self.stats.hits += 1
+                self.stats.stored_hits += stored
+                self.stats.tokens_reused += length
+                self.stats.restore_seconds += time.perf_counter() - start
+            return length
+        with self._lock:
+            self.stats.misses += 1
+        return 0
+
+    def save(self, tokens: list[int], state: SequenceState) -> None:
+        """Keep `state` as the checkpoint after `tokens` (its position must be len(tokens))."""
+        if state.position != len(tokens) or not tokens:
+            raise ValueError(f"a checkpoint of {len(tokens)} tokens needs a state at that position, not {state.position}")
+        key = entry_key(len(tokens), prefix_digests(tokens, [len(tokens)])[len(tokens)])
+        with self._lock:
+            if key in self._live:
+                self._live.move_to_end(key)
+                return
+        self._keep(key, len(tokens), _host_copy(state), write=True)
+
+    def _keep(self, key: str, length: int, saved: SequenceState, write: bool) -> None:
+        nbytes = saved.nbytes()
+        if write and self.stored is not None:
+            self.stored.put(key, length, saved)
+        if nbytes > self.ram_budget:
+            return
+        with self._lock:
+            self._live[key] = _Entry(length, saved, nbytes)
+            self._lengths[length] = self._lengths.get(length, 0) + 1
+            self.stats.saved += 1
+            self.stats.live_bytes += nbytes
+            while self.stats.live_bytes > self.ram_budget:
+                _, dropped = self._live.popitem(last=False)
+                self._forget(dropped)
+            self.stats.live_entries = len(self._live)
+
+    def _forget(self, entry: _Entry) -> None:
+        self.stats.live_bytes -= entry.nbytes
+        self.stats.evicted += 1
+        left = self._lengths[entry.length] - 1
+        if left:
+            self._lengths[entry.length] = left
+        else:
+            del self._lengths[entry.length]
+
+    def _live_state(self, key: str) -> SequenceState | None:
+        with self._lock:
+            entry = self._live.get(key)
+            if entry is None:
+                return None
+            self._live.move_to_end(key)
+            return entry.state
+
+    def _candidate_lengths(self, longest: int) -> list[int]:
+        with self._lock:
+            lengths = [length for length in self._lengths if length <= longest]
+        if self.stored is not None:
+            lengths += [length for length in (int(key.split("-", 1)[0]) for key in self.stored.keys()) if length <= longest]
+        return lengths
+
+    def to_dict(self) -> dict:
+        with self._lock:
+            found = self.stats.to_dict()
+        if self.stored is not None:
+            found["stored"] = self.stored.stats()
+        return found
+
+
+def _host_copy(state: SequenceState) -> SequenceState:
+    """A compact copy of `state` in host memory (pinned where a GPU will copy it back)."""
+    saved = state.snapshot()
+    if not any(t.is_cuda for t in _tensors(saved)):
+        return saved
+    return saved.to(torch.device("cpu"), pin=True)
+
+
+def _tensors(state: SequenceState) -> list[torch.Tensor]:
+    found = [t for s in state.deltanet.values() for t in (s.conv, s.recurrent)]
+    found += [s.conv for s in state.ple.values()]
+    found += [t for cache in state.attention.values() for t in cache.buffers()]
+    return found

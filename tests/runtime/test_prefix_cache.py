@@ -1,0 +1,133 @@
+"""Prompt-state reuse (runtime/engine/prefix_cache.py): a follow-up restores the saved state of its
+own first tokens and prefills the rest, with logits bit-identical (FP32, CPU) to the same tokens run
+without the cache in the same segments; a restore that drops a part of the state (the control) does
+not pass; message boundaries let an edited last message keep everything before it; live entries
+stay under their byte budget, least recently used evicted first."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flashpack.runtime.engine.build import load_engine
+from flashpack.runtime.engine.config import EngineConfig
+from flashpack.runtime.engine.prefix_cache import PrefixCache, prefix_digests
+from flashpack.runtime.sampling import SamplingParams
+from flashpack.runtime.state import SequenceState
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_pack):
+    return load_engine(tiny_pack, EngineConfig(dtype="float32"))
+
+
+def _ids(count: int, seed: int) -> list[int]:
+    return torch.randint(5, 1000, (count,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def _turns(step, first: list[int], reply: list[int], new: list[int], cache: PrefixCache | None) -> torch.Tensor:
+    """A first prompt, its reply decoded token by token, then a follow-up's new tokens: the
+    follow-up's logits, restored from `cache` when given (the first turn saved there)."""
+    state = step.new_state()
+    step.forward(torch.tensor(first), state)
+    if cache is not None:
+        cache.save(first, state)
+    for token in reply:
+        step.forward(torch.tensor([token]), state)
+    if cache is None:
+        return step.forward(torch.tensor(new), state).logits
+    cache.save(first + reply, state)
+    follow_up, fresh = first + reply + new, step.new_state()
+    assert cache.restore_longest(follow_up, fresh) == len(first + reply)
+    return step.forward(torch.tensor(new), fresh).logits
+
+
+def test_a_follow_up_restores_its_prefix_and_computes_the_same_logits(engine):
+    first, reply, new = _ids(70, 0), _ids(6, 1), _ids(25, 2)
+    cache = PrefixCache(1 << 30)
+    restored = _turns(engine.step, first, reply, new, cache)
+    expected = _turns(engine.step, first, reply, new, None)
+    assert torch.equal(restored, expected)
+    assert cache.stats.hits == 1 and cache.stats.tokens_reused == len(first + reply)
+    # against one prefill of the whole follow-up: another summation order only
+    whole = engine.step.forward(torch.tensor(first + reply + new), engine.step.new_state()).logits[-len(new):]
+    assert float((restored - whole).norm() / whole.norm()) < 1e-4
+
+
+@pytest.mark.parametrize("dropped", ["ple", "deltanet", "attention"])
+def test_control_a_restore_that_drops_part_of_the_state_differs(engine, monkeypatch, dropped):
+    first, reply, new = _ids(70, 0), _ids(6, 1), _ids(25, 2)
+    expected = _turns(engine.step, first, reply, new, None)
+    real = SequenceState.restore
+
+    def partial(self, snapshot):
+        kept = SequenceState(snapshot.position, snapshot.deltanet, snapshot.attention, snapshot.ple)
+        setattr(kept, dropped, {})
+        real(self, kept)
+
+    monkeypatch.setattr(SequenceState, "restore", partial)
+    restored = _turns(engine.step, first, reply, new, PrefixCache(1 << 30))
+    assert float((restored - expected).norm() / expected.norm()) > 1e-3
+
+
+def test_an_edited_last_message_restores_the_boundary_before_it(engine):
+    """The prompt is prefilled in segments ending at its checkpoints, each saved: a prompt that
+    differs only after the last boundary restores it, and one that differs earlier restores less."""
+    generator = engine.generator
+    generator.prefix_cache = PrefixCache(1 << 30)
+    try:
+        system, history, question = _ids(40, 3), _ids(30, 4), _ids(12, 5)
+        boundaries = [len(system), len(system + history)]
+        params = SamplingParams(max_tokens=3)
+        first = generator.generate(system + history + question, params, checkpoints=boundaries)
+        assert first.cached_tokens == 0
+        edited = generator.generate(system + history + _ids(9, 6), params, checkpoints=boundaries)
+        assert edited.cached_tokens == len(system + history)
+        earlier = generator.generate(system + _ids(30, 7) + question, params, checkpoints=boundaries)
+        assert earlier.cached_tokens == len(system)
+        again = generator.generate(system + history + question + first.token_ids[:-1] + _ids(5, 8), params)
+        assert again.cached_tokens == len(system + history + question) + len(first.token_ids) - 1
+    finally:
+        generator.prefix_cache = None
+
+
+def test_a_restored_entry_is_not_changed_by_the_sequence_that_restored_it(engine):
+    """Entries are copies: two requests sharing a prefix each continue from the same saved state."""
+    cache, prompt = PrefixCache(1 << 30), _ids(50, 9)
+    state = engine.step.new_state()
+    engine.step.forward(torch.tensor(prompt), state)
+    cache.save(prompt, state)
+    outputs = []
+    for _ in range(2):
+        fresh = engine.step.new_state()
+        assert cache.restore_longest(prompt + [11, 12], fresh) == len(prompt)
+        outputs.append(engine.step.forward(torch.tensor([11, 12]), fresh).logits)
+        engine.step.forward(torch.tensor(_ids(20, 10)), fresh)  # the sequence goes on, the entry stays
+    assert torch.equal(outputs[0], outputs[1])
+
+
+def test_live_entries_stay_under_their_budget_least_recent_first(engine):
+    prompts = [_ids(30, seed) for seed in range(3)]
+    states = []
+    for prompt in prompts:
+        state = engine.step.new_state()
+        engine.step.forward(torch.tensor(prompt), state)
+        states.append(state)
+    size = states[0].snapshot().nbytes()
+    cache = PrefixCache(2 * size)
+    for prompt, state in zip(prompts, states):
+        cache.save(prompt, state)
+    assert cache.stats.live_entries == 2 and cache.stats.evicted == 1 and cache.stats.live_bytes <= 2 * size
+    assert cache.restore_longest(prompts[0] + [5], engine.step.new_state()) == 0  # the oldest went first
+    assert cache.restore_longest(prompts[2] + [5], engine.step.new_state()) == len(prompts[2])
+    with pytest.raises(ValueError, match="needs a state at that position"):
+        cache.save(prompts[0][:10], states[0])
+
+
+def test_prefix_digests_are_the_digests_of_each_prefix():
+    import xxhash
+
+    tokens = _ids(100, 11)
+    digests = prefix_digests(tokens, [1, 64, 100, 64])
+    for length, digest in digests.items():
+        assert digest == xxhash.xxh64(torch.tensor(tokens[:length], dtype=torch.int64).numpy().tobytes()).intdigest()

@@ -14,6 +14,7 @@ from flashpack.runtime.chat_encoding import ChatEncoder
 # Unicode normalization composes at most three code points into one (Hangul L + V + T).
 _NORMALIZATION_SHRINK = 3
 _COMPOSING_NORMALIZERS = frozenset({"NFC", "NFD", "NFKC", "NFKD"})
+MESSAGE_START = "<|im_start|>"  # the chat template's marker before each message's role
 
 
 @dataclass
@@ -61,6 +62,18 @@ class PackTokenizer:
         return self.chat_encoder.encode(
             lambda wrapped, wrapped_tools: self.render_chat(wrapped, wrapped_tools, enable_thinking), messages, tools
         )
+
+    def message_starts(self, prompt_ids: list[int]) -> list[int]:
+        """Where each message of a chat prompt after the first begins: the positions of the
+        template's message-start marker (`<|im_start|>`). Client text never encodes to a marker
+        (runtime/chat_encoding.py), so these are the message boundaries a prompt cache saves at."""
+        marker = self._message_start_id
+        return [] if marker is None else [i for i, token in enumerate(prompt_ids) if token == marker and i > 0]
+
+    @cached_property
+    def _message_start_id(self) -> int | None:
+        found = self.tokenizer.convert_tokens_to_ids(MESSAGE_START)
+        return found if isinstance(found, int) and found != self.tokenizer.unk_token_id else None
 
     @cached_property
     def chat_encoder(self) -> ChatEncoder:

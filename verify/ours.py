@@ -34,7 +34,8 @@ def run_engine(
 ) -> list[Trace]:
     """`progress`: a bar over the engine's calls (on a GPU the first ones compile and autotune
     Triton kernels for each new shape, minutes for the tiny preset)."""
-    config = EngineConfig(device=device, dtype=_DTYPE_NAMES[dtype], experts="pack", cuda_graphs=False)
+    config = EngineConfig(device=device, dtype=_DTYPE_NAMES[dtype], experts="pack", cuda_graphs=False,
+                          prompt_cache_ram=0)
     engine = load_engine(pack.root, config)
     with tqdm(total=sum(len(seq.steps) for seq in sequences), unit="call", desc="engine", disable=not progress) as bar:
         traces = [_trace(engine.step, seq, bar) for seq in sequences]

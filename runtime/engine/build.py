@@ -17,16 +17,19 @@ from pathlib import Path
 import torch
 
 from flashpack.errors import FlashpackError
+from flashpack.layout.checksums import MANIFEST_HASH_KEY
 from flashpack.layout.pack import Pack
 from flashpack.runtime.engine.config import EngineConfig
 from flashpack.runtime.engine.decode_graphs import DecodeGraphs
 from flashpack.runtime.engine.engine import Engine
 from flashpack.runtime.engine.expert_paths import BankExperts, Prediction, StoreExperts, routed_experts
 from flashpack.runtime.engine.generate import Generator
+from flashpack.runtime.engine.prefix_cache import PrefixCache
 from flashpack.runtime.engine.step import Step
 from flashpack.runtime.experts import ExpertFetcher
 from flashpack.runtime.model.model import Qwen4ExpModel
 from flashpack.runtime.pack_source import PackExperts, PackWeights
+from flashpack.runtime.store.budget import parse_budget
 from flashpack.runtime.store.config import StoreConfig
 from flashpack.runtime.tokenizer import PackTokenizer
 from flashpack.runtime.weights import WeightSource
@@ -81,9 +84,11 @@ def load_engine(
     device = parse_device(config.device)
     dtype = parse_dtype(config.dtype, device)
     store = None
+    through_store = fetcher is None and uses_store(config, device)
+    states_ram = prompt_cache_bytes(config, device, through_store)
     if fetcher is not None:
         source = fetcher
-    elif uses_store(config, device):
+    elif through_store:
         from flashpack.runtime.store import build_store
 
         store = source = build_store(
@@ -91,6 +96,7 @@ def load_engine(
             # staging rows whether or not graphs run: a budget gives the same store either way
             allow_resident=device.type == "cuda", staging=device.type == "cuda",
             layers=list(range(cfg.num_hidden_layers)),  # the engine runs no MTP head
+            host_reserved=states_ram if config.prompt_cache_ram is None and device.type == "cuda" else 0,
         )
     else:
         source = PackExperts(pack, verify_records=config.store.verify_records)
@@ -102,7 +108,31 @@ def load_engine(
         graphs = engine_graphs(model, config)
     step = Step(model, graphs)
     tokenizer = PackTokenizer.load(pack.root)
-    return Engine(pack, config, model, step, tokenizer, Generator(step, tokenizer), store)
+    prefix_cache = None
+    if states_ram > 0:
+        stored = None
+        if config.prompt_cache_dir is not None:
+            from flashpack.runtime.engine.stored_states import StoredStates
+
+            stored = StoredStates(Path(config.prompt_cache_dir).expanduser(), parse_budget(config.prompt_cache_disk),
+                                  pack.manifest.document[MANIFEST_HASH_KEY])
+        prefix_cache = PrefixCache(states_ram, stored)
+    generator = Generator(step, tokenizer, prefix_cache=prefix_cache)
+    return Engine(pack, config, model, step, tokenizer, generator, store)
+
+
+def prompt_cache_bytes(config: EngineConfig, device: torch.device, through_store: bool) -> int:
+    """The live prompt states' host memory (EngineConfig.prompt_cache_ram says how it is chosen)."""
+    given = parse_budget(config.prompt_cache_ram, "--prompt-cache-ram")
+    if given is not None:
+        return given
+    if device.type != "cuda" or not through_store:
+        return 1 << 30
+    from flashpack.runtime.store.build import machine_free_bytes
+
+    ram = parse_budget(config.store.ram_budget, "--ram-budget")
+    ram = machine_free_bytes(device)[1] if ram is None else ram
+    return min(ram // 10, 8 << 30)
 
 
 def engine_model(weights: WeightSource, source, config: EngineConfig, dtype: torch.dtype, device: torch.device

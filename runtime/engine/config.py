@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from flashpack.errors import FlashpackError
+from flashpack.runtime.store.budget import parse_budget
 from flashpack.runtime.store.config import StoreConfig
 
 DTYPES = ("auto", "bfloat16", "bf16", "float32", "fp32")
@@ -59,6 +60,16 @@ class EngineConfig:
     # experts (the rest cross at the next graph's start): a graph joins what it forks, so more hold
     # its end back; none leaves the link idle through the experts.
     staged_beside_experts: int = 1
+    # Prompt-state reuse (runtime/engine/prefix_cache.py). Live entries: host memory for saved
+    # sequence states, e.g. "4GiB"; 0 turns reuse off. None: on a GPU a tenth of the expert host
+    # cache's budget (8 GiB at most), taken from it, so experts and states share the RAM the user
+    # gave (a state is worth more than the experts it displaces once a prompt is long: a 32k-token
+    # state of the real model, about 1 GB, saves its whole prefill); on a CPU 1 GiB.
+    prompt_cache_ram: str | int | None = None
+    # Stored entries: a folder that keeps saved states across restarts (zstd-compressed), None: none.
+    prompt_cache_dir: str | None = None
+    # The stored entries' disk budget, least recently used removed first.
+    prompt_cache_disk: str | int = "20GiB"
     store: StoreConfig = field(default_factory=StoreConfig)
 
     def __post_init__(self) -> None:
@@ -72,5 +83,7 @@ class EngineConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < least:
                 raise FlashpackError(f"engine {name} must be a whole number of at least {least}, got {value!r}")
+        parse_budget(self.prompt_cache_ram, "prompt_cache_ram")
+        parse_budget(self.prompt_cache_disk, "prompt_cache_disk")
         if not isinstance(self.store, StoreConfig):
             raise FlashpackError("engine store must be a StoreConfig")

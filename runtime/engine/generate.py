@@ -109,7 +109,7 @@ class Generator:
         cached = 0
         if self.prefix_cache is not None and not whole_prompt:
             cached = self.prefix_cache.restore_longest(prompt_ids, state)
-        logits, streams = self._prefill(prompt_ids, state, cached, checkpoints)
+        logits, streams = self._prefill(prompt_ids, state, cached, checkpoints, keep_streams=whole_prompt)
         if whole_prompt:
             yield GenerationEvent("", prompt_logprobs=prompt_logprobs(self.step, streams, prompt_ids, logprobs.top_n))
         # sampled where the logits are: on a GPU only the token id comes back (a top-p cut sorts the
@@ -154,20 +154,22 @@ class Generator:
                    "cached_tokens": cached}
         yield GenerationEvent(stops.flush(), None, finish, timings, logprob=stop_logprob)
 
-    def _prefill(self, prompt_ids: list[int], state, start: int, checkpoints: Sequence[int]
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Prefill prompt_ids[start:] in segments ending at each checkpoint and at the prompt's end,
-        saving the state after each (with a prefix cache). Returns the last position's logits and
-        the streams of the prefilled positions."""
-        ends = sorted({end for end in checkpoints if start < end < len(prompt_ids)} | {len(prompt_ids)})
+    def _prefill(self, prompt_ids: list[int], state, start: int, checkpoints: Sequence[int], keep_streams: bool
+                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Prefill prompt_ids[start:] in segments ending at each checkpoint (with a prefix cache) and
+        at the prompt's end, saving the state after each. Returns the last position's logits and,
+        with `keep_streams`, the streams of the prefilled positions."""
+        inner = checkpoints if self.prefix_cache is not None else ()
+        ends = sorted({end for end in inner if start < end < len(prompt_ids)} | {len(prompt_ids)})
         streams, logits = [], None
         for end in ends:
             out = self.step.forward(torch.tensor(prompt_ids[start:end]), state, last_only=True)
-            streams.append(out.streams)
+            if keep_streams:
+                streams.append(out.streams)
             logits, start = out.logits[-1], end
             if self.prefix_cache is not None:
                 self.prefix_cache.save(prompt_ids[:end], state)
-        return logits, torch.cat(streams) if len(streams) > 1 else streams[0]
+        return logits, (torch.cat(streams) if streams else None)
 
     def score(self, prompt_ids: list[int], top_n: int = 0) -> Iterator[GenerationEvent]:
         """The prompt's own log-probabilities, nothing sampled (`echo` with `max_tokens` 0): one

@@ -84,7 +84,8 @@ def run_workload(
     layers = list(range(cfg.num_hidden_layers))  # the engine runs the decoder layers, not the MTP head
     trace = Trace(cfg.num_experts, cfg.num_experts_per_tok, layers, manifest.document["experts"]["record_stride"])
     recorder = TraceRecorder(trace)
-    engine = load_engine(pack_path, replace(config, cuda_graphs=False))
+    # every prompt prefilled whole: a restored prefix would be missing from the trace
+    engine = load_engine(pack_path, replace(config, cuda_graphs=False, prompt_cache_ram=0))
     try:
         engine.model.observe_routing(recorder)
         generator = Generator(_SteppingModel(engine.step, recorder), engine.tokenizer)

@@ -58,7 +58,9 @@ async def messages(body: MessagesRequest, request: Request):
         if block["type"] == "thinking":
             block["signature"] = _signature(block["thinking"])
             block["thinking"] = block["thinking"] if show_thinking else ""
-    usage = {"input_tokens": end.prompt_tokens, "output_tokens": end.completion_tokens}
+    # input_tokens counts the whole prompt; cache_read_input_tokens the part restored from saved state
+    usage = {"input_tokens": end.prompt_tokens, "output_tokens": end.completion_tokens,
+             "cache_read_input_tokens": end.cached_tokens, "cache_creation_input_tokens": 0}
     return {**message, "content": blocks, "stop_reason": _stop_reason(end), "stop_sequence": end.stop_sequence,
             "usage": usage}
 

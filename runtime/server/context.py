@@ -36,7 +36,8 @@ class ServerContext:
     def build(cls, engine: Any, settings: ServerSettings, loading_since: float | None = None) -> ServerContext:
         tokenizer = engine.tokenizer
         stats = settings.stats or _engine_stats(engine)
-        metrics = Metrics(stats=stats)
+        prefix_cache = getattr(engine.generator, "prefix_cache", None)
+        metrics = Metrics(stats=stats, prompt_cache=prefix_cache.to_dict if prefix_cache is not None else None)
         health = Health()
         scheduler = Scheduler(engine.generator, settings.max_queue, metrics,
                               on_pack_damage=lambda reason: health.failed(f"the pack is damaged: {reason}"))

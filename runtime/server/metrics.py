@@ -11,6 +11,10 @@ becomes flashpack_store_hits{tier="device"} 120, flashpack_store_misses{tier="de
 flashpack_store_hit_rate{tier="device"} 0.8 (wherever a tier has hits and misses),
 flashpack_store_requests 150 and flashpack_store_per_token_disk_reads 0.4; per-layer counters are
 left out. Without a "tiers" key, each mapping-valued entry is taken as a tier.
+
+A `prompt_cache()` provider (the engine's PrefixCache.to_dict) gives flashpack_prompt_cache_*
+gauges: hits, misses, stored_hits, tokens_reused, live_entries, live_bytes, restore_seconds, and
+its stored tier's as flashpack_prompt_cache_stored_* (entries, bytes, writes, dropped, ...).
 """
 
 from __future__ import annotations
@@ -52,10 +56,12 @@ class Histogram:
 
 class Metrics:
     def __init__(self, queue_depth: Callable[[], int] = lambda: 0,
-                 stats: Callable[[], Mapping[str, Any]] | None = None):
+                 stats: Callable[[], Mapping[str, Any]] | None = None,
+                 prompt_cache: Callable[[], Mapping[str, Any]] | None = None):
         self._lock = threading.Lock()
         self._queue_depth = queue_depth
         self._stats = stats
+        self._prompt_cache = prompt_cache
         self.requests: dict[tuple[str, int], int] = defaultdict(int)  # (route, status) -> count
         self.finishes: dict[str, int] = defaultdict(int)  # generator finish reason -> count
         self.running = 0
@@ -116,8 +122,24 @@ class Metrics:
             lines += self.ttft.lines("flashpack_time_to_first_token_seconds")
             lines += _typed("flashpack_queue_wait_seconds", "histogram", "time a request waited for the engine")
             lines += self.queue_wait.lines("flashpack_queue_wait_seconds")
-        lines += self._store_lines()
+        lines += self._store_lines() + self._prompt_cache_lines()
         return "\n".join(lines) + "\n"
+
+    def _prompt_cache_lines(self) -> list[str]:
+        if self._prompt_cache is None:
+            return []
+        try:
+            found = dict(self._prompt_cache())
+        except Exception as error:  # a broken provider must not take /metrics down
+            return [f"# flashpack_prompt_cache stats unavailable: {type(error).__name__}"]
+        stored = found.pop("stored", None) or {}
+        flat = {**found, **{f"stored_{key}": value for key, value in stored.items()}}
+        lines: list[str] = []
+        for key, value in flat.items():
+            if _is_number(value):
+                name = "flashpack_prompt_cache_" + _NAME_UNSAFE.sub("_", key)
+                lines += [f"# TYPE {name} gauge", f"{name} {_fmt(value)}"]
+        return lines
 
     def _store_lines(self) -> list[str]:
         if self._stats is None:

@@ -135,9 +135,10 @@ async def _streamed(ctx: ServerContext, first: tuple, rest: Replies, echo: bool,
     yield "data: [DONE]\n\n"
 
 
-def _total_usage(ends: list[ReplyEnd]) -> dict[str, int]:
+def _total_usage(ends: list[ReplyEnd]) -> dict:
     totals = [usage_of(end) for end in ends]
-    return {key: sum(usage[key] for usage in totals) for key in ("prompt_tokens", "completion_tokens", "total_tokens")}
+    summed = {key: sum(usage[key] for usage in totals) for key in ("prompt_tokens", "completion_tokens", "total_tokens")}
+    return {**summed, "prompt_tokens_details": {"cached_tokens": sum(end.cached_tokens for end in ends)}}
 
 
 def _prompt_text(ctx: ServerContext, plan: ReplyPlan) -> str:

@@ -158,9 +158,10 @@ def _tool_call(piece: Piece) -> dict[str, Any]:
             "function": {"name": call.name, "arguments": call.arguments_json}}
 
 
-def usage_of(end: ReplyEnd) -> dict[str, int]:
+def usage_of(end: ReplyEnd) -> dict:
     return {"prompt_tokens": end.prompt_tokens, "completion_tokens": end.completion_tokens,
-            "total_tokens": end.prompt_tokens + end.completion_tokens}
+            "total_tokens": end.prompt_tokens + end.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": end.cached_tokens}}
 
 
 def response_meta(prefix: str, ctx: ServerContext) -> dict[str, Any]:

@@ -63,6 +63,7 @@ class ReplyPlan:
     starts_in_thinking: bool = False
     tools: bool = False  # read <tool_call> blocks as calls
     logprobs: LogprobRequest | None = None
+    checkpoints: tuple[int, ...] = ()  # prompt lengths to save the state at (message boundaries)
 
 
 @dataclass
@@ -72,6 +73,7 @@ class ReplyEnd:
     prompt_tokens: int
     completion_tokens: int
     stop_logprob: TokenLogprob | None = None  # the stop token's that ended the reply (when asked for)
+    cached_tokens: int = 0  # prompt tokens restored from saved state, not prefilled
 
 
 @dataclass
@@ -121,7 +123,7 @@ def plan_chat(ctx: ServerContext, conversation: Conversation, options: ChatOptio
             tuple(ctx.engine.tokenizer.stop_token_ids), opening,
         )
     return ReplyPlan(prompt_ids, params, constraint, thinking, starts_open, options.parse_tools or bool(options.forced_tools),
-                     logprobs)
+                     logprobs, tuple(ctx.engine.tokenizer.message_starts(prompt_ids)))
 
 
 def plan_completion(ctx: ServerContext, prompt: str | list[int], sampling: Sampling,
@@ -179,14 +181,14 @@ def run_reply(ctx: ServerContext, plan: ReplyPlan, request: Request | None = Non
     With `request`, a client that disconnects cancels the generation (non-streaming replies; a
     streaming reply is cancelled by its response closing the iterator).
     """
-    job = ctx.scheduler.submit(plan.prompt_ids, plan.params, plan.constraint, plan.logprobs)
+    job = ctx.scheduler.submit(plan.prompt_ids, plan.params, plan.constraint, plan.logprobs, plan.checkpoints)
     return _reply(ctx, plan, job, request)
 
 
 async def _reply(ctx: ServerContext, plan: ReplyPlan, job: Job, request: Request | None) -> AsyncIterator[ReplyItem]:
     parser = ReplyParser(plan.thinking, plan.starts_in_thinking, plan.tools)
     token_ids: list[int] = []
-    finish, calls, stop_logprob = "stop", 0, None
+    finish, calls, stop_logprob, cached = "stop", 0, None, 0
     try:
         async for event in _events(job, request):
             if event.prompt_logprobs is not None:
@@ -200,6 +202,7 @@ async def _reply(ctx: ServerContext, plan: ReplyPlan, job: Job, request: Request
             pieces = parser.push(event.text)
             if event.finish_reason is not None:
                 finish = event.finish_reason
+                cached = int((event.timings or {}).get("cached_tokens", 0))
                 pieces += parser.finish()
             for piece in pieces:
                 calls += piece.kind == "tool_call"
@@ -209,7 +212,7 @@ async def _reply(ctx: ServerContext, plan: ReplyPlan, job: Job, request: Request
     stop_sequence = _matched_stop(ctx, token_ids, plan.params.stop_strings) if finish == "stop" and plan.params else None
     if calls and finish == "stop":
         finish = "tool_calls"
-    yield ReplyEnd(finish, stop_sequence, len(plan.prompt_ids), len(token_ids), stop_logprob)
+    yield ReplyEnd(finish, stop_sequence, len(plan.prompt_ids), len(token_ids), stop_logprob, cached)
 
 
 async def _events(job: Job, request: Request | None) -> AsyncIterator[GenerationEvent]:

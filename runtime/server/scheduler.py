@@ -42,6 +42,7 @@ class Job:
     constraint: TokenConstraint | None
     loop: asyncio.AbstractEventLoop
     logprobs: LogprobRequest | None = None
+    checkpoints: tuple[int, ...] = ()  # prompt lengths to save the state at
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     cancel_event: threading.Event = field(default_factory=threading.Event)
     enqueued_at: float = field(default_factory=time.perf_counter)
@@ -100,11 +101,11 @@ class Scheduler:
 
     def submit(
         self, prompt_ids: list[int], params: SamplingParams | None, constraint: TokenConstraint | None = None,
-        logprobs: LogprobRequest | None = None,
+        logprobs: LogprobRequest | None = None, checkpoints: tuple[int, ...] = (),
     ) -> Job:
         """Queue a generation, or with no `params` a prompt to score (call from the event loop); a
         full queue raises a 429."""
-        job = Job(prompt_ids, params, constraint, asyncio.get_running_loop(), logprobs)
+        job = Job(prompt_ids, params, constraint, asyncio.get_running_loop(), logprobs, checkpoints)
         with self._lock:
             if self._waiting + self._running > self.max_queue:
                 raise ApiError(429, "the server is busy: too many requests are waiting; retry later", code="queue_full")
@@ -152,7 +153,7 @@ class Scheduler:
         if job.params is None:
             return self.generator.score(job.prompt_ids, job.logprobs.top_n if job.logprobs else 0)
         return self.generator.stream(job.prompt_ids, job.params, job.constraint, job.cancel_event.is_set,
-                                     logprobs=job.logprobs)
+                                     logprobs=job.logprobs, checkpoints=job.checkpoints)
 
     def _drain(self) -> None:
         """Cancel everything still queued (shutdown)."""

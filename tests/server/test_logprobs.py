@@ -58,7 +58,8 @@ def test_echo_with_max_tokens_0_scores_the_prompt_as_a_plain_forward_pass(served
     assert status == 200, body
     choice = body["choices"][0]
     assert choice["text"] == PROMPT and choice["finish_reason"] == "length"
-    assert body["usage"] == {"prompt_tokens": len(ids), "completion_tokens": 0, "total_tokens": len(ids)}
+    assert body["usage"] == {"prompt_tokens": len(ids), "completion_tokens": 0, "total_tokens": len(ids),
+                             "prompt_tokens_details": {"cached_tokens": 0}}
     logprobs, expected = choice["logprobs"], reference(engine, ids)
     assert len(logprobs["tokens"]) == len(ids)
     assert logprobs["token_logprobs"][0] is None and logprobs["top_logprobs"][0] is None

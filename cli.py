@@ -46,6 +46,34 @@ def _store_options(command):
     ], command)
 
 
+def _prompt_cache_options(serving: bool):
+    """--prompt-cache-ram, --prompt-cache-dir, --prompt-cache-disk (and for serve --no-prompt-cache-dir)."""
+    where = ("default: prompt-states/ in flashpack's cache folder, ~/.cache/flashpack (FLASHPACK_CACHE_DIR), so "
+             "a restart finds them; --no-prompt-cache-dir keeps them in RAM only" if serving else "default: none")
+    options = [
+        click.option("--prompt-cache-ram", help="Host memory for saved prompt states, e.g. 4GiB; 0 turns prompt reuse "
+                     "off (default: on a GPU a tenth of the expert RAM budget, taken from it; on a CPU 1GiB)."),
+        click.option("--prompt-cache-dir", type=click.Path(path_type=Path), help="Keep saved prompt states here "
+                     f"across restarts, zstd-compressed ({where})."),
+        click.option("--prompt-cache-disk", default="20GiB", show_default=True,
+                     help="Disk budget of --prompt-cache-dir; the least recently used states go first."),
+    ]
+    if serving:
+        options.append(click.option("--no-prompt-cache-dir", is_flag=True, help="Keep no prompt states on disk."))
+    return lambda command: _with(options, command)
+
+
+def _prompt_cache_settings(ram: str | None, folder: Path | None, disk: str, serving: bool, no_folder: bool = False
+                           ) -> dict:
+    """The prompt cache's EngineConfig fields from its flags; serve keeps states under the cache root."""
+    from flashpack.runtime.compile_cache import cache_root
+
+    if folder is None and serving and not no_folder:
+        folder = cache_root() / "prompt-states"
+    return {"prompt_cache_ram": ram, "prompt_cache_dir": None if folder is None or no_folder else str(folder),
+            "prompt_cache_disk": disk}
+
+
 def _engine_config(device: str, dtype: str, vram_budget: str | None = None, ram_budget: str | None = None,
                    policy: str | None = None, hot_set: str | None = None, no_direct_io: bool = False,
                    no_verify_records: bool = False, settings: tuple[str, ...] = (), **engine):
@@ -187,6 +215,7 @@ def verify(pack: Path, reference: str, dtype: str, device: str, prompts: tuple[s
 @click.option("--device", default="cpu", show_default=True)
 @click.option("--dtype", default="auto", show_default=True, help="auto (bf16 on GPU, fp32 on CPU), bfloat16, float32.")
 @_store_options
+@_prompt_cache_options(serving=False)
 @click.option("--store-stats", is_flag=True, help="Print the expert store's counters (JSON) on stderr at the end.")
 @click.option("--cuda-graphs", type=click.Choice(["auto", "on", "off"]), default="auto", show_default=True,
               help="Decode from CUDA graphs on a GPU. auto: when --max-tokens times the model's layers pays for "
@@ -196,7 +225,8 @@ def verify(pack: Path, reference: str, dtype: str, device: str, prompts: tuple[s
 def run(pack: Path, prompt: str, chat: bool, think: bool | None, max_tokens: int, temperature: float, top_k: int,
         top_p: float, seed: int | None, stop: tuple[str, ...], device: str, dtype: str, vram_budget: str | None,
         ram_budget: str | None, policy: str | None, hot_set: str | None, no_direct_io: bool, no_verify_records: bool,
-        settings: tuple[str, ...], store_stats: bool, cuda_graphs: str) -> None:
+        settings: tuple[str, ...], prompt_cache_ram: str | None, prompt_cache_dir: Path | None, prompt_cache_disk: str,
+        store_stats: bool, cuda_graphs: str) -> None:
     """Generate from PACK for PROMPT, streaming text to stdout; tokens/s on stderr at the end."""
     import json
 
@@ -204,7 +234,8 @@ def run(pack: Path, prompt: str, chat: bool, think: bool | None, max_tokens: int
     from flashpack.runtime.sampling import SamplingParams
 
     config = _engine_config(device, dtype, vram_budget, ram_budget, policy, hot_set, no_direct_io, no_verify_records,
-                            settings, cuda_graphs=cuda_graphs != "off")
+                            settings, cuda_graphs=cuda_graphs != "off",
+                            **_prompt_cache_settings(prompt_cache_ram, prompt_cache_dir, prompt_cache_disk, serving=False))
     engine = load_engine(pack, config, decode_tokens=max_tokens if cuda_graphs == "auto" else None)
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
                             stop_strings=stop)
@@ -274,13 +305,15 @@ _POSITIVE_SECONDS = click.FloatRange(min=0, min_open=True)
 @click.option("--log-level", type=click.Choice(["critical", "error", "warning", "info", "debug", "trace"]),
               default="info", show_default=True)
 @_store_options
+@_prompt_cache_options(serving=True)
 @one_line_errors
 def serve(pack: Path, host: str, port: int, api_key: str | None, device: str, dtype: str, model_name: str | None,
           max_request_bytes: int | None, max_queue: int | None, max_context: int | None,
           default_max_tokens: int | None, max_connections: int | None, header_timeout: float | None,
           keep_alive_timeout: float | None, body_timeout: float | None, max_header_bytes: int | None,
           log_level: str, vram_budget: str | None, ram_budget: str | None, policy: str | None, hot_set: str | None,
-          no_direct_io: bool, no_verify_records: bool, settings: tuple[str, ...]) -> None:
+          no_direct_io: bool, no_verify_records: bool, settings: tuple[str, ...], prompt_cache_ram: str | None,
+          prompt_cache_dir: Path | None, prompt_cache_disk: str, no_prompt_cache_dir: bool) -> None:
     """Serve PACK over OpenAI- and Anthropic-compatible HTTP APIs. Every option is checked before the
     model loads."""
     import socket
@@ -293,7 +326,8 @@ def serve(pack: Path, host: str, port: int, api_key: str | None, device: str, dt
     parse_budget(vram_budget, "--vram-budget")
     parse_budget(ram_budget, "--ram-budget")
     config = _engine_config(device, dtype, vram_budget, ram_budget, policy, hot_set, no_direct_io, no_verify_records,
-                            settings)
+                            settings, **_prompt_cache_settings(prompt_cache_ram, prompt_cache_dir, prompt_cache_disk,
+                                                               serving=True, no_folder=no_prompt_cache_dir))
     try:  # the address resolves and is free to listen on (uvicorn binds it again once the model is loaded)
         family, kind, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
         with socket.socket(family, kind) as probe:

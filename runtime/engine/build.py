@@ -114,8 +114,10 @@ def load_engine(
         if config.prompt_cache_dir is not None:
             from flashpack.runtime.engine.stored_states import StoredStates
 
-            stored = StoredStates(Path(config.prompt_cache_dir).expanduser(), parse_budget(config.prompt_cache_disk),
-                                  pack.manifest.document[MANIFEST_HASH_KEY])
+            fingerprint = pack.manifest.document[MANIFEST_HASH_KEY]
+            # a folder per pack: one pack's states never evict or collide with another's
+            stored = StoredStates(Path(config.prompt_cache_dir).expanduser() / fingerprint,
+                                  parse_budget(config.prompt_cache_disk), fingerprint)
         prefix_cache = PrefixCache(states_ram, stored)
     generator = Generator(step, tokenizer, prefix_cache=prefix_cache)
     return Engine(pack, config, model, step, tokenizer, generator, store)

@@ -63,6 +63,7 @@ def test_every_key_can_be_set_and_reads_back():
             value = changed[type(default)](default)
         else:
             value = {"device": "cuda", "dtype": "bfloat16", "experts": "store", "store.policy": "lru",
+                     "prompt_cache_ram": "2GiB", "prompt_cache_dir": "/tmp/states", "prompt_cache_disk": "1GiB",
                      "store.vram_budget": "8GiB", "store.ram_budget": "32GiB", "store.hot_set": "chat"}[key]
         text = str(value).lower() if isinstance(value, bool) else str(value)
         config = with_settings(EngineConfig(), [f"{key}={text}"])
@@ -133,6 +134,20 @@ def test_bench_flags_and_presets_reach_the_config(tiny_pack, monkeypatch):
     assert (config.cuda_graphs, config.compile_layers, config.layers_per_graph, config.prefetch, config.read_ahead,
             config.fused_mix) == (False, False, 2, False, False, False)
     assert config.store.promote and not config.store.copy_on_requesting_thread and config.experts == "store"
+
+
+def test_prompt_cache_flags_reach_the_config(tiny_pack, monkeypatch, tmp_path):
+    monkeypatch.setenv("FLASHPACK_CACHE_DIR", str(tmp_path / "cache"))
+    served = _captured(monkeypatch, ["serve", str(tiny_pack), "--port", "8766"])
+    assert served.prompt_cache_dir == str(tmp_path / "cache" / "prompt-states") and served.prompt_cache_ram is None
+    kept_in_ram = _captured(monkeypatch, ["serve", str(tiny_pack), "--port", "8766", "--no-prompt-cache-dir",
+                                          "--prompt-cache-ram", "2GiB"])
+    assert kept_in_ram.prompt_cache_dir is None and kept_in_ram.prompt_cache_ram == "2GiB"
+    run = _captured(monkeypatch, ["run", str(tiny_pack), "hi"])
+    assert run.prompt_cache_dir is None
+    run = _captured(monkeypatch, ["run", str(tiny_pack), "hi", "--prompt-cache-dir", str(tmp_path / "states"),
+                                  "--prompt-cache-disk", "1GiB"])
+    assert (run.prompt_cache_dir, run.prompt_cache_disk) == (str(tmp_path / "states"), "1GiB")
 
 
 def test_profile_and_trace_flags_reach_the_config(tiny_pack, monkeypatch, tmp_path):

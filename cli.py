@@ -65,11 +65,14 @@ def _prompt_cache_options(serving: bool):
 
 def _prompt_cache_settings(ram: str | None, folder: Path | None, disk: str, serving: bool, no_folder: bool = False
                            ) -> dict:
-    """The prompt cache's EngineConfig fields from its flags; serve keeps states under the cache root."""
+    """The prompt cache's EngineConfig fields from its flags: serve keeps states under the cache root;
+    a one-shot run keeps none unless it is given a folder to find them in later."""
     from flashpack.runtime.compile_cache import cache_root
 
     if folder is None and serving and not no_folder:
         folder = cache_root() / "prompt-states"
+    if ram is None and folder is None and not serving:
+        ram = "0"
     return {"prompt_cache_ram": ram, "prompt_cache_dir": None if folder is None or no_folder else str(folder),
             "prompt_cache_disk": disk}
 

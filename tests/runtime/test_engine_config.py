@@ -144,7 +144,7 @@ def test_prompt_cache_flags_reach_the_config(tiny_pack, monkeypatch, tmp_path):
                                           "--prompt-cache-ram", "2GiB"])
     assert kept_in_ram.prompt_cache_dir is None and kept_in_ram.prompt_cache_ram == "2GiB"
     run = _captured(monkeypatch, ["run", str(tiny_pack), "hi"])
-    assert run.prompt_cache_dir is None
+    assert run.prompt_cache_dir is None and run.prompt_cache_ram == "0"  # one shot: nothing to reuse
     run = _captured(monkeypatch, ["run", str(tiny_pack), "hi", "--prompt-cache-dir", str(tmp_path / "states"),
                                   "--prompt-cache-disk", "1GiB"])
     assert (run.prompt_cache_dir, run.prompt_cache_disk) == (str(tmp_path / "states"), "1GiB")

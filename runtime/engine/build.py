@@ -104,23 +104,27 @@ def load_engine(
     graphs = None
     graphs_pay = decode_tokens is None or decode_graphs_pay(decode_tokens, cfg.num_hidden_layers,
                                                             config.graphs_min_layer_tokens)
-    if config.cuda_graphs and graphs_pay and device.type == "cuda" and isinstance(model.experts, (BankExperts, StoreExperts)):
+    slots = isinstance(model.experts, (BankExperts, StoreExperts))
+    if config.cuda_graphs and graphs_pay and device.type == "cuda" and slots:
         graphs = engine_graphs(model, config)
     step = Step(model, graphs)
     tokenizer = PackTokenizer.load(pack.root)
-    prefix_cache = None
-    if states_ram > 0:
-        stored = None
-        if config.prompt_cache_dir is not None:
-            from flashpack.runtime.engine.stored_states import StoredStates
-
-            fingerprint = pack.manifest.document[MANIFEST_HASH_KEY]
-            # a folder per pack: one pack's states never evict or collide with another's
-            stored = StoredStates(Path(config.prompt_cache_dir).expanduser() / fingerprint,
-                                  parse_budget(config.prompt_cache_disk), fingerprint)
-        prefix_cache = PrefixCache(states_ram, stored)
-    generator = Generator(step, tokenizer, prefix_cache=prefix_cache)
+    generator = Generator(step, tokenizer, prefix_cache=_prefix_cache(pack, config, states_ram))
     return Engine(pack, config, model, step, tokenizer, generator, store)
+
+
+def _prefix_cache(pack: Pack, config: EngineConfig, states_ram: int) -> PrefixCache | None:
+    if states_ram == 0:
+        return None
+    stored = None
+    if config.prompt_cache_dir is not None:
+        from flashpack.runtime.engine.stored_states import StoredStates
+
+        fingerprint = pack.manifest.document[MANIFEST_HASH_KEY]
+        # a folder per pack: one pack's states never evict or collide with another's
+        stored = StoredStates(Path(config.prompt_cache_dir).expanduser() / fingerprint,
+                              parse_budget(config.prompt_cache_disk), fingerprint)
+    return PrefixCache(states_ram, stored)
 
 
 def prompt_cache_bytes(config: EngineConfig, device: torch.device, through_store: bool) -> int:

@@ -4,7 +4,7 @@
     engine.step([StepInput(tokens, state)])       one step of the model (runtime/engine/step.py)
     engine.warm_up()                              compile, tune and capture before the first request
     engine.stats()                                the expert store's counters (None without a store)
-    engine.close()                                stop the store's threads, free its memory
+    engine.close()                                stop the store's and the stored states' threads
 """
 
 from __future__ import annotations
@@ -69,5 +69,9 @@ class Engine:
             self.step.graphs.layer_clock = clock
 
     def close(self) -> None:
+        """Stop the store's threads and the stored prompt states' writer (after its pending writes)."""
         if self.store is not None:
             self.store.close()
+        cache = self.generator.prefix_cache
+        if cache is not None and cache.stored is not None:
+            cache.stored.close()

@@ -72,16 +72,17 @@ def test_control_a_restore_that_drops_part_of_the_state_differs(engine, monkeypa
 
 def test_an_edited_last_message_restores_the_boundary_before_it(engine):
     """The prompt is prefilled in segments ending at its checkpoints, each saved: a prompt that
-    differs only after the last boundary restores it, and one that differs earlier restores less."""
+    differs only after the last boundary restores it, and one that differs earlier restores less. A
+    checkpoint too near the one before it or the prompt's end (MIN_SEGMENT) is not worth its forward."""
     generator = engine.generator
     generator.prefix_cache = PrefixCache(1 << 30)
     try:
-        system, history, question = _ids(40, 3), _ids(30, 4), _ids(12, 5)
-        boundaries = [len(system), len(system + history)]
+        system, history, question = _ids(40, 3), _ids(30, 4), _ids(20, 5)
+        boundaries = [len(system), len(system) + 3, len(system + history), len(system + history + question) - 2]
         params = SamplingParams(max_tokens=3)
         first = generator.generate(system + history + question, params, checkpoints=boundaries)
         assert first.cached_tokens == 0
-        edited = generator.generate(system + history + _ids(9, 6), params, checkpoints=boundaries)
+        edited = generator.generate(system + history + _ids(19, 6), params, checkpoints=boundaries)
         assert edited.cached_tokens == len(system + history)
         earlier = generator.generate(system + _ids(30, 7) + question, params, checkpoints=boundaries)
         assert earlier.cached_tokens == len(system)

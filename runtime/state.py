@@ -141,6 +141,19 @@ class AttentionCache:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self._keys, self._values, self._index_keys, self._block_keys))
 
+    @classmethod
+    def filled(cls, keys: torch.Tensor, values: torch.Tensor, index_keys: torch.Tensor, block_keys: torch.Tensor,
+               ratio: int, length: int, blocks: int, device: torch.device | str) -> "AttentionCache":
+        """A cache holding exactly these filled parts (a decoded stored state), on `device`."""
+        cache = cls.__new__(cls)
+        cache.ratio, cache.length, cache.blocks = ratio, length, blocks
+        capacity = -(-max(length, ratio) // ratio) * ratio
+        cache._keys = _resized(keys.to(device), 1, capacity, length)
+        cache._values = _resized(values.to(device), 1, capacity, length)
+        cache._index_keys = _resized(index_keys.to(device), 0, capacity, length)
+        cache._block_keys = _resized(block_keys.to(device), 0, capacity // ratio, blocks)
+        return cache
+
     def to(self, device: torch.device, pin: bool = False) -> "AttentionCache":
         """A copy on `device` (pinned host memory with `pin`)."""
         moved = AttentionCache.__new__(AttentionCache)

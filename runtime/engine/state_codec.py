@@ -1,0 +1,85 @@
+"""A SequenceState as bytes and back: what a stored prompt state holds (stored_states.py).
+
+The tensors go through safetensors (no pickle: a file from elsewhere cannot run code), named by
+part and layer (`deltanet.3.conv`, `attention.7.keys`, `ple.0.context`, ...), with the position and
+each attention cache's length and blocks in its metadata. Only filled parts are written (a snapshot
+is compact already). Decoding checks every tensor against a fresh state of the same model: a
+missing or extra part, a shape or dtype that differs, is a StateFormatError, never a state that
+would compute something else.
+"""
+
+from __future__ import annotations
+
+import json
+
+import torch
+from safetensors.torch import load, save
+
+from flashpack.runtime.state import AttentionCache, DeltaNetState, PLEState, SequenceState
+
+
+class StateFormatError(ValueError):
+    """Bytes that are not a state of this model."""
+
+
+def encode_state(state: SequenceState) -> bytes:
+    tensors: dict[str, torch.Tensor] = {}
+    for layer, part in state.deltanet.items():
+        tensors[f"deltanet.{layer}.conv"], tensors[f"deltanet.{layer}.recurrent"] = part.conv, part.recurrent
+    for layer, part in state.ple.items():
+        tensors[f"ple.{layer}.context"], tensors[f"ple.{layer}.conv"] = part.context, part.conv
+    lengths = {}
+    for layer, cache in state.attention.items():
+        for name, tensor in zip(("keys", "values", "index_keys", "block_keys"),
+                                (cache.keys, cache.values, cache.index_keys, cache.block_keys)):
+            tensors[f"attention.{layer}.{name}"] = tensor
+        lengths[layer] = [cache.length, cache.blocks]
+    tensors = {name: tensor.detach().to("cpu").contiguous() for name, tensor in tensors.items()}
+    return save(tensors, metadata={"position": str(state.position), "attention": json.dumps(lengths)})
+
+
+def decode_state(data: bytes, like: SequenceState) -> SequenceState:
+    """The state `data` holds, on `like`'s devices; `like` is a fresh state of the same model."""
+    try:
+        tensors = load(data)
+        metadata = _metadata(data)
+        position = int(metadata["position"])
+        lengths = {int(layer): value for layer, value in json.loads(metadata["attention"]).items()}
+    except Exception as error:  # safetensors raises its own types for bytes it cannot read
+        raise StateFormatError(f"not a stored state: {error}") from None
+    expected = {f"deltanet.{layer}.{name}" for layer in like.deltanet for name in ("conv", "recurrent")}
+    expected |= {f"ple.{layer}.{name}" for layer in like.ple for name in ("context", "conv")}
+    expected |= {f"attention.{layer}.{name}" for layer in like.attention
+                 for name in ("keys", "values", "index_keys", "block_keys")}
+    if set(tensors) != expected or set(lengths) != set(like.attention):
+        missing, extra = sorted(expected - set(tensors)), sorted(set(tensors) - expected)
+        raise StateFormatError(f"the stored state's parts differ from this model's (missing {missing[:3]}, extra {extra[:3]})")
+    deltanet = {layer: DeltaNetState(_like(tensors, f"deltanet.{layer}.conv", part.conv),
+                                     _like(tensors, f"deltanet.{layer}.recurrent", part.recurrent))
+                for layer, part in like.deltanet.items()}
+    ple = {layer: PLEState(_like(tensors, f"ple.{layer}.context", part.context),
+                           _like(tensors, f"ple.{layer}.conv", part.conv)) for layer, part in like.ple.items()}
+    attention = {}
+    for layer, cache in like.attention.items():
+        length, blocks = lengths[layer]
+        parts = [tensors[f"attention.{layer}.{name}"] for name in ("keys", "values", "index_keys", "block_keys")]
+        shapes = [(cache.keys.shape[0], length, cache.keys.shape[2]), (cache.keys.shape[0], length, cache.keys.shape[2]),
+                  (length, cache.index_keys.shape[1]), (blocks, cache.block_keys.shape[1])]
+        for part, shape in zip(parts, shapes):
+            if tuple(part.shape) != shape or part.dtype != cache.keys.dtype:
+                raise StateFormatError(f"attention layer {layer}: a part of shape {tuple(part.shape)} {part.dtype}, "
+                                       f"expected {shape} {cache.keys.dtype}")
+        attention[layer] = AttentionCache.filled(*parts, cache.ratio, length, blocks, cache.keys.device)
+    return SequenceState(position, deltanet, attention, ple)
+
+
+def _like(tensors: dict[str, torch.Tensor], name: str, like: torch.Tensor) -> torch.Tensor:
+    found = tensors[name]
+    if found.shape != like.shape or found.dtype != like.dtype:
+        raise StateFormatError(f"{name}: {tuple(found.shape)} {found.dtype}, expected {tuple(like.shape)} {like.dtype}")
+    return found.to(like.device)
+
+
+def _metadata(data: bytes) -> dict[str, str]:
+    header = int.from_bytes(data[:8], "little")
+    return json.loads(data[8:8 + header])["__metadata__"]

@@ -1,0 +1,164 @@
+"""Stored prompt states (runtime/engine/stored_states.py, state_codec.py): a state survives a
+restart exactly and continues to the same logits; a truncated, corrupted, foreign, old-format or
+misnamed entry is never used (dropped, its file removed, None returned); the disk budget removes the
+oldest entries and nothing else; writes happen on the writer thread."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from flashpack.errors import FlashpackError
+from flashpack.runtime.engine import stored_states
+from flashpack.runtime.engine.build import load_engine
+from flashpack.runtime.engine.config import EngineConfig
+from flashpack.runtime.engine.state_codec import StateFormatError, decode_state, encode_state
+from flashpack.runtime.engine.stored_states import StoredStates
+from flashpack.runtime.state import SequenceState
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_pack):
+    return load_engine(tiny_pack, EngineConfig(dtype="float32", prompt_cache_ram=0))
+
+
+def _state(engine, tokens: int, seed: int = 0) -> SequenceState:
+    state = engine.step.new_state()
+    ids = torch.randint(5, 1000, (tokens,), generator=torch.Generator().manual_seed(seed))
+    engine.step.forward(ids, state)
+    return state
+
+
+def _equal(a: SequenceState, b: SequenceState) -> bool:
+    same = a.position == b.position
+    same &= all(torch.equal(x.conv, b.deltanet[l].conv) and torch.equal(x.recurrent, b.deltanet[l].recurrent)
+                for l, x in a.deltanet.items())
+    same &= all(torch.equal(x.context, b.ple[l].context) and torch.equal(x.conv, b.ple[l].conv) for l, x in a.ple.items())
+    for layer, cache in a.attention.items():
+        other = b.attention[layer]
+        same &= (cache.length, cache.blocks) == (other.length, other.blocks)
+        same &= all(torch.equal(x, y) for x, y in zip((cache.keys, cache.values, cache.index_keys, cache.block_keys),
+                                                      (other.keys, other.values, other.index_keys, other.block_keys)))
+    return bool(same)
+
+
+def test_a_state_round_trips_exactly(engine):
+    state = _state(engine, 70)
+    assert _equal(decode_state(encode_state(state), engine.step.new_state()), state)
+
+
+def test_a_state_missing_a_part_is_refused(engine):
+    state = _state(engine, 70)
+    state.ple = {}
+    with pytest.raises(StateFormatError, match="parts differ"):
+        decode_state(encode_state(state), engine.step.new_state())
+    with pytest.raises(StateFormatError, match="not a stored state"):
+        decode_state(b"not safetensors at all", engine.step.new_state())
+
+
+def test_an_entry_survives_a_restart_and_continues_to_the_same_logits(engine, tmp_path):
+    state = _state(engine, 70)
+    first = StoredStates(tmp_path, 1 << 30, "pack-a")
+    first.put("70-abc", 70, state.snapshot())
+    first.close()
+    again = StoredStates(tmp_path, 1 << 30, "pack-a")
+    restored = again.get("70-abc", engine.step.new_state())
+    assert restored is not None and _equal(restored, state)
+    follow = torch.tensor([7, 8, 9])
+    fresh = engine.step.new_state()
+    fresh.restore(restored)
+    assert torch.equal(engine.step.forward(follow, fresh).logits, engine.step.forward(follow, state).logits)
+    assert again.stats()["hits"] == 1 and again.keys() == ["70-abc"]
+
+
+def _damaged(path, kind: str) -> None:
+    data = bytearray(path.read_bytes())
+    if kind == "truncated":
+        del data[len(data) // 2:]
+    elif kind == "flipped":
+        data[-10] ^= 0x40
+    elif kind == "old-format":
+        data[4] = 0
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("kind", ["truncated", "flipped", "old-format", "foreign", "misnamed"])
+def test_control_a_damaged_or_foreign_entry_is_dropped_never_used(engine, tmp_path, kind):
+    stored = StoredStates(tmp_path, 1 << 30, "pack-a")
+    stored.put("70-abc", 70, _state(engine, 70))
+    stored.flush()
+    path = tmp_path / "70-abc.fpstate"
+    if kind == "foreign":
+        stored = StoredStates(tmp_path, 1 << 30, "pack-b")
+    elif kind == "misnamed":
+        path = path.rename(tmp_path / "70-def.fpstate")
+    else:
+        _damaged(path, kind)
+    key = "70-def" if kind == "misnamed" else "70-abc"
+    assert stored.get(key, engine.step.new_state()) is None
+    assert not path.exists() and stored.stats()["dropped"] == 1
+    assert stored.get(key, engine.step.new_state()) is None and stored.stats()["misses"] == 1  # gone: a miss
+
+
+def test_the_disk_budget_removes_the_oldest_entries_and_nothing_else(engine, tmp_path):
+    import os
+
+    mine = tmp_path / "notes.txt"
+    mine.write_text("a user's file")
+    state = _state(engine, 70)
+    probe = StoredStates(tmp_path / "probe", 1 << 30, "p")
+    probe.put("1-a", 70, state)
+    probe.close()
+    size = (tmp_path / "probe" / "1-a.fpstate").stat().st_size
+    stored = StoredStates(tmp_path, int(2.5 * size), "p")
+    for number in range(4):
+        stored.put(f"{number}-a", 70, state)
+        stored.flush()
+        os.utime(tmp_path / f"{number}-a.fpstate", (number + 1, number + 1))  # a clock that moves on
+    assert sorted(stored.keys()) == ["2-a", "3-a"] and mine.read_text() == "a user's file"
+
+
+def test_writes_happen_on_the_writer_thread(engine, tmp_path, monkeypatch):
+    gate = threading.Event()
+    real = StoredStates._write
+
+    def held(self, *args):
+        gate.wait(10)
+        real(self, *args)
+
+    monkeypatch.setattr(StoredStates, "_write", held)
+    stored = StoredStates(tmp_path, 1 << 30, "p")
+    stored.put("70-abc", 70, _state(engine, 70))
+    assert not (tmp_path / "70-abc.fpstate").exists()  # put returned with the write still to do
+    gate.set()
+    stored.flush()
+    assert (tmp_path / "70-abc.fpstate").exists() and stored.stats()["writes"] == 1
+    assert not list(tmp_path.glob(".*partial*"))
+
+
+def test_a_folder_that_cannot_be_written_is_one_clear_error(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    with pytest.raises(FlashpackError, match="cannot keep prompt states in"):
+        StoredStates(blocker / "states", 1 << 30, "p")
+
+
+def test_a_restarted_engine_restores_from_stored_states(tiny_pack, tmp_path):
+    """End to end: one engine saves a conversation's states to disk; a new one, with nothing live,
+    restores the longest and reports the tokens it did not prefill."""
+    from flashpack.runtime.sampling import SamplingParams
+
+    config = EngineConfig(dtype="float32", prompt_cache_ram="256MiB", prompt_cache_dir=str(tmp_path))
+    prompt = torch.randint(5, 1000, (60,), generator=torch.Generator().manual_seed(3)).tolist()
+    first = load_engine(tiny_pack, config)
+    reply = first.generator.generate(prompt, SamplingParams(max_tokens=4))
+    first.close()
+    second = load_engine(tiny_pack, config)
+    follow_up = prompt + reply.token_ids[:-1] + [11, 12, 13]
+    result = second.generator.generate(follow_up, SamplingParams(max_tokens=2))
+    assert result.cached_tokens == len(prompt) + len(reply.token_ids) - 1
+    assert second.generator.prefix_cache.to_dict()["stored_hits"] == 1
+    second.close()
+    assert stored_states.SUFFIX == ".fpstate" and list(tmp_path.rglob("*.fpstate"))

@@ -95,10 +95,9 @@ def main() -> None:
         again = restarted.generator.generate(ids, SamplingParams(max_tokens=args.reply_tokens),
                                              checkpoints=restarted.tokenizer.message_starts(ids))
         stored_stats = restarted.generator.prefix_cache.to_dict()
-        stored_files = sorted(Path(folder).rglob("*.fpstate"), key=lambda f: f.stat().st_size)
+        stored_largest = max((f.stat().st_size for f in Path(folder).rglob("*.fpstate")), default=None)
         restarted.close()
     longest = max(row["prompt_tokens"] for row in with_cache)
-    stored_largest = stored_files[-1].stat().st_size if stored_files else None
     report = {
         "machine": machine_info(parse_device(args.device)),
         "settings": {"pack": args.pack, "device": args.device, "turns": args.turns, "turn_tokens": args.turn_tokens,

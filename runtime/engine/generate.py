@@ -73,8 +73,9 @@ class GenerationResult:
         return (self.completion_tokens - 1) / decode_time if self.completion_tokens > 1 and decode_time > 0 else 0.0
 
 
-# A checkpoint within this many tokens of the last one (or of the prompt's end) is skipped: a
-# forward's fixed cost (~0.08 s on 2 cores for the demo model) outweighs the few tokens it would save.
+# A checkpoint within this many tokens of the last one (or of the prompt's end) is skipped, but for
+# the prompt's last: a forward's fixed cost (~0.08 s on 2 cores for the demo model) outweighs the few
+# tokens it would save.
 MIN_SEGMENT = 16
 
 # Attention room reserved up front for this many generated tokens at most (9 MB per QSA layer at
@@ -165,8 +166,12 @@ class Generator:
         with `keep_streams`, the streams of the prefilled positions."""
         ends, last = [], start
         if self.prefix_cache is not None:  # a segment a checkpoint, each worth a forward of its own
-            for end in sorted(set(checkpoints)):
-                if last + MIN_SEGMENT <= end <= len(prompt_ids) - MIN_SEGMENT:
+            inner = sorted(end for end in set(checkpoints) if start < end < len(prompt_ids))
+            for end in inner:
+                # the last boundary (where the reply's turn opens) is always kept: a follow-up shares
+                # it even where the template renders the reply otherwise than it was generated
+                # (a thinking model's history drops its reasoning)
+                if end == inner[-1] or last + MIN_SEGMENT <= end <= len(prompt_ids) - MIN_SEGMENT:
                     ends.append(end)
                     last = end
         ends.append(len(prompt_ids))

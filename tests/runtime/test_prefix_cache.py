@@ -73,7 +73,8 @@ def test_control_a_restore_that_drops_part_of_the_state_differs(engine, monkeypa
 def test_an_edited_last_message_restores_the_boundary_before_it(engine):
     """The prompt is prefilled in segments ending at its checkpoints, each saved: a prompt that
     differs only after the last boundary restores it, and one that differs earlier restores less. A
-    checkpoint too near the one before it or the prompt's end (MIN_SEGMENT) is not worth its forward."""
+    checkpoint too near the one before it or the prompt's end (MIN_SEGMENT) is not worth its forward,
+    but for the last, where the reply's turn opens: a regenerated reply restores all before it."""
     generator = engine.generator
     generator.prefix_cache = PrefixCache(1 << 30)
     try:
@@ -88,6 +89,8 @@ def test_an_edited_last_message_restores_the_boundary_before_it(engine):
         assert earlier.cached_tokens == len(system)
         again = generator.generate(system + history + question + first.token_ids[:-1] + _ids(5, 8), params)
         assert again.cached_tokens == len(system + history + question) + len(first.token_ids) - 1
+        regenerated = generator.generate(system + history + question[:-2] + _ids(2, 9), params, checkpoints=boundaries)
+        assert regenerated.cached_tokens == boundaries[-1]  # the last boundary, two tokens from the end
     finally:
         generator.prefix_cache = None
 

@@ -46,6 +46,11 @@ def _store_options(command):
     ], command)
 
 
+_SPECULATE = click.option(
+    "--speculate", type=click.Choice(["off", "lookup"]), help="Speculative decoding of greedy requests: lookup "
+    "drafts tokens from the context and checks them in one step, while that is measured to pay [default: off].")
+
+
 def _prompt_cache_options(serving: bool):
     """--prompt-cache-ram, --prompt-cache-dir, --prompt-cache-disk (and for serve --no-prompt-cache-dir)."""
     where = ("default: prompt-states/ in flashpack's cache folder, ~/.cache/flashpack (FLASHPACK_CACHE_DIR), so "
@@ -79,7 +84,8 @@ def _prompt_cache_settings(ram: str | None, folder: Path | None, disk: str, serv
 
 def _engine_config(device: str, dtype: str, vram_budget: str | None = None, ram_budget: str | None = None,
                    policy: str | None = None, hot_set: str | None = None, no_direct_io: bool = False,
-                   no_verify_records: bool = False, settings: tuple[str, ...] = (), **engine):
+                   no_verify_records: bool = False, settings: tuple[str, ...] = (), speculate: str | None = None,
+                   **engine):
     """The EngineConfig the flags name: the store's flags into its StoreConfig, `engine` (EngineConfig
     fields) as given, then each --set on top."""
     from flashpack.runtime.engine.config import EngineConfig
@@ -88,6 +94,8 @@ def _engine_config(device: str, dtype: str, vram_budget: str | None = None, ram_
 
     store = StoreConfig(vram_budget=vram_budget, ram_budget=ram_budget, hot_set=hot_set, direct_io=not no_direct_io,
                         verify_records=not no_verify_records, **({"policy": policy} if policy is not None else {}))
+    if speculate is not None:
+        engine["speculate"] = speculate
     return with_settings(EngineConfig(device=device, dtype=dtype, store=store, **engine), settings)
 
 
@@ -219,6 +227,7 @@ def verify(pack: Path, reference: str, dtype: str, device: str, prompts: tuple[s
 @click.option("--dtype", default="auto", show_default=True, help="auto (bf16 on GPU, fp32 on CPU), bfloat16, float32.")
 @_store_options
 @_prompt_cache_options(serving=False)
+@_SPECULATE
 @click.option("--store-stats", is_flag=True, help="Print the expert store's counters (JSON) on stderr at the end.")
 @click.option("--cuda-graphs", type=click.Choice(["auto", "on", "off"]), default="auto", show_default=True,
               help="Decode from CUDA graphs on a GPU. auto: when --max-tokens times the model's layers pays for "
@@ -229,7 +238,7 @@ def run(pack: Path, prompt: str, chat: bool, think: bool | None, max_tokens: int
         top_p: float, seed: int | None, stop: tuple[str, ...], device: str, dtype: str, vram_budget: str | None,
         ram_budget: str | None, policy: str | None, hot_set: str | None, no_direct_io: bool, no_verify_records: bool,
         settings: tuple[str, ...], prompt_cache_ram: str | None, prompt_cache_dir: Path | None, prompt_cache_disk: str,
-        store_stats: bool, cuda_graphs: str) -> None:
+        speculate: str | None, store_stats: bool, cuda_graphs: str) -> None:
     """Generate from PACK for PROMPT, streaming text to stdout; tokens/s on stderr at the end."""
     import json
 
@@ -237,7 +246,7 @@ def run(pack: Path, prompt: str, chat: bool, think: bool | None, max_tokens: int
     from flashpack.runtime.sampling import SamplingParams
 
     config = _engine_config(device, dtype, vram_budget, ram_budget, policy, hot_set, no_direct_io, no_verify_records,
-                            settings, cuda_graphs=cuda_graphs != "off",
+                            settings, speculate, cuda_graphs=cuda_graphs != "off",
                             **_prompt_cache_settings(prompt_cache_ram, prompt_cache_dir, prompt_cache_disk, serving=False))
     engine = load_engine(pack, config, decode_tokens=max_tokens if cuda_graphs == "auto" else None)
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
@@ -309,6 +318,7 @@ _POSITIVE_SECONDS = click.FloatRange(min=0, min_open=True)
               default="info", show_default=True)
 @_store_options
 @_prompt_cache_options(serving=True)
+@_SPECULATE
 @one_line_errors
 def serve(pack: Path, host: str, port: int, api_key: str | None, device: str, dtype: str, model_name: str | None,
           max_request_bytes: int | None, max_queue: int | None, max_context: int | None,
@@ -316,7 +326,7 @@ def serve(pack: Path, host: str, port: int, api_key: str | None, device: str, dt
           keep_alive_timeout: float | None, body_timeout: float | None, max_header_bytes: int | None,
           log_level: str, vram_budget: str | None, ram_budget: str | None, policy: str | None, hot_set: str | None,
           no_direct_io: bool, no_verify_records: bool, settings: tuple[str, ...], prompt_cache_ram: str | None,
-          prompt_cache_dir: Path | None, prompt_cache_disk: str, no_prompt_cache_dir: bool) -> None:
+          prompt_cache_dir: Path | None, prompt_cache_disk: str, no_prompt_cache_dir: bool, speculate: str | None) -> None:
     """Serve PACK over OpenAI- and Anthropic-compatible HTTP APIs. Every option is checked before the
     model loads."""
     import socket
@@ -329,8 +339,9 @@ def serve(pack: Path, host: str, port: int, api_key: str | None, device: str, dt
     parse_budget(vram_budget, "--vram-budget")
     parse_budget(ram_budget, "--ram-budget")
     config = _engine_config(device, dtype, vram_budget, ram_budget, policy, hot_set, no_direct_io, no_verify_records,
-                            settings, **_prompt_cache_settings(prompt_cache_ram, prompt_cache_dir, prompt_cache_disk,
-                                                               serving=True, no_folder=no_prompt_cache_dir))
+                            settings, speculate, **_prompt_cache_settings(prompt_cache_ram, prompt_cache_dir,
+                                                                          prompt_cache_disk, serving=True,
+                                                                          no_folder=no_prompt_cache_dir))
     try:  # the address resolves and is free to listen on (uvicorn binds it again once the model is loaded)
         family, kind, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
         with socket.socket(family, kind) as probe:

@@ -25,6 +25,7 @@ from flashpack.runtime.engine.engine import Engine
 from flashpack.runtime.engine.expert_paths import BankExperts, Prediction, StoreExperts, routed_experts
 from flashpack.runtime.engine.generate import Generator
 from flashpack.runtime.engine.prefix_cache import PrefixCache
+from flashpack.runtime.engine.speculative import SpeculativeDecoder
 from flashpack.runtime.engine.step import Step
 from flashpack.runtime.experts import ExpertFetcher
 from flashpack.runtime.model.model import Qwen4ExpModel
@@ -109,7 +110,8 @@ def load_engine(
         graphs = engine_graphs(model, config)
     step = Step(model, graphs)
     tokenizer = PackTokenizer.load(pack.root)
-    generator = Generator(step, tokenizer, prefix_cache=_prefix_cache(pack, config, states_ram))
+    speculation = SpeculativeDecoder(step, config.draft_tokens) if config.speculate == "lookup" else None
+    generator = Generator(step, tokenizer, prefix_cache=_prefix_cache(pack, config, states_ram), speculation=speculation)
     return Engine(pack, config, model, step, tokenizer, generator, store)
 
 

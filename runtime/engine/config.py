@@ -70,15 +70,24 @@ class EngineConfig:
     prompt_cache_dir: str | None = None
     # The stored entries' disk budget, least recently used removed first.
     prompt_cache_disk: str | int = "20GiB"
+    # Speculative decoding of greedy requests (runtime/engine/speculative.py): "lookup" drafts by prompt
+    # lookup and checks the drafts in one step, while measured tokens per second say it pays; "off"
+    # decodes one token a step. Off by default until the MTP drafter and a GPU measurement of the
+    # policy are in: on a CPU a checked step costs about as many experts' work as its positions.
+    speculate: str = "off"
+    # Drafts a speculative step checks at most.
+    draft_tokens: int = 4
     store: StoreConfig = field(default_factory=StoreConfig)
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise FlashpackError(f"unknown dtype {self.dtype!r}: use one of {', '.join(DTYPES)}")
+        if self.speculate not in ("off", "lookup"):
+            raise FlashpackError(f"unknown drafter {self.speculate!r}: use off or lookup")
         if self.experts not in EXPERT_SOURCES:
             raise FlashpackError(f"unknown expert source {self.experts!r}: use one of {', '.join(EXPERT_SOURCES)}")
         minimums = {"layers_per_graph": 1, "staging_programs": 1, "graphs_min_layer_tokens": 0,
-                    "dense_matvec_max_tokens": 0, "staged_beside_experts": 0}
+                    "dense_matvec_max_tokens": 0, "staged_beside_experts": 0, "draft_tokens": 1}
         for name, least in minimums.items():
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < least:

@@ -20,6 +20,7 @@ reports a prompt's alone, sampling nothing. Not asked for, nothing of that is co
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -29,6 +30,7 @@ import torch
 from flashpack.errors import FlashpackError
 from flashpack.runtime.detokenize import IncrementalDetokenizer, StopStringFilter
 from flashpack.runtime.engine.prefix_cache import PrefixCache
+from flashpack.runtime.engine.speculative import SpeculativeDecoder
 from flashpack.runtime.logprobs import LogprobRequest, TokenLogprob, prompt_logprobs, token_logprobs
 from flashpack.runtime.sampling import Sampler, SamplingParams
 
@@ -89,6 +91,7 @@ class Generator:
     tokenizer: object  # runtime.tokenizer.PackTokenizer
     max_context: int = 0  # 0: the model's max_position_embeddings
     prefix_cache: PrefixCache | None = None
+    speculation: SpeculativeDecoder | None = None  # greedy requests check drafts in one step
     _state: object = field(default=None, init=False, repr=False)  # runtime.state.SequenceState, reused
 
     def stream(
@@ -123,11 +126,17 @@ class Generator:
         generated, first_token_seconds = 0, 0.0
         finish, stop_logprob = "length", None
         fed: list[int] = []  # generated tokens the state has consumed
+        speculating = (self.speculation is not None and params.temperature == 0 and constraint is None
+                       and logprobs is None)
+        verified: deque[int] = deque()  # accepted drafts: consumed by the state, still to be emitted
         while True:
-            raw = logits  # the unmodified model's: what logprobs report
-            if constraint is not None:
-                logits = constraint.mask(logits.float())
-            token = sampler(logits.float())
+            if verified:
+                token, raw = verified.popleft(), None
+            else:
+                raw = logits  # the unmodified model's: what logprobs report
+                if constraint is not None:
+                    logits = constraint.mask(logits.float())
+                token = sampler(logits.float())
             generated += 1
             if generated == 1:
                 first_token_seconds = time.perf_counter() - start
@@ -151,7 +160,17 @@ class Generator:
             if cancelled():
                 finish = "cancelled"
                 break
-            logits = self.step.forward(torch.tensor([token]), state, last_only=True).logits[-1]
+            if raw is None:  # a verified draft: the state has it, and the logits after the last one
+                continue
+            room = min(params.max_tokens - generated, limit - len(prompt_ids) - generated - 1)
+            drafts = self.speculation.draft(prompt_ids + fed + [token], room) if speculating else []
+            if drafts:
+                logits, accepted = self.speculation.verify(token, drafts, state)
+                verified.extend(accepted)
+                fed += [token, *accepted]
+                continue
+            one = lambda: self.step.forward(torch.tensor([token]), state, last_only=True)  # noqa: E731
+            logits = (self.speculation.plain_step(one) if speculating else one()).logits[-1]
             fed.append(token)
         if self.prefix_cache is not None and fed:
             self.prefix_cache.save(prompt_ids + fed, state)

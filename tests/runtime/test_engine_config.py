@@ -63,7 +63,7 @@ def test_every_key_can_be_set_and_reads_back():
             value = changed[type(default)](default)
         else:
             value = {"device": "cuda", "dtype": "bfloat16", "experts": "store", "store.policy": "lru",
-                     "prompt_cache_ram": "2GiB", "prompt_cache_dir": "/tmp/states", "prompt_cache_disk": "1GiB",
+                     "speculate": "lookup", "prompt_cache_ram": "2GiB", "prompt_cache_dir": "/tmp/states", "prompt_cache_disk": "1GiB",
                      "store.vram_budget": "8GiB", "store.ram_budget": "32GiB", "store.hot_set": "chat"}[key]
         text = str(value).lower() if isinstance(value, bool) else str(value)
         config = with_settings(EngineConfig(), [f"{key}={text}"])
@@ -117,12 +117,15 @@ def test_run_flags_reach_the_config(tiny_pack, monkeypatch):
     config = _captured(monkeypatch, ["run", str(tiny_pack), "hi", "--dtype", "float32", "--cuda-graphs", "off",
                                      *STORE_FLAGS])
     _store_flags_arrived(config)
-    assert config.cuda_graphs is False and config.device == "cpu"
+    assert config.cuda_graphs is False and config.device == "cpu" and config.speculate == "off"
+    assert _captured(monkeypatch, ["run", str(tiny_pack), "hi", "--speculate", "lookup"]).speculate == "lookup"
 
 
 def test_serve_flags_reach_the_config(tiny_pack, monkeypatch):
-    config = _captured(monkeypatch, ["serve", str(tiny_pack), "--dtype", "float32", "--port", "8765", *STORE_FLAGS])
+    config = _captured(monkeypatch, ["serve", str(tiny_pack), "--dtype", "float32", "--port", "8765", *STORE_FLAGS,
+                                     "--speculate", "lookup"])
     _store_flags_arrived(config)
+    assert config.speculate == "lookup"
 
 
 def test_bench_flags_and_presets_reach_the_config(tiny_pack, monkeypatch):

@@ -14,7 +14,10 @@ left out. Without a "tiers" key, each mapping-valued entry is taken as a tier.
 
 A `prompt_cache()` provider (the engine's PrefixCache.to_dict) gives flashpack_prompt_cache_*
 gauges: hits, misses, stored_hits, tokens_reused, live_entries, live_bytes, restore_seconds, and
-its stored tier's as flashpack_prompt_cache_stored_* (entries, bytes, writes, dropped, ...).
+its stored tier's as flashpack_prompt_cache_stored_* (entries, bytes, writes, dropped, ...). A
+`speculation()` provider (SpeculationStats.to_dict) gives flashpack_speculation_*: steps, drafted,
+accepted, rollbacks, tokens_per_step, acceptance, seconds in draft, verify and rollback, and
+flashpack_speculation_accepted_at{position="i"} per draft position.
 """
 
 from __future__ import annotations
@@ -57,11 +60,13 @@ class Histogram:
 class Metrics:
     def __init__(self, queue_depth: Callable[[], int] = lambda: 0,
                  stats: Callable[[], Mapping[str, Any]] | None = None,
-                 prompt_cache: Callable[[], Mapping[str, Any]] | None = None):
+                 prompt_cache: Callable[[], Mapping[str, Any]] | None = None,
+                 speculation: Callable[[], Mapping[str, Any]] | None = None):
         self._lock = threading.Lock()
         self._queue_depth = queue_depth
         self._stats = stats
         self._prompt_cache = prompt_cache
+        self._speculation = speculation
         self.requests: dict[tuple[str, int], int] = defaultdict(int)  # (route, status) -> count
         self.finishes: dict[str, int] = defaultdict(int)  # generator finish reason -> count
         self.running = 0
@@ -122,8 +127,24 @@ class Metrics:
             lines += self.ttft.lines("flashpack_time_to_first_token_seconds")
             lines += _typed("flashpack_queue_wait_seconds", "histogram", "time a request waited for the engine")
             lines += self.queue_wait.lines("flashpack_queue_wait_seconds")
-        lines += self._store_lines() + self._prompt_cache_lines()
+        lines += self._store_lines() + self._prompt_cache_lines() + self._speculation_lines()
         return "\n".join(lines) + "\n"
+
+    def _speculation_lines(self) -> list[str]:
+        if self._speculation is None:
+            return []
+        try:
+            found = dict(self._speculation())
+        except Exception as error:  # a broken provider must not take /metrics down
+            return [f"# flashpack_speculation stats unavailable: {type(error).__name__}"]
+        lines: list[str] = []
+        for key, value in found.items():
+            name = "flashpack_speculation_" + _NAME_UNSAFE.sub("_", key)
+            if key == "accepted_at":
+                lines += [f"# TYPE {name} gauge"] + [f'{name}{{position="{i + 1}"}} {n}' for i, n in enumerate(value)]
+            elif _is_number(value):
+                lines += [f"# TYPE {name} gauge", f"{name} {_fmt(value)}"]
+        return lines
 
     def _prompt_cache_lines(self) -> list[str]:
         if self._prompt_cache is None:

@@ -1,7 +1,7 @@
 """Prompt-state reuse through the server, driven by the official clients: a follow-up turn reports
 the tokens it restored (OpenAI `prompt_tokens_details.cached_tokens`, Anthropic
-`cache_read_input_tokens`), its reply is the one a cold engine gives for the same conversation,
-and /metrics counts the hits."""
+`cache_read_input_tokens`), its reply is the one a cold engine gives for the same conversation
+(with speculative decoding on in the server, off in the cold engine), and /metrics counts the hits."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ def served(tiny_pack, tmp_path_factory):
     from flashpack.runtime.engine.build import load_engine
     from flashpack.runtime.engine.config import EngineConfig
 
-    engine = load_engine(tiny_pack, EngineConfig(prompt_cache_ram="256MiB",
+    engine = load_engine(tiny_pack, EngineConfig(prompt_cache_ram="256MiB", speculate="lookup",
                                                  prompt_cache_dir=str(tmp_path_factory.mktemp("states"))))
     settings = ServerSettings(model_name=MODEL, api_key=KEY, max_context=1024)
     with serving(engine, settings) as served:
@@ -59,6 +59,7 @@ def test_an_openai_follow_up_reports_the_tokens_it_restored(served, tiny_pack):
     assert hits and float(hits.group(1)) >= 1
     assert re.search(r"^flashpack_prompt_cache_live_bytes \d+", metrics, re.MULTILINE)
     assert re.search(r"^flashpack_prompt_cache_stored_entries \d+", metrics, re.MULTILINE)
+    assert re.search(r"^flashpack_speculation_steps \d+", metrics, re.MULTILINE)
 
 
 def test_an_anthropic_follow_up_reports_cache_reads(served):

@@ -1,7 +1,8 @@
 """Stored prompt states: a prefix cache's tier on disk, kept across restarts.
 
     StoredStates(folder, disk_budget, fingerprint)
-      put(key, tokens, state)   encode now; compress and write on the writer thread
+      put(key, tokens, state)   encode, compress and write on the writer thread (`state` is an
+                                entry's own copy, never changed after: it is read there)
       get(key, like)            the state, or None (missing, or damaged: then the file is removed)
 
 One file an entry, `<key>.fpstate`:
@@ -39,7 +40,9 @@ MAGIC = b"FPST"
 FORMAT = 1
 SUFFIX = ".fpstate"
 _PREFIX = struct.Struct("<4sII")
-_PENDING_WRITES = 4  # entries waiting for the writer; a put beyond them is dropped, not waited for
+# Encoded entries waiting for the writer, at most (one always may: a 32k state of the real model is
+# ~1 GB); a put beyond them is dropped, not waited for.
+PENDING_BYTES = 2 << 30
 _LEVEL = 3
 
 
@@ -56,16 +59,19 @@ class StoredStates:
         self._counts = {"writes": 0, "hits": 0, "misses": 0, "dropped": 0, "skipped_writes": 0}
         self._write_seconds = 0.0
         self._lock = threading.Lock()
-        self._queue: queue.Queue = queue.Queue(maxsize=_PENDING_WRITES)
+        self._queue: queue.Queue = queue.Queue()
+        self._pending_bytes = 0
         self._writer = threading.Thread(target=self._write_loop, name="flashpack-states", daemon=True)
         self._writer.start()
 
     def put(self, key: str, tokens: int, state: SequenceState) -> None:
-        try:
-            self._queue.put_nowait((key, tokens, encode_state(state)))
-        except queue.Full:  # the disk is behind: this entry stays live only
-            with self._lock:
-                self._counts["skipped_writes"] += 1
+        size = state.nbytes()
+        with self._lock:
+            if self._pending_bytes and self._pending_bytes + size > PENDING_BYTES:
+                self._counts["skipped_writes"] += 1  # the disk is behind: this entry stays live only
+                return
+            self._pending_bytes += size
+        self._queue.put((key, tokens, state, size))
 
     def get(self, key: str, like: SequenceState) -> SequenceState | None:
         path = self.folder / f"{key}{SUFFIX}"
@@ -122,7 +128,7 @@ class StoredStates:
         while (item := self._queue.get()) is not None:
             try:
                 start = time.perf_counter()
-                self._write(compressor, *item)
+                self._write(compressor, *item[:3])
                 self._evict()
                 with self._lock:
                     self._counts["writes"] += 1
@@ -130,11 +136,13 @@ class StoredStates:
             except OSError:  # a full or failing disk: the entry stays live only
                 self._count("skipped_writes")
             finally:
+                with self._lock:
+                    self._pending_bytes -= item[3]
                 self._queue.task_done()
         self._queue.task_done()
 
-    def _write(self, compressor, key: str, tokens: int, encoded: bytes) -> None:
-        payload = compressor.compress(encoded)
+    def _write(self, compressor, key: str, tokens: int, state: SequenceState) -> None:
+        payload = compressor.compress(encode_state(state))
         header = json.dumps({"format": FORMAT, "fingerprint": self.fingerprint, "key": key, "tokens": tokens,
                              "payload_bytes": len(payload), "payload_xxh64": xxhash.xxh64(payload).hexdigest()}).encode()
         final = self.folder / f"{key}{SUFFIX}"

@@ -138,6 +138,20 @@ def test_writes_happen_on_the_writer_thread(engine, tmp_path, monkeypatch):
     assert not list(tmp_path.glob(".*partial*"))
 
 
+def test_puts_beyond_the_pending_bytes_are_dropped_while_the_disk_is_behind(engine, tmp_path, monkeypatch):
+    gate = threading.Event()
+    real = StoredStates._write
+    monkeypatch.setattr(StoredStates, "_write", lambda self, *args: (gate.wait(10), real(self, *args)))
+    state = _state(engine, 70)
+    monkeypatch.setattr(stored_states, "PENDING_BYTES", int(1.5 * state.nbytes()))
+    stored = StoredStates(tmp_path, 1 << 30, "p")
+    for number in range(3):
+        stored.put(f"{number}-a", 70, state)
+    gate.set()
+    stored.flush()
+    assert stored.stats()["writes"] == 1 and stored.stats()["skipped_writes"] == 2
+
+
 def test_a_folder_that_cannot_be_written_is_one_clear_error(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("x")

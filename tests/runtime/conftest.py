@@ -43,3 +43,4 @@ def bench() -> Bench:
 @pytest.fixture(scope="session")
 def engine(bench) -> Qwen4ExpModel:
     return bench.engine()
+

@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from state_controls import restore_without
 
 from flashpack.runtime.engine.build import load_engine
 from flashpack.runtime.engine.config import EngineConfig
 from flashpack.runtime.engine.prefix_cache import PrefixCache, prefix_digests
 from flashpack.runtime.sampling import SamplingParams
-from flashpack.runtime.state import SequenceState
 
 
 @pytest.fixture(scope="module")
@@ -58,14 +58,7 @@ def test_a_follow_up_restores_its_prefix_and_computes_the_same_logits(engine):
 def test_control_a_restore_that_drops_part_of_the_state_differs(engine, monkeypatch, dropped):
     first, reply, new = _ids(70, 0), _ids(6, 1), _ids(25, 2)
     expected = _turns(engine.step, first, reply, new, None)
-    real = SequenceState.restore
-
-    def partial(self, snapshot):
-        kept = SequenceState(snapshot.position, snapshot.deltanet, snapshot.attention, snapshot.ple)
-        setattr(kept, dropped, {})
-        real(self, kept)
-
-    monkeypatch.setattr(SequenceState, "restore", partial)
+    restore_without(monkeypatch, dropped)
     restored = _turns(engine.step, first, reply, new, PrefixCache(1 << 30))
     assert float((restored - expected).norm() / expected.norm()) > 1e-3
 

@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from state_controls import restore_without
 
 from flashpack.runtime.engine import speculative
 from flashpack.runtime.engine.build import load_engine
 from flashpack.runtime.engine.config import EngineConfig
 from flashpack.runtime.engine.speculative import SpeculativeDecoder
 from flashpack.runtime.sampling import SamplingParams
-from flashpack.runtime.state import SequenceState
 
 TOKENS = 40
 
@@ -70,14 +70,7 @@ def test_control_a_rollback_that_skips_part_of_the_state_changes_the_output(engi
     plain = _generate(engine, None)
     context_length = len(_prompt())
     monkeypatch.setattr(speculative, "propose", lambda context, n, k: [(plain[len(context) - context_length] + 1) % 997] * k)
-    real = SequenceState.restore
-
-    def partial(self, snapshot):
-        kept = SequenceState(snapshot.position, snapshot.deltanet, snapshot.attention, snapshot.ple)
-        setattr(kept, skipped, {})
-        real(self, kept)
-
-    monkeypatch.setattr(SequenceState, "restore", partial)
+    restore_without(monkeypatch, skipped)
     assert _generate(engine, SpeculativeDecoder(engine.step)) != plain
 
 

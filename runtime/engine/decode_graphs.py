@@ -108,6 +108,7 @@ class DecodeGraphs:
         predicting = not self.resident and bool(experts.routers)
         self._next_moe = {layer.layer: after.moe if predicting and after is not None else None
                           for layer, after in zip(self.layers, [*self.layers[1:], None])}
+        self._predicts = [self._next_moe[layer.layer] is not None for layer in self.layers]  # for count_step
         options = {"combo_kernels": True} if combo_kernels else {}
         compiled = (lambda fn: torch.compile(fn, options=options)) if compile_layers else (lambda fn: fn)
         self.front, self.combine = compiled(pieces.layer_front), compiled(pieces.expert_combine)
@@ -211,8 +212,7 @@ class DecodeGraphs:
                 self._unrecorded = None
 
     def _record(self, report: list[list[int]]) -> None:
-        predicts = [self._next_moe[layer.layer] is not None for layer in self.layers]
-        self.tabled.record_step(count_step(self.layers, report, self.staging, predicts))
+        self.tabled.record_step(count_step(self.layers, report, self.staging, self._predicts))
 
     def _through_store(self, streams, rows) -> torch.Tensor:
         self.settle()  # the store sees the steps in order

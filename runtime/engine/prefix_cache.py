@@ -95,7 +95,7 @@ class PrefixCache:
                 continue
             state.restore(saved)
             if stored:  # a stored hit becomes live again
-                self._keep(key, length, state.snapshot(), write=False)
+                self._keep(key, length, _host_copy(state), write=False)
             with self._lock:
                 self.stats.hits += 1
                 self.stats.stored_hits += stored

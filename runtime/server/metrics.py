@@ -131,36 +131,10 @@ class Metrics:
         return "\n".join(lines) + "\n"
 
     def _speculation_lines(self) -> list[str]:
-        if self._speculation is None:
-            return []
-        try:
-            found = dict(self._speculation())
-        except Exception as error:  # a broken provider must not take /metrics down
-            return [f"# flashpack_speculation stats unavailable: {type(error).__name__}"]
-        lines: list[str] = []
-        for key, value in found.items():
-            name = "flashpack_speculation_" + _NAME_UNSAFE.sub("_", key)
-            if key == "accepted_at":
-                lines += [f"# TYPE {name} gauge"] + [f'{name}{{position="{i + 1}"}} {n}' for i, n in enumerate(value)]
-            elif _is_number(value):
-                lines += [f"# TYPE {name} gauge", f"{name} {_fmt(value)}"]
-        return lines
+        return _provided_gauges("flashpack_speculation", self._speculation)
 
     def _prompt_cache_lines(self) -> list[str]:
-        if self._prompt_cache is None:
-            return []
-        try:
-            found = dict(self._prompt_cache())
-        except Exception as error:  # a broken provider must not take /metrics down
-            return [f"# flashpack_prompt_cache stats unavailable: {type(error).__name__}"]
-        stored = found.pop("stored", None) or {}
-        flat = {**found, **{f"stored_{key}": value for key, value in stored.items()}}
-        lines: list[str] = []
-        for key, value in flat.items():
-            if _is_number(value):
-                name = "flashpack_prompt_cache_" + _NAME_UNSAFE.sub("_", key)
-                lines += [f"# TYPE {name} gauge", f"{name} {_fmt(value)}"]
-        return lines
+        return _provided_gauges("flashpack_prompt_cache", self._prompt_cache)
 
     def _store_lines(self) -> list[str]:
         if self._stats is None:
@@ -196,6 +170,32 @@ class Metrics:
         for name, samples in sorted(series.items()):
             lines += [f"# TYPE {name} gauge", *samples]
         return lines
+
+
+def _provided_gauges(prefix: str, provider: Callable[[], Mapping[str, Any]] | None) -> list[str]:
+    """`prefix`_KEY gauges from a provider's numbers; a nested mapping's as `prefix`_KEY_INNER, a list
+    as one series labelled by position (from 1)."""
+    if provider is None:
+        return []
+    try:
+        found = dict(provider())
+    except Exception as error:  # a broken provider must not take /metrics down
+        return [f"# {prefix} stats unavailable: {type(error).__name__}"]
+    flat: dict[str, Any] = {}
+    for key, value in found.items():
+        if isinstance(value, Mapping):
+            flat.update({f"{key}_{inner}": number for inner, number in value.items()})
+        else:
+            flat[key] = value
+    lines: list[str] = []
+    for key, value in flat.items():
+        name = f"{prefix}_{_NAME_UNSAFE.sub('_', key)}"
+        if isinstance(value, list):
+            lines += [f"# TYPE {name} gauge"] + [f'{name}{{position="{i + 1}"}} {_fmt(n)}' for i, n in enumerate(value)
+                                                  if _is_number(n)]
+        elif _is_number(value):
+            lines += [f"# TYPE {name} gauge", f"{name} {_fmt(value)}"]
+    return lines
 
 
 def _metric_name(key: str) -> str:

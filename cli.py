@@ -47,8 +47,9 @@ def _store_options(command):
 
 
 _SPECULATE = click.option(
-    "--speculate", type=click.Choice(["off", "lookup"]), help="Speculative decoding of greedy requests: lookup "
-    "drafts tokens from the context and checks them in one step, while that is measured to pay [default: off].")
+    "--speculate", type=click.Choice(["auto", "mtp", "lookup", "off"]), help="Speculative decoding: drafts checked "
+    "in one step, lossless, while that is measured to pay. lookup: drafts copied from the context; mtp: drafted by "
+    "the pack's MTP head; auto: both, the MTP head where the pack has one [default: auto].")
 
 
 def _prompt_cache_options(serving: bool):

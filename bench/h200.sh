@@ -13,6 +13,8 @@
 #              long     24/64 with a 32,768-token prompt
 #              presets  8/32 with each named experiment of PRESETS (runtime/bench/presets.py), between
 #                       two controls: e.g. PRESETS="copy-thread whole-reads"
+#              speculation  each of SPEC_BUDGETS (default BUDGETS): plain decode against checked steps of
+#                       replayed drafts right with probability alpha (runtime/bench/speculation.py)
 #   BEFORE   another flashpack tree (e.g. .before, carried): each budget is benched with this tree and with
 #            that one alternately, REPEATS (default 2) times each (A/B/A/B), on the same pack
 #   PACK_DIR where the pack is built (default .bench-pack in the repository, which a warm machine keeps
@@ -42,7 +44,7 @@ if has tests; then
     tests/runtime/test_captured_call.py tests/runtime/test_delta_rule.py tests/runtime/test_dense_fp8.py \
     tests/runtime/test_host_copy.py tests/runtime/test_engine_config.py tests/store/test_store_stream.py \
     tests/store/test_store_fetch.py tests/store/test_store_slot_table.py tests/store/test_store_config.py \
-    tests/test_sampling.py} -q --tb=short -p no:cacheprovider -p no:logging > $OUT/tests.log 2>&1
+    tests/test_sampling.py tests/runtime/test_speculative.py tests/runtime/test_rejection.py} -q --tb=short -p no:cacheprovider -p no:logging > $OUT/tests.log 2>&1
   echo "tests rc=$? $(( $(date +%s) - start )) s" >> $OUT/tests.log
   tail -25 $OUT/tests.log
 fi
@@ -77,6 +79,15 @@ for stage in $STAGES; do
         tar czf $OUT/results.tgz -C $R .
       done ;;
     long) PROMPT=32768 GEN=4 bench 24-64-32k 24GiB 64GiB ;;
+    speculation)
+      for b in ${SPEC_BUDGETS:-$BUDGETS}; do
+        eval "set -- $(budget $b)"
+        echo "== speculation $b at $(( $(date +%s) - start )) s"
+        timeout ${BENCH_TIMEOUT:-300} python3 -m flashpack.runtime.bench.speculation $W/full.pack --device cuda \
+          ${1:+--vram-budget $1} ${2:+--ram-budget $2} --emulate-layers 48 --hot-set '*' --prompt-len $PROMPT \
+          --gen ${SPEC_GEN:-64} --json $R/speculation-$b.json 2>&1 | grep -vE "^alpha" | tail -22
+        tar czf $OUT/results.tgz -C $R .
+      done ;;
     presets)
       bench 8-32-control 8GiB 32GiB
       for p in $PRESETS; do bench 8-32-$p 8GiB 32GiB --preset $p; done

@@ -57,7 +57,13 @@ class Sampler:
         """float [vocab] -> token id."""
         if self.params.greedy:
             return int(torch.argmax(logits))
-        probs = filtered_probabilities(logits.float(), self.params)
+        return self.draw(self.probabilities(logits))
+
+    def probabilities(self, logits: torch.Tensor) -> torch.Tensor:
+        """float [vocab] -> the distribution a token is drawn from (temperature, top-k, top-p)."""
+        return filtered_probabilities(logits.float(), self.params)
+
+    def draw(self, probs: torch.Tensor) -> int:
         return int(torch.multinomial(probs, 1, generator=self.generator))
 
 

@@ -6,9 +6,15 @@
       attention[l]      QSA layer l: roped K/V, raw indexer keys, pooled block keys;
                         MTP layers sit at l = num_hidden_layers + j, their length is the MTP position
       ple[l]            PLE layer l: last ngram_size - 1 tokens (CPU) + dilated-conv input tail
+      mtp_input         the last position's pre-final-mixer streams, while the MTP head is run: its
+                        input for the pair (streams, next token) whose token is not chosen yet
 
 `snapshot()` returns a deep copy; `restore(snapshot)` copies it back (the snapshot stays usable),
-which is what prompt reuse and speculative rollback build on. Attention buffers grow by doubling,
+which is what prompt reuse builds on. Speculative verification rolls back without a copy of the
+whole state: `track()` before a step of a few tokens makes each layer keep what it needs to stand
+after any of them (DeltaNet's recurrent state after each token and its conv window, PLE's token
+history and conv window; attention caches only need their length), and `rewind(kept)` after the
+step returns every part to just after the step's first `kept` tokens. Attention buffers grow by doubling,
 so appending one token costs O(1) amortised, never a copy of the whole prefix. They start zeroed
 and are restored in place when they have room, because CUDA-graph decode reads them whole
 (masked past the length) at fixed addresses.
@@ -27,18 +33,40 @@ from flashpack.layout.model_config import TextConfig
 class DeltaNetState:
     conv: torch.Tensor  # [2 * key_dim + value_dim, conv_kernel - 1] pre-conv q/k/v inputs
     recurrent: torch.Tensor  # [value_heads, key_head_dim, value_head_dim], fp32
+    # while tracked (SequenceState.track): the step's recurrent state after each of its tokens
+    # [T, ...] and its conv window [C, conv_kernel - 1 + T] (the tail before the step, then its inputs)
+    tracked: bool = False
+    positions: torch.Tensor | None = None
+    window: torch.Tensor | None = None
 
     def copy(self) -> "DeltaNetState":
         return DeltaNetState(self.conv.clone(), self.recurrent.clone())
+
+    def rewind(self, kept: int) -> None:
+        if self.positions is not None:
+            self.recurrent.copy_(self.positions[kept - 1])
+            self.conv.copy_(self.window[:, kept:kept + self.conv.shape[1]])
+        self.tracked, self.positions, self.window = False, None, None
 
 
 @dataclass
 class PLEState:
     context: torch.Tensor  # int64 [ngram_size - 1] on CPU, EOS before the first token
     conv: torch.Tensor  # [hc * H, (ple_conv_kernel - 1) * ngram_size]
+    # while tracked: the context then the step's tokens [ngram_size - 1 + T], and the conv window
+    tracked: bool = False
+    history: torch.Tensor | None = None
+    window: torch.Tensor | None = None
 
     def copy(self) -> "PLEState":
         return PLEState(self.context.clone(), self.conv.clone())
+
+    def rewind(self, kept: int) -> None:
+        if self.history is not None:
+            self.context = self.history[kept:kept + self.context.shape[0]].clone()
+        if self.window is not None:
+            self.conv.copy_(self.window[:, kept:kept + self.conv.shape[1]])
+        self.tracked, self.history, self.window = False, None, None
 
 
 class AttentionCache:
@@ -89,6 +117,13 @@ class AttentionCache:
         """Count `new` tokens written in place (by a decode graph) and the blocks they complete."""
         self.length += new
         self.blocks = self.length // self.ratio
+
+    def truncate(self, length: int) -> None:
+        """Forget the tokens from `length` on (and the blocks they completed); their entries are
+        overwritten by the next ones written."""
+        if length < self.length:
+            self.length = length
+            self.blocks = min(self.blocks, length // self.ratio)
 
     def append(self, keys: torch.Tensor, values: torch.Tensor, index_keys: torch.Tensor) -> None:
         """keys, values [kv_heads, T, head_dim]; index_keys [T, index_dim]."""
@@ -182,6 +217,8 @@ class SequenceState:
     deltanet: dict[int, DeltaNetState]
     attention: dict[int, AttentionCache]
     ple: dict[int, PLEState]
+    mtp_input: torch.Tensor | None = None  # [1, hc * H]
+    _tracked_from: tuple[int, dict[int, int]] | None = None  # (position, attention lengths) at track()
 
     @classmethod
     def empty(cls, cfg: TextConfig, dtype: torch.dtype, device: torch.device | str) -> "SequenceState":
@@ -217,6 +254,26 @@ class SequenceState:
         for cache in self.attention.values():
             cache.reserve(tokens)
 
+    def track(self) -> None:
+        """Keep, through the next step, what `rewind` needs to stand after any of its tokens."""
+        self._tracked_from = (self.position, {layer: cache.length for layer, cache in self.attention.items()})
+        for part in (*self.deltanet.values(), *self.ple.values()):
+            part.tracked = True
+
+    def rewind(self, kept: int) -> None:
+        """After a tracked step: back to just after its first `kept` tokens (1 <= kept <= its length).
+        Attention caches the step did not write (the MTP head's) stay as they are."""
+        if self._tracked_from is None:
+            raise RuntimeError("rewind without a tracked step")
+        position, lengths = self._tracked_from
+        if not 1 <= kept <= self.position - position:
+            raise ValueError(f"rewind keeps 1..{self.position - position} tokens of the step, not {kept}")
+        for part in (*self.deltanet.values(), *self.ple.values()):
+            part.rewind(kept)
+        for layer, cache in self.attention.items():
+            cache.truncate(lengths[layer] + kept)
+        self.position, self._tracked_from = position + kept, None
+
     def snapshot(self) -> "SequenceState":
         """A deep copy, independent of this state from now on."""
         return SequenceState(
@@ -224,6 +281,7 @@ class SequenceState:
             deltanet={layer: s.copy() for layer, s in self.deltanet.items()},
             attention={layer: s.copy() for layer, s in self.attention.items()},
             ple={layer: s.copy() for layer, s in self.ple.items()},
+            mtp_input=None if self.mtp_input is None else self.mtp_input.clone(),
         )
 
     def restore(self, snapshot: "SequenceState") -> None:
@@ -233,6 +291,7 @@ class SequenceState:
         room), so CUDA graphs captured against them (runtime/engine/decode_graphs.py) stay valid
         across a rollback."""
         self.position = snapshot.position
+        self.mtp_input = None if snapshot.mtp_input is None else snapshot.mtp_input.to(self._device(), copy=True)
         for layer, saved in snapshot.deltanet.items():
             self.deltanet[layer].conv.copy_(saved.conv)
             self.deltanet[layer].recurrent.copy_(saved.recurrent)
@@ -250,10 +309,15 @@ class SequenceState:
                       for layer, s in self.deltanet.items()},
             attention={layer: cache.to(device, pin) for layer, cache in self.attention.items()},
             ple={layer: PLEState(s.context.clone(), _moved(s.conv, device, pin)) for layer, s in self.ple.items()},
+            mtp_input=None if self.mtp_input is None else _moved(self.mtp_input, device, pin),
         )
+
+    def _device(self) -> torch.device:
+        return next(iter(self.attention.values())).keys.device
 
     def nbytes(self) -> int:
         tensors = [t for s in self.deltanet.values() for t in (s.conv, s.recurrent)]
+        tensors += [] if self.mtp_input is None else [self.mtp_input]
         tensors += [t for s in self.ple.values() for t in (s.context, s.conv)]
         return sum(t.numel() * t.element_size() for t in tensors) + sum(c.nbytes() for c in self.attention.values())
 

@@ -25,10 +25,12 @@ from flashpack.runtime.engine.engine import Engine
 from flashpack.runtime.engine.expert_paths import BankExperts, Prediction, StoreExperts, routed_experts
 from flashpack.runtime.engine.generate import Generator
 from flashpack.runtime.engine.prefix_cache import PrefixCache
+from flashpack.runtime.engine.drafters import LookupDrafter, MTPDrafter
 from flashpack.runtime.engine.speculative import SpeculativeDecoder
 from flashpack.runtime.engine.step import Step
 from flashpack.runtime.experts import ExpertFetcher
 from flashpack.runtime.model.model import Qwen4ExpModel
+from flashpack.runtime.model.mtp import MTPHead
 from flashpack.runtime.pack_source import PackExperts, PackWeights
 from flashpack.runtime.store.budget import parse_budget
 from flashpack.runtime.store.config import StoreConfig
@@ -85,6 +87,7 @@ def load_engine(
     device = parse_device(config.device)
     dtype = parse_dtype(config.dtype, device)
     store = None
+    mtp = runs_mtp(pack, config)
     through_store = fetcher is None and uses_store(config, device)
     states_ram = prompt_cache_bytes(config, device, through_store)
     if fetcher is not None:
@@ -96,7 +99,8 @@ def load_engine(
             pack, config.store, device, dtype=dtype,
             # staging rows whether or not graphs run: a budget gives the same store either way
             allow_resident=device.type == "cuda", staging=device.type == "cuda",
-            layers=list(range(cfg.num_hidden_layers)),  # the engine runs no MTP head
+            # the MTP head's experts are one more layer of the store's, where it runs
+            layers=list(range(cfg.num_hidden_layers + (cfg.mtp_num_hidden_layers if mtp else 0))),
             host_reserved=states_ram if config.prompt_cache_ram is None and device.type == "cuda" else 0,
         )
     else:
@@ -110,9 +114,38 @@ def load_engine(
         graphs = engine_graphs(model, config)
     step = Step(model, graphs)
     tokenizer = PackTokenizer.load(pack.root)
-    speculation = SpeculativeDecoder(step, config.draft_tokens) if config.speculate == "lookup" else None
+    speculation = _speculation(step, model, PackWeights(pack), config, mtp)
     generator = Generator(step, tokenizer, prefix_cache=_prefix_cache(pack, config, states_ram), speculation=speculation)
     return Engine(pack, config, model, step, tokenizer, generator, store)
+
+
+def has_mtp(pack: Pack) -> bool:
+    """Whether the pack carries the MTP head (its dense weights and its layers' expert records)."""
+    cfg = pack.manifest.config
+    if cfg.mtp_num_hidden_layers < 1 or "mtp.fc_hidden.weight" not in pack.manifest.dense_tensors():
+        return False
+    return any(record.layer == cfg.num_hidden_layers for record in pack.manifest.expert_records())
+
+
+def runs_mtp(pack: Pack, config: EngineConfig) -> bool:
+    """Whether the engine drafts with the MTP head: `mtp` asks for it (a pack without one is an
+    error), `auto` takes it where the pack has one."""
+    if config.speculate not in ("mtp", "auto"):
+        return False
+    found = has_mtp(pack)
+    if config.speculate == "mtp" and not found:
+        raise FlashpackError("--speculate mtp: the pack has no MTP head (convert a checkpoint that has one)")
+    return found
+
+
+def _speculation(step: Step, model: Qwen4ExpModel, weights: WeightSource, config: EngineConfig, mtp: bool
+                 ) -> SpeculativeDecoder | None:
+    """The drafters `config.speculate` names: lookup first (cheap, and right where the context
+    repeats), then the MTP head."""
+    drafters = [LookupDrafter()] if config.speculate in ("lookup", "auto") else []
+    if mtp:
+        drafters.append(MTPDrafter(MTPHead(model, weights)))
+    return SpeculativeDecoder(step, drafters, config.draft_tokens) if drafters else None
 
 
 def _prefix_cache(pack: Pack, config: EngineConfig, states_ram: int) -> PrefixCache | None:

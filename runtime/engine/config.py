@@ -17,6 +17,10 @@ DTYPES = ("auto", "bfloat16", "bf16", "float32", "fp32")
 EXPERT_SOURCES = ("auto", "store", "pack")
 
 
+SPECULATE = ("auto", "mtp", "lookup", "off")
+MAX_DRAFT_TOKENS = 16  # a checked step's positions stay a decode's few (DeltaNet runs them one by one)
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     # "cpu", "cuda" or "cuda:N".
@@ -70,11 +74,12 @@ class EngineConfig:
     prompt_cache_dir: str | None = None
     # The stored entries' disk budget, least recently used removed first.
     prompt_cache_disk: str | int = "20GiB"
-    # Speculative decoding of greedy requests (runtime/engine/speculative.py): "lookup" drafts by prompt
-    # lookup and checks the drafts in one step, while measured tokens per second say it pays; "off"
-    # decodes one token a step. Off by default until the MTP drafter and a GPU measurement of the
-    # policy are in: on a CPU a checked step costs about as many experts' work as its positions.
-    speculate: str = "off"
+    # Speculative decoding (runtime/engine/speculative.py) of requests without a grammar or
+    # log-probabilities: drafts checked in one step, lossless, while measured tokens per second say
+    # it pays. "lookup" drafts by prompt lookup, "mtp" with the pack's MTP head, "auto" both
+    # (lookup where the context repeats itself, the MTP head where the pack has one), "off" decodes
+    # one token a step.
+    speculate: str = "auto"
     # Drafts a speculative step checks at most.
     draft_tokens: int = 4
     store: StoreConfig = field(default_factory=StoreConfig)
@@ -82,8 +87,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise FlashpackError(f"unknown dtype {self.dtype!r}: use one of {', '.join(DTYPES)}")
-        if self.speculate not in ("off", "lookup"):
-            raise FlashpackError(f"unknown drafter {self.speculate!r}: use off or lookup")
+        if self.speculate not in SPECULATE:
+            raise FlashpackError(f"unknown drafter {self.speculate!r}: use one of {', '.join(SPECULATE)}")
         if self.experts not in EXPERT_SOURCES:
             raise FlashpackError(f"unknown expert source {self.experts!r}: use one of {', '.join(EXPERT_SOURCES)}")
         minimums = {"layers_per_graph": 1, "staging_programs": 1, "graphs_min_layer_tokens": 0,
@@ -92,6 +97,8 @@ class EngineConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < least:
                 raise FlashpackError(f"engine {name} must be a whole number of at least {least}, got {value!r}")
+        if self.draft_tokens > MAX_DRAFT_TOKENS:
+            raise FlashpackError(f"engine draft_tokens must be at most {MAX_DRAFT_TOKENS}, got {self.draft_tokens}")
         parse_budget(self.prompt_cache_ram, "prompt_cache_ram")
         parse_budget(self.prompt_cache_disk, "prompt_cache_disk")
         if not isinstance(self.store, StoreConfig):

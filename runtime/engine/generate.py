@@ -117,7 +117,14 @@ class Generator:
         cached = 0
         if self.prefix_cache is not None and not whole_prompt:
             cached = self.prefix_cache.restore_longest(prompt_ids, state)
-        logits, streams = self._prefill(prompt_ids, state, cached, checkpoints, keep_streams=whole_prompt)
+        # a seeded sampled request repeats exactly only if its draws do not depend on which steps the
+        # policy checked: it decodes one token a step
+        speculative = constraint is None and logprobs is None and (params.greedy or params.seed is None)
+        speculation = self.speculation if speculative else None
+        if speculation is not None:
+            speculation.start(prompt_ids)
+        logits, streams = self._prefill(prompt_ids, state, cached, checkpoints, keep_streams=whole_prompt,
+                                        observe=None if speculation is None else speculation.observe)
         if whole_prompt:
             yield GenerationEvent("", prompt_logprobs=prompt_logprobs(self.step, streams, prompt_ids, logprobs.top_n))
         # sampled where the logits are: on a GPU only the token id comes back (a top-p cut sorts the
@@ -126,12 +133,13 @@ class Generator:
         generated, first_token_seconds = 0, 0.0
         finish, stop_logprob = "length", None
         fed: list[int] = []  # generated tokens the state has consumed
-        speculating = (self.speculation is not None and params.temperature == 0 and constraint is None
-                       and logprobs is None)
-        verified: deque[int] = deque()  # accepted drafts: consumed by the state, still to be emitted
+        # tokens a checked step chose: its accepted drafts (consumed by the state) and the token after
+        # them (not consumed), still to be emitted
+        chosen: deque[tuple[int, bool]] = deque()
         while True:
-            if verified:
-                token, raw = verified.popleft(), None
+            raw, consumed = None, False
+            if chosen:
+                token, consumed = chosen.popleft()
             else:
                 raw = logits  # the unmodified model's: what logprobs report
                 if constraint is not None:
@@ -160,17 +168,19 @@ class Generator:
             if cancelled():
                 finish = "cancelled"
                 break
-            if raw is None:  # a verified draft: the state has it, and the logits after the last one
+            if consumed:  # an accepted draft: the state has it
                 continue
             room = min(params.max_tokens - generated, limit - len(prompt_ids) - generated - 1)
-            drafts = self.speculation.draft(prompt_ids + fed + [token], room) if speculating else []
-            if drafts:
-                logits, accepted = self.speculation.verify(token, drafts, state)
-                verified.extend(accepted)
+            draft = speculation.draft(token, state, room) if speculation is not None else None
+            if draft is not None:
+                accepted, following = speculation.verify(token, draft, state, sampler)
+                chosen.extend([(t, True) for t in accepted] + [(following, False)])
                 fed += [token, *accepted]
                 continue
-            one = lambda: self.step.forward(torch.tensor([token]), state, last_only=True)  # noqa: E731
-            logits = (self.speculation.plain_step(one) if speculating else one()).logits[-1]
+            out = self.step.forward(torch.tensor([token]), state, last_only=True)
+            if speculation is not None:
+                speculation.observe([token], out.streams, state)
+            logits = out.logits[-1]
             fed.append(token)
         if self.prefix_cache is not None and fed:
             self.prefix_cache.save(prompt_ids + fed, state)
@@ -178,11 +188,12 @@ class Generator:
                    "cached_tokens": cached}
         yield GenerationEvent(stops.flush(), None, finish, timings, logprob=stop_logprob)
 
-    def _prefill(self, prompt_ids: list[int], state, start: int, checkpoints: Sequence[int], keep_streams: bool
-                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _prefill(self, prompt_ids: list[int], state, start: int, checkpoints: Sequence[int], keep_streams: bool,
+                 observe: Callable | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Prefill prompt_ids[start:] in segments ending at each checkpoint (with a prefix cache) and
-        at the prompt's end, saving the state after each. Returns the last position's logits and,
-        with `keep_streams`, the streams of the prefilled positions."""
+        at the prompt's end, saving the state after each (`observe(tokens, streams, state)` sees
+        each segment first: the MTP head catches up). Returns the last position's logits and, with
+        `keep_streams`, the streams of the prefilled positions."""
         ends, last = [], start
         if self.prefix_cache is not None:  # a segment a checkpoint, each worth a forward of its own
             inner = sorted(end for end in set(checkpoints) if start < end < len(prompt_ids))
@@ -197,6 +208,8 @@ class Generator:
         streams, logits = [], None
         for end in ends:
             out = self.step.forward(torch.tensor(prompt_ids[start:end]), state, last_only=True)
+            if observe is not None:
+                observe(prompt_ids[start:end], out.streams, state)
             if keep_streams:
                 streams.append(out.streams)
             logits, start = out.logits[-1], end

@@ -1,129 +1,204 @@
-"""Speculative decoding, greedy and lossless: drafts checked in one step of the model.
+"""Speculative decoding, lossless: drafts checked in one step of the model.
 
-After a token is chosen, a drafter proposes up to k tokens that may follow it; the token and its
-drafts go through the model as one step of k + 1 positions, whose logits say at each position what
-greedy decoding would choose. Drafts are accepted while they equal those choices; the first choice
-that differs (or the one after the last draft) is the next token, exactly as one-token steps would
-have chosen it. A step reads the dense weights once and each layer fetches the union of the
-positions' experts once, where one-token steps read them k + 1 times.
+After a token is chosen, a drafter (drafters.py) proposes up to k tokens that may follow it; the
+token and its drafts go through the model as one step of k + 1 positions, whose logits say at each
+position what decoding would choose. A step reads the dense weights once and each layer fetches
+the union of the positions' experts once, where one-token steps read them k + 1 times.
 
-Drafter: prompt lookup (runtime/prompt_lookup.py), the continuation of the most recent earlier
-occurrence of the context's last n-gram: edits, refactors and quoted code repeat their context.
-Where nothing matches no step is speculative.
+Acceptance: greedy, drafts are accepted while they equal the argmax, and the first argmax that
+differs (or the one after the last draft) is the next token, exactly as one-token steps would have
+chosen it. Sampling, each draft passes the rejection rule (rejection.py) against the request's
+filtered distribution, and the first rejection draws the next token from the residual: the output
+is distributed as the model's own sampling. Speculation runs for requests without a constraint or
+log-probabilities, greedy or sampled without a seed (a seeded request repeats exactly only if its
+random draws do not depend on which steps were checked); others decode one token a step.
 
-Rollback: the state is copied before a step with drafts (SequenceState.snapshot: DeltaNet recurrent
-and conv states, QSA keys, PLE context and conv tails); where a draft is rejected the copy is
-restored and the accepted tokens run again as one step. (Keeping per-position states in the step,
-so a rejection costs no second run, is the next change; its cost has to be measured first.)
-Speculation runs for greedy requests without a constraint or log-probabilities; other requests
-decode one token a step.
+Rollback without recompute: the state is tracked through a checked step (SequenceState.track:
+DeltaNet's recurrent state after each position and its conv window, PLE's history and conv window,
+the attention lengths), and `rewind` puts every part just after the last accepted token. No copy
+of the whole state is taken and nothing runs again.
 
-Policy: speculation pays where a step of k + 1 positions costs little more than a step of one (on a
-GPU a step reads the dense weights once either way), and not where every position brings its own
-experts' work (on a CPU, or a budget that streams experts from disk). So the decoder keeps running
-means of a one-token step's time, of a checked step's time (its rollback included) and of the
-tokens a checked step yields, and drafts only while tokens per second checked beat tokens per
-second plain; after a loss it waits BACKOFF_TOKENS plain tokens before trying again.
+Policy: a drafter is used while its checked steps yield more tokens a second than plain steps.
+Each step's cost is the time from one choice of the next token to the next (drafting, the step,
+rollback and emitting its tokens included), kept as running means per kind: plain, and each
+drafter's steps with the tokens they yield. Drafters are asked in order (prompt lookup where the
+context repeats itself, then the MTP head); one that loses to plain steps rests BACKOFF_TOKENS
+tokens, twice as long after each further loss (up to MAX_BACKOFF_TOKENS), so a budget where
+speculation never pays tries it rarely. Until a plain step has been timed, none is checked.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 
-from flashpack.runtime.prompt_lookup import propose
+from flashpack.runtime.engine.drafters import Drafter
+from flashpack.runtime.engine.rejection import accept_or_resample
+from flashpack.runtime.state import SequenceState
 
-DRAFTERS = ("off", "lookup")
-BACKOFF_TOKENS = 32  # plain tokens before speculation is tried again after it lost
+BACKOFF_TOKENS = 32  # tokens a drafter rests after its checked steps lost to plain ones
+MAX_BACKOFF_TOKENS = 1024
 _WEIGHT = 0.2  # of the newest measurement in each running mean
+PLAIN = "plain"
 
 
 @dataclass
 class SpeculationStats:
-    steps: int = 0  # steps with drafts
+    steps: int = 0  # checked steps
     drafted: int = 0
     accepted: int = 0
-    accepted_at: list[int] = field(default_factory=list)  # steps whose draft i was accepted, by i
-    rollbacks: int = 0
+    accepted_at: list[int] = field(default_factory=list)  # checked steps whose draft i was accepted, by i
+    drafted_at: list[int] = field(default_factory=list)  # checked steps with a draft i, by i
+    rollbacks: int = 0  # checked steps with a rejected draft
+    plain_steps: int = 0
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
     rollback_seconds: float = 0.0
+    by_drafter: dict[str, dict[str, int]] = field(default_factory=dict)  # name -> steps, drafted, accepted
 
     def to_dict(self) -> dict:
-        found = dict(self.__dict__)
+        found = {name: value for name, value in self.__dict__.items()}
         found["tokens_per_step"] = (self.steps + self.accepted) / self.steps if self.steps else 0.0
         found["acceptance"] = self.accepted / self.drafted if self.drafted else 0.0
+        found["acceptance_at"] = [a / d if d else 0.0 for a, d in zip(self.accepted_at, self.drafted_at)]
         return found
+
+    def count(self, drafter: str, drafted: int, accepted: int) -> None:
+        self.steps += 1
+        self.drafted += drafted
+        self.accepted += accepted
+        self.rollbacks += accepted < drafted
+        for name, positions in (("drafted_at", drafted), ("accepted_at", accepted)):
+            counts = getattr(self, name)
+            counts.extend([0] * (drafted - len(counts)))
+            for position in range(positions):
+                counts[position] += 1
+        mine = self.by_drafter.setdefault(drafter, {"steps": 0, "drafted": 0, "accepted": 0})
+        mine["steps"] += 1
+        mine["drafted"] += drafted
+        mine["accepted"] += accepted
+
+
+@dataclass
+class _Pace:
+    """Running means of one kind of step: its seconds and the tokens it yields."""
+    seconds: float | None = None
+    tokens: float | None = None
+    resting: int = 0  # tokens still to go before this drafter is asked again
+    backoff: int = BACKOFF_TOKENS
+
+    def add(self, seconds: float, tokens: int) -> None:
+        self.seconds = _mean(self.seconds, seconds)
+        self.tokens = _mean(self.tokens, tokens)
+
+    def rate(self) -> float:
+        return self.tokens / self.seconds if self.seconds else float("inf")
+
+
+@dataclass
+class Draft:
+    tokens: list[int]
+    drafter: str
 
 
 @dataclass
 class SpeculativeDecoder:
     step: object  # runtime.engine.step.Step
+    drafters: Sequence[Drafter]  # asked in this order
     draft_tokens: int = 4  # k: drafts a step checks at most
-    ngram: int = 3  # the longest context suffix prompt lookup matches (down to 1 token)
+    policy: bool = True  # False: every proposal is checked (benchmarks, tests)
     stats: SpeculationStats = field(default_factory=SpeculationStats)
-    _plain_seconds: float | None = None  # running means: a one-token step,
-    _checked_seconds: float | None = None  # a checked step (its rollback included),
-    _checked_tokens: float | None = None  # the tokens a checked step yields
-    _waiting: int = 0  # plain tokens still to go before drafting again
+    _paces: dict[str, _Pace] = field(default_factory=dict)
+    _since: tuple[str, float] | None = None  # the kind of the step under way, and when it was chosen
+    _yielded: int = 1  # tokens the step under way yields
 
-    def draft(self, context: list[int], room: int) -> list[int]:
-        """Up to min(k, room) tokens that may follow `context`, or none while the policy says
-        drafting does not pay."""
-        if room < 1 or self._waiting > 0:
-            self._waiting = max(self._waiting - 1, 0)
-            return []
-        start = time.perf_counter()
-        drafts = propose(context, self.ngram, min(self.draft_tokens, room))
-        self.stats.draft_seconds += time.perf_counter() - start
-        return drafts
+    def start(self, prompt_ids: Sequence[int]) -> None:
+        """A new sequence: drafters index its prompt."""
+        for drafter in self.drafters:
+            drafter.start(prompt_ids)
+        self._since = None
 
-    def verify(self, token: int, drafts: list[int], state) -> tuple[torch.Tensor, list[int]]:
-        """Run `token` and its `drafts` as one step on `state`; returns the logits after the last
-        accepted token and the accepted drafts. `state` then holds token + accepted drafts."""
+    def observe(self, tokens: Sequence[int], streams: torch.Tensor, state: SequenceState) -> None:
+        """The backbone consumed `tokens` (a prefill segment or a plain step) with these streams."""
+        for drafter in self.drafters:
+            drafter.observe(tokens, streams, state)
+
+    def draft(self, token: int, state: SequenceState, room: int) -> Draft | None:
+        """`token` was chosen and is next to be consumed: up to min(k, room) drafts to check with it,
+        or None (a plain step) where nothing is proposed or the policy says it does not pay."""
+        now = time.perf_counter()
+        self._settle_pace(now)
+        for drafter in self.drafters:
+            drafter.extend([token])
+        kind, found = PLAIN, None
+        if room >= 1 and (not self.policy or PLAIN in self._paces):  # a plain step is timed first
+            for drafter in self.drafters:
+                pace = self._paces.setdefault(drafter.name, _Pace())
+                if self.policy and pace.resting > 0:
+                    pace.resting -= 1
+                    continue
+                tokens = drafter.propose(token, state, min(self.draft_tokens, room))
+                if tokens:
+                    kind, found = drafter.name, Draft(tokens, drafter.name)
+                    break
+        self.stats.draft_seconds += time.perf_counter() - now
+        self._since, self._yielded = (kind, now), 1
+        if kind == PLAIN:
+            self.stats.plain_steps += 1
+        return found
+
+    def verify(self, token: int, draft: Draft, state: SequenceState, sampler) -> tuple[list[int], int]:
+        """Run `token` and the drafts as one step on `state`; returns the accepted drafts and the token
+        that follows them (chosen by `sampler`'s rule). `state` then holds token + accepted drafts."""
         start = time.perf_counter()
-        saved = state.snapshot()
+        drafts = draft.tokens
+        state.track()
         out = self.step.forward(torch.tensor([token, *drafts]), state)
-        choices = out.logits.argmax(dim=-1).tolist()
-        accepted = 0
-        while accepted < len(drafts) and choices[accepted] == drafts[accepted]:
-            accepted += 1
-        self.stats.verify_seconds += time.perf_counter() - start
-        self._count(len(drafts), accepted)
-        logits = out.logits[-1]
-        if accepted < len(drafts):
-            rolled = time.perf_counter()
-            state.restore(saved)  # back to before the step, then the accepted part again
-            logits = self.step.forward(torch.tensor([token, *drafts[:accepted]]), state, last_only=True).logits[-1]
-            self.stats.rollbacks += 1
-            self.stats.rollback_seconds += time.perf_counter() - rolled
-        self._judge(time.perf_counter() - start, 1 + accepted)
-        return logits, drafts[:accepted]
+        accepted, following = self._accept(out.logits, drafts, sampler)
+        checked = time.perf_counter()
+        self.stats.verify_seconds += checked - start
+        kept = 1 + accepted
+        state.rewind(kept)
+        self.stats.rollback_seconds += time.perf_counter() - checked
+        self.stats.count(draft.drafter, len(drafts), accepted)
+        for drafter in self.drafters:
+            drafter.observe([token, *drafts[:accepted]], out.streams[:kept], state)
+            drafter.extend(drafts[:accepted])
+        self._yielded = kept
+        return drafts[:accepted], following
 
-    def plain_step(self, forward):
-        """Run a one-token step (`forward()`), timing it for the policy."""
-        start = time.perf_counter()
-        out = forward()
-        self._plain_seconds = _mean(self._plain_seconds, time.perf_counter() - start)
-        return out
+    @staticmethod
+    def _accept(logits: torch.Tensor, drafts: list[int], sampler) -> tuple[int, int]:
+        """(drafts accepted, the token after them) from the step's logits [k + 1, vocab]."""
+        if sampler.params.greedy:
+            choices = logits.argmax(dim=-1).tolist()  # the step's one read-back
+            accepted = 0
+            while accepted < len(drafts) and choices[accepted] == drafts[accepted]:
+                accepted += 1
+            return accepted, choices[accepted]
+        for position, drafted in enumerate(drafts):
+            ok, token = accept_or_resample(sampler.probabilities(logits[position]), drafted, None, sampler.generator)
+            if not ok:
+                return position, token
+        return len(drafts), sampler.draw(sampler.probabilities(logits[len(drafts)]))
 
-    def _judge(self, seconds: float, tokens: int) -> None:
-        self._checked_seconds = _mean(self._checked_seconds, seconds)
-        self._checked_tokens = _mean(self._checked_tokens, tokens)
-        if self._plain_seconds is not None and self._checked_tokens / self._checked_seconds < 1 / self._plain_seconds:
-            self._waiting = BACKOFF_TOKENS
-
-    def _count(self, drafted: int, accepted: int) -> None:
-        stats = self.stats
-        stats.steps += 1
-        stats.drafted += drafted
-        stats.accepted += accepted
-        while len(stats.accepted_at) < drafted:
-            stats.accepted_at.append(0)
-        for position in range(accepted):
-            stats.accepted_at[position] += 1
+    def _settle_pace(self, now: float) -> None:
+        """Charge the step under way (chosen at `self._since`) with the time until now."""
+        if self._since is None:
+            return
+        kind, began = self._since
+        pace = self._paces.setdefault(kind, _Pace())
+        pace.add(now - began, self._yielded)
+        plain = self._paces.get(PLAIN)
+        if kind == PLAIN or plain is None or not self.policy:
+            return
+        if pace.rate() < plain.rate():
+            pace.resting, pace.backoff = pace.backoff, min(2 * pace.backoff, MAX_BACKOFF_TOKENS)
+        else:
+            pace.backoff = BACKOFF_TOKENS
 
 
 def _mean(mean: float | None, value: float) -> float:

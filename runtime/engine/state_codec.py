@@ -2,7 +2,8 @@
 
 The tensors go through safetensors (no pickle: a file from elsewhere cannot run code), named by
 part and layer (`deltanet.3.conv`, `attention.7.keys`, `ple.0.context`, ...), with the position and
-each attention cache's length and blocks in its metadata. Only filled parts are written (a snapshot
+each attention cache's length and blocks in its metadata, and the MTP head's pending input where the
+state has one. Only filled parts are written (a snapshot
 is compact already). Decoding checks every tensor against a fresh state of the same model: a
 missing or extra part, a shape or dtype that differs, is a StateFormatError, never a state that
 would compute something else.
@@ -34,6 +35,8 @@ def encode_state(state: SequenceState) -> bytes:
                                 (cache.keys, cache.values, cache.index_keys, cache.block_keys)):
             tensors[f"attention.{layer}.{name}"] = tensor
         lengths[layer] = [cache.length, cache.blocks]
+    if state.mtp_input is not None:
+        tensors["mtp_input"] = state.mtp_input
     tensors = {name: tensor.detach().to("cpu").contiguous() for name, tensor in tensors.items()}
     return save(tensors, metadata={"position": str(state.position), "attention": json.dumps(lengths)})
 
@@ -51,6 +54,7 @@ def decode_state(data: bytes, like: SequenceState) -> SequenceState:
     expected |= {f"ple.{layer}.{name}" for layer in like.ple for name in ("context", "conv")}
     expected |= {f"attention.{layer}.{name}" for layer in like.attention
                  for name in ("keys", "values", "index_keys", "block_keys")}
+    mtp_input = tensors.pop("mtp_input", None)
     if set(tensors) != expected or set(lengths) != set(like.attention):
         missing, extra = sorted(expected - set(tensors)), sorted(set(tensors) - expected)
         raise StateFormatError(f"the stored state's parts differ from this model's (missing {missing[:3]}, extra {extra[:3]})")
@@ -70,7 +74,11 @@ def decode_state(data: bytes, like: SequenceState) -> SequenceState:
                 raise StateFormatError(f"attention layer {layer}: a part of shape {tuple(part.shape)} {part.dtype}, "
                                        f"expected {shape} {cache.keys.dtype}")
         attention[layer] = AttentionCache.filled(*parts, cache.ratio, length, blocks, cache.keys.device)
-    return SequenceState(position, deltanet, attention, ple)
+    dtype = next(iter(like.attention.values())).keys.dtype
+    if mtp_input is not None and (mtp_input.ndim != 2 or mtp_input.shape[0] != 1 or mtp_input.dtype != dtype):
+        raise StateFormatError(f"mtp_input: {tuple(mtp_input.shape)} {mtp_input.dtype}, expected (1, hc * H) {dtype}")
+    device = next(iter(like.attention.values())).keys.device
+    return SequenceState(position, deltanet, attention, ple, None if mtp_input is None else mtp_input.to(device))
 
 
 def _like(tensors: dict[str, torch.Tensor], name: str, like: torch.Tensor) -> torch.Tensor:

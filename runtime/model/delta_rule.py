@@ -44,6 +44,18 @@ def gated_delta_rule_for(device: torch.device | str, backend: str = "auto") -> C
     return plain_gated_delta_rule
 
 
+def delta_rule_positions(rule: Callable, q, k, v, g, beta, state: torch.Tensor):
+    """`rule` one token at a time: (out [T, Hv, Dv], the state after each token [T, Hv, Dk, Dv]).
+    For the few tokens of a speculative step, whose rollback needs the state after each; they are
+    the one-token computations plain decoding would have done."""
+    outs, states = [], []
+    for t in range(q.shape[0]):
+        out, state = rule(q[t:t + 1], k[t:t + 1], v[t:t + 1], g[t:t + 1], beta[t:t + 1], state)
+        outs.append(out)
+        states.append(state)
+    return torch.cat(outs), torch.stack(states)
+
+
 def plain_gated_delta_rule(q, k, v, g, beta, state: torch.Tensor):
     groups = v.shape[1] // q.shape[1]
     if groups > 1:

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from flashpack.layout.model_config import TextConfig
-from flashpack.runtime.model.delta_rule import gated_delta_rule_for
+from flashpack.runtime.model.delta_rule import delta_rule_positions, gated_delta_rule_for
 from flashpack.runtime.model.linear import DenseLinear, StackedLinear
 from flashpack.runtime.model.norms import GatedRMSNorm, activation
 from flashpack.runtime.state import DeltaNetState
@@ -50,7 +50,11 @@ class GatedDeltaNet(nn.Module):
         beta = torch.sigmoid(b)
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
 
-        out, recurrent = self.delta_rule(q, k, v, g, beta, state.recurrent)
+        if state.tracked:  # a speculative step: the state after each token, to stand after any of them
+            out, state.positions = delta_rule_positions(self.delta_rule, q, k, v, g, beta, state.recurrent)
+            recurrent = state.positions[-1]
+        else:
+            out, recurrent = self.delta_rule(q, k, v, g, beta, state.recurrent)
         state.recurrent.copy_(recurrent)  # in place: a captured CUDA graph keeps reading this buffer
         z = z.reshape(length, self.value_heads, self.value_head_dim)
         out = self.norm(out.to(x.dtype), z).reshape(length, self.value_dim)
@@ -59,6 +63,8 @@ class GatedDeltaNet(nn.Module):
     def causal_conv(self, x: torch.Tensor, state: DeltaNetState) -> torch.Tensor:
         """Depthwise causal conv + activation over x [T, C], continuing from state.conv [C, K - 1]."""
         full = torch.cat([state.conv, x.transpose(0, 1)], dim=-1)  # [C, K - 1 + T]
+        if state.tracked:
+            state.window = full
         state.conv.copy_(full[:, full.shape[1] - state.conv.shape[1]:])
         if x.shape[0] == 1:
             # One token is a K-tap dot a channel: as a product and a sum, torch.compile fuses it with

@@ -33,7 +33,7 @@ from flashpack.runtime.weights import WeightSource, load_dense
 
 @dataclass
 class DraftOutput:
-    logits: torch.Tensor  # [T, vocab]: draft distribution of the token after next
+    logits: torch.Tensor | None  # [T, vocab]: draft distribution of the token after next
     streams: torch.Tensor  # [T, hc * H]: input for the next draft step
 
 
@@ -65,10 +65,12 @@ class MTPHead(nn.Module):
     @torch.no_grad()
     def forward(
         self, streams: torch.Tensor, next_tokens: torch.Tensor, state: SequenceState, step: int = 0,
+        logits: bool = True,
     ) -> DraftOutput:
         """streams [T, hc*H] (backbone or previous draft step), next_tokens int64 [T] -> DraftOutput.
 
-        Row t pairs the streams of position q + t with the token at q + t + 1, q = self.position(state)."""
+        Row t pairs the streams of position q + t with the token at q + t + 1, q = self.position(state).
+        `logits` False: only the layer's cache is wanted (catching up), the logits are None."""
         cfg = self.config
         next_tokens = next_tokens.to(self.device)
         embedded = self.norm_embedding(F.embedding(next_tokens, self.embed_tokens))
@@ -76,5 +78,7 @@ class MTPHead(nn.Module):
         hidden = self.norm_hidden(streams).unflatten(-1, (cfg.hc_count, cfg.hidden_size))
         hidden = self.fc_hidden(hidden).flatten(-2)  # [T, hc*H]
         hidden = self.layers[step % len(self.layers)](hidden, next_tokens, state, pending=embedded)
+        if not logits:
+            return DraftOutput(logits=None, streams=hidden)
         mixed, _ = self.final_mixer.mix(hidden)
         return DraftOutput(logits=F.linear(mixed, self.lm_head), streams=hidden)

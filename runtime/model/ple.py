@@ -108,6 +108,8 @@ class PLELayer(nn.Module):
             rows = self.source.ple_rows(self.ple_index, rows).reshape(1, -1)
             return self.staging.to_device(rows.to(self.dtype), self.device)  # cast first: half the bytes to copy
         history = torch.cat([state.context, tokens])
+        if state.tracked:
+            state.history = history
         rows = self.hasher.rows(history, tokens.shape[0])  # [T, heads]
         state.context = history[history.shape[0] - state.context.shape[0]:].clone()
         unique, inverse = torch.unique(rows.flatten(), return_inverse=True)
@@ -131,6 +133,8 @@ class PLELayer(nn.Module):
     def short_conv(self, x: torch.Tensor, state: PLEState) -> torch.Tensor:
         """Dilated depthwise causal conv + SiLU over x [T, C], continuing from state.conv [C, S]."""
         full = torch.cat([state.conv, x.transpose(0, 1)], dim=-1)  # [C, S + T]
+        if state.tracked:
+            state.window = full
         state.conv.copy_(full[:, full.shape[1] - state.conv.shape[1]:])  # in place, for CUDA graphs
         out = F.conv1d(full[None], self.conv_weight, dilation=self.dilation, groups=full.shape[0])[0]
         return F.silu(out).transpose(0, 1)

@@ -117,8 +117,8 @@ def test_run_flags_reach_the_config(tiny_pack, monkeypatch):
     config = _captured(monkeypatch, ["run", str(tiny_pack), "hi", "--dtype", "float32", "--cuda-graphs", "off",
                                      *STORE_FLAGS])
     _store_flags_arrived(config)
-    assert config.cuda_graphs is False and config.device == "cpu" and config.speculate == "off"
-    assert _captured(monkeypatch, ["run", str(tiny_pack), "hi", "--speculate", "lookup"]).speculate == "lookup"
+    assert config.cuda_graphs is False and config.device == "cpu" and config.speculate == "auto"
+    assert _captured(monkeypatch, ["run", str(tiny_pack), "hi", "--speculate", "off"]).speculate == "off"
 
 
 def test_serve_flags_reach_the_config(tiny_pack, monkeypatch):

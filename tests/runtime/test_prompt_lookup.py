@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from flashpack.runtime.prompt_lookup import propose
+from flashpack.runtime.prompt_lookup import NgramIndex, propose
 
 
 def _reference(tokens: list[int], n_max: int, k: int, n_min: int = 1) -> list[int]:
@@ -72,3 +72,14 @@ def test_takes_any_sequence_of_ints():
 def test_bad_arguments_raise(n_max, k, n_min):
     with pytest.raises(ValueError):
         propose([1, 2, 1], n_max=n_max, k=k, n_min=n_min)
+
+
+def test_the_index_proposes_what_the_scan_does():
+    """NgramIndex, grown token by token, proposes exactly what `propose` finds scanning the context."""
+    rng = random.Random(0)
+    for _ in range(200):
+        tokens = [rng.randrange(5) for _ in range(rng.randrange(1, 50))]
+        index = NgramIndex(3)
+        for end in range(1, len(tokens) + 1):
+            index.extend(tokens[end - 1:end])
+            assert index.propose(4) == propose(tokens[:end], 3, 4)

@@ -1,33 +1,30 @@
 """Speculative decoding (runtime/engine/speculative.py) is lossless: greedy output with drafts checked
-in one step equals one-token decoding, with prompt lookup's own drafts, with a drafter that is always
-wrong (every step rolled back) and with one that is always right (every draft accepted); a rollback
-that skips part of the state (the control) changes the output. The policy stops drafting where a
-checked step yields fewer tokens a second than plain steps."""
+in one step equals one-token decoding, with prompt lookup's drafts, the MTP head's, a drafter that
+is always wrong (every step rolled back) and one that is always right (every draft accepted), also
+after a restored prompt state; a rollback that skips part of the state (the control) changes the
+output. The policy stops drafting where a checked step yields fewer tokens a second than plain
+steps. The rejection rule is checked on its own (test_rejection.py)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from state_controls import restore_without
 
+from flashpack.errors import FlashpackError
 from flashpack.runtime.engine import speculative
-from flashpack.runtime.engine.build import load_engine
+from flashpack.runtime.engine.build import has_mtp, load_engine
 from flashpack.runtime.engine.config import EngineConfig
+from flashpack.runtime.engine.drafters import LookupDrafter, MTPDrafter
 from flashpack.runtime.engine.speculative import SpeculativeDecoder
 from flashpack.runtime.sampling import SamplingParams
+from flashpack.runtime.state import DeltaNetState, PLEState
 
 TOKENS = 40
 
 
 @pytest.fixture(scope="module")
 def engine(tiny_pack):
-    return load_engine(tiny_pack, EngineConfig(dtype="float32", prompt_cache_ram=0))
-
-
-@pytest.fixture
-def always_drafting(monkeypatch):
-    """The policy never backs off: every step with drafts is checked."""
-    monkeypatch.setattr(speculative, "BACKOFF_TOKENS", 0)
+    return load_engine(tiny_pack, EngineConfig(dtype="float32", prompt_cache_ram=0, speculate="off"))
 
 
 def _prompt() -> list[int]:
@@ -35,60 +32,169 @@ def _prompt() -> list[int]:
     return phrase * 4  # repeated: prompt lookup has something to propose
 
 
-def _generate(engine, decoder: SpeculativeDecoder | None) -> list[int]:
+def _generate(engine, decoder: SpeculativeDecoder | None, params=SamplingParams(max_tokens=TOKENS)) -> list[int]:
     engine.generator.speculation = decoder
     try:
-        return engine.generator.generate(_prompt(), SamplingParams(max_tokens=TOKENS)).token_ids
+        return engine.generator.generate(_prompt(), params).token_ids
     finally:
         engine.generator.speculation = None
 
 
-def test_lookup_drafts_give_the_plain_greedy_output(engine, always_drafting):
+class Scripted:
+    """A drafter proposing the plain output's continuation, each token shifted by `shift` (0: right)."""
+    name = "scripted"
+
+    def __init__(self, plain: list[int], shift: int):
+        self.plain, self.shift, self.context = plain, shift, 0
+
+    def start(self, prompt_ids):
+        self.context = len(prompt_ids)
+
+    def extend(self, tokens):
+        self.context += len(tokens)
+
+    def observe(self, tokens, streams, state):
+        pass
+
+    def propose(self, token, state, k):
+        ahead = self.plain[self.context - len(_prompt()):][:k]
+        return [(t + self.shift) % 997 for t in ahead]
+
+
+def _decoder(engine, *drafters) -> SpeculativeDecoder:
+    return SpeculativeDecoder(engine.step, drafters, policy=False)
+
+
+def test_lookup_drafts_give_the_plain_greedy_output(engine):
     plain = _generate(engine, None)
-    decoder = SpeculativeDecoder(engine.step)
+    decoder = _decoder(engine, LookupDrafter())
     assert _generate(engine, decoder) == plain
-    assert decoder.stats.steps > 0
+    assert decoder.stats.steps > 0 and decoder.stats.by_drafter["lookup"]["steps"] == decoder.stats.steps
 
 
-def test_a_drafter_always_wrong_or_always_right_gives_the_plain_output(engine, always_drafting, monkeypatch):
+def test_mtp_drafts_give_the_plain_greedy_output(engine, tiny_pack):
+    from flashpack.layout.pack import Pack
+    from flashpack.runtime.model.mtp import MTPHead
+    from flashpack.runtime.pack_source import PackWeights
+
+    assert has_mtp(Pack.open(tiny_pack))
     plain = _generate(engine, None)
-    context_length = len(_prompt())
-    monkeypatch.setattr(speculative, "propose", lambda context, n, k: [(plain[len(context) - context_length] + 1) % 997] * k)
-    wrong = SpeculativeDecoder(engine.step)
+    decoder = _decoder(engine, MTPDrafter(MTPHead(engine.model, PackWeights(engine.pack))))
+    assert _generate(engine, decoder) == plain
+    assert decoder.stats.by_drafter["mtp"]["steps"] > 0
+
+
+def test_a_drafter_always_wrong_or_always_right_gives_the_plain_output(engine):
+    plain = _generate(engine, None)
+    wrong = _decoder(engine, Scripted(plain, shift=1))
     assert _generate(engine, wrong) == plain
     assert wrong.stats.accepted == 0 and wrong.stats.rollbacks == wrong.stats.steps > 0
-    monkeypatch.setattr(speculative, "propose", lambda context, n, k: plain[len(context) - context_length:][:k])
-    right = SpeculativeDecoder(engine.step)
+    right = _decoder(engine, Scripted(plain, shift=0))
     assert _generate(engine, right) == plain
     assert right.stats.accepted == right.stats.drafted > 0 and right.stats.rollbacks == 0
     assert right.stats.to_dict()["tokens_per_step"] > 3
 
 
-@pytest.mark.parametrize("skipped", ["ple", "deltanet"])
-def test_control_a_rollback_that_skips_part_of_the_state_changes_the_output(engine, always_drafting, monkeypatch,
-                                                                          skipped):
+def test_mtp_drafts_after_a_restored_prompt_state(tiny_pack):
+    """A prompt state saved while the MTP head ran carries its pending input: the follow-up that
+    restores it gets MTP drafts and the plain output."""
+    config = EngineConfig(dtype="float32", prompt_cache_ram="64MiB", speculate="mtp")
+    cached = load_engine(tiny_pack, config)
+    cached.generator.speculation.policy = False
+    first = cached.generator.generate(_prompt(), SamplingParams(max_tokens=8))
+    follow_up = _prompt() + first.token_ids + _prompt()[:10]
+    again = cached.generator.generate(follow_up, SamplingParams(max_tokens=TOKENS))
+    assert again.cached_tokens > len(_prompt())
+    steps_before = cached.generator.speculation.stats.by_drafter["mtp"]["steps"]
+    plain = load_engine(tiny_pack, EngineConfig(dtype="float32", prompt_cache_ram=0, speculate="off"))
+    assert again.token_ids == plain.generator.generate(follow_up, SamplingParams(max_tokens=TOKENS)).token_ids
+    assert steps_before > 0
+
+
+def test_tracked_steps_rewind_to_the_state_after_their_accepted_tokens(engine):
+    """rewind(kept) after a tracked step of 5 tokens equals the state after those kept tokens alone."""
+    tokens = torch.tensor(_prompt()[:5])
+    for kept in (1, 3, 5):
+        state = engine.step.new_state()
+        engine.step.forward(torch.tensor(_prompt()[5:20]), state)
+        reference = state.snapshot()
+        state.track()
+        engine.step.forward(tokens, state)
+        state.rewind(kept)
+        for token in tokens[:kept]:
+            engine.step.forward(token[None], reference)
+        assert state.position == reference.position
+        for layer, part in state.deltanet.items():
+            torch.testing.assert_close(part.recurrent, reference.deltanet[layer].recurrent, rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(part.conv, reference.deltanet[layer].conv, rtol=1e-5, atol=1e-6)
+        for layer, part in state.ple.items():
+            assert part.context.tolist() == reference.ple[layer].context.tolist()
+            torch.testing.assert_close(part.conv, reference.ple[layer].conv, rtol=1e-5, atol=1e-6)
+        for layer, cache in state.attention.items():
+            assert cache.length == reference.attention[layer].length
+
+
+@pytest.mark.parametrize("skipped", [PLEState, DeltaNetState])
+def test_control_a_rollback_that_skips_part_of_the_state_changes_the_output(engine, monkeypatch, skipped):
     plain = _generate(engine, None)
-    context_length = len(_prompt())
-    monkeypatch.setattr(speculative, "propose", lambda context, n, k: [(plain[len(context) - context_length] + 1) % 997] * k)
-    restore_without(monkeypatch, skipped)
-    assert _generate(engine, SpeculativeDecoder(engine.step)) != plain
+
+    def forget(self, kept):  # the tracked records dropped, the state left after the whole step
+        self.tracked = False
+        for name in ("positions", "window", "history"):
+            if hasattr(self, name):
+                setattr(self, name, None)
+
+    monkeypatch.setattr(skipped, "rewind", forget)
+    assert _generate(engine, _decoder(engine, Scripted(plain, shift=1))) != plain
 
 
-def test_the_policy_stops_drafting_where_checking_costs_more_than_it_yields(engine, monkeypatch):
-    decoder = SpeculativeDecoder(engine.step)
-    decoder._plain_seconds = 0.01
-    decoder._judge(1.0, 2)  # two tokens a second checked against a hundred plain
-    assert decoder.draft(_prompt(), 4) == [] and decoder._waiting == speculative.BACKOFF_TOKENS - 1
-    fast = SpeculativeDecoder(engine.step)
-    fast._plain_seconds = 1.0
-    fast._judge(1.0, 3)
-    assert fast.draft(_prompt(), 4)
+def test_sampled_requests_speculate_unless_seeded(engine):
+    """Unseeded sampling checks drafts by the rejection rule; a seeded request decodes one token a
+    step, so it repeats exactly."""
+    decoder = _decoder(engine, Scripted(_generate(engine, None), shift=0))  # the greedy output: near-certain
+    sampled = _generate(engine, decoder, SamplingParams(max_tokens=TOKENS, temperature=0.05))
+    assert decoder.stats.steps > 0 and len(sampled) == TOKENS and decoder.stats.accepted > 0
+    seeded = SamplingParams(max_tokens=TOKENS, temperature=0.8, seed=7)
+    decoder = _decoder(engine, LookupDrafter())
+    assert _generate(engine, decoder, seeded) == _generate(engine, None, seeded) and decoder.stats.steps == 0
+
+
+def test_the_policy_rests_a_drafter_that_loses_to_plain_steps(engine):
+    decoder = SpeculativeDecoder(engine.step, [LookupDrafter()])
+    decoder.start(_prompt())
+    state = engine.step.new_state()
+    assert decoder.draft(_prompt()[0], state, 4) is None  # no plain step timed yet: a plain one first
+    decoder._paces[speculative.PLAIN] = speculative._Pace(seconds=0.01, tokens=1)  # plain: 100 tokens a second
+    decoder._since, decoder._yielded = ("lookup", 0.0), 2
+    decoder._settle_pace(1.0)  # a checked step: 2 tokens in a second
+    pace = decoder._paces["lookup"]
+    assert pace.resting == speculative.BACKOFF_TOKENS and pace.backoff == 2 * speculative.BACKOFF_TOKENS
+    decoder._since = None
+    assert decoder.draft(_prompt()[1], state, 4) is None and pace.resting == speculative.BACKOFF_TOKENS - 1
 
 
 def test_speculation_is_a_setting(tiny_pack):
-    from flashpack.errors import FlashpackError
-
-    assert load_engine(tiny_pack, EngineConfig(speculate="lookup")).generator.speculation is not None
-    assert load_engine(tiny_pack, EngineConfig()).generator.speculation is None
+    assert [d.name for d in load_engine(tiny_pack, EngineConfig()).generator.speculation.drafters] == ["lookup", "mtp"]
+    assert [d.name for d in load_engine(tiny_pack, EngineConfig(speculate="lookup")).generator.speculation.drafters] == [
+        "lookup"]
+    assert load_engine(tiny_pack, EngineConfig(speculate="off")).generator.speculation is None
     with pytest.raises(FlashpackError, match="unknown drafter"):
-        EngineConfig(speculate="mtp")
+        EngineConfig(speculate="medusa")
+    with pytest.raises(FlashpackError, match="draft_tokens"):
+        EngineConfig(draft_tokens=0)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("speculate", ["lookup", "mtp", "wrong", "right"])
+def test_on_the_gpu_greedy_output_equals_plain_decoding(tiny_pack, speculate):
+    """On a GPU in BF16, decode graphs on and experts through the store: checked steps run eagerly
+    with k + 1 positions where plain steps replay one-token graphs, and still choose the same tokens."""
+    engine = load_engine(tiny_pack, EngineConfig(device="cuda", prompt_cache_ram=0,
+                                                 speculate="mtp" if speculate == "mtp" else "lookup"))
+    decoder = engine.generator.speculation
+    plain = _generate(engine, None)
+    if speculate in ("wrong", "right"):
+        decoder = _decoder(engine, Scripted(plain, shift=1 if speculate == "wrong" else 0))
+    decoder.policy = False
+    assert _generate(engine, decoder) == plain
+    assert decoder.stats.steps > 0

@@ -1,0 +1,232 @@
+"""Speculative decoding at controlled acceptance: plain greedy decode against checked steps whose
+drafts a replay drafter makes right with probability alpha per position.
+
+    python -m flashpack.runtime.bench.speculation PACK --device cuda [--vram-budget 24GiB --ram-budget 64GiB]
+        [--emulate-layers 48] [--hot-set '*'] [--alphas 0.5,0.7,0.9] [--draft-tokens 1,2,3,4] --json OUT
+
+One engine (budgets typed for the full model, scaled to the pack's layers as `flashpack bench`
+does) decodes GEN tokens greedily after a PROMPT-token prompt, one token a step: the plain time and
+the true continuation. Then for each alpha and k, the same decode with a ReplayDrafter that
+proposes, for each of the k positions independently, the true next token with probability alpha
+and a wrong one otherwise (every SpeculativeDecoder step checked, the policy off), and the output
+is checked to equal the plain one. Then each alpha once more with the policy on (k = 4): what
+`--speculate` would do, which must never be much slower than plain. Per run: seconds, tokens a
+step, the speed-up, and the experts a checked step's union needed per layer (counted in an
+untimed pass, since observing the routing reads it back). Figures at 48 layers scale the time in
+the layers: t(48) = t + (t - t_fixed) * (48 - L) / L, t_fixed the embedding and lm_head of each
+step's positions, timed alone. Writes JSON and a markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from flashpack.layout.pack import Pack
+from flashpack.runtime.bench.clock import median_seconds, synchronize
+from flashpack.runtime.bench.emulate import scaled_budgets
+from flashpack.runtime.bench.machine import machine_info
+from flashpack.runtime.bench.sizes import model_sizes
+from flashpack.runtime.bench.workload import prompt_ids
+from flashpack.runtime.engine.build import load_engine, parse_device, parse_dtype
+from flashpack.runtime.engine.config import EngineConfig
+from flashpack.runtime.engine.speculative import SpeculativeDecoder
+from flashpack.runtime.sampling import Sampler, SamplingParams
+from flashpack.runtime.store.budget import parse_budget
+from flashpack.runtime.store.config import StoreConfig
+
+
+class ReplayDrafter:
+    """Proposes the known greedy continuation `truth`, each position right with probability
+    `alpha` (seeded), else a token that is certainly wrong."""
+    name = "replay"
+
+    def __init__(self, truth: list[int], prompt_length: int, alpha: float, vocab: int, seed: int = 0):
+        self.truth, self.prompt_length, self.alpha, self.vocab = truth, prompt_length, alpha, vocab
+        self.random = random.Random(seed)
+        self.length = 0
+
+    def start(self, prompt_ids) -> None:
+        self.length = len(prompt_ids)
+
+    def extend(self, tokens) -> None:
+        self.length += len(tokens)
+
+    def observe(self, tokens, streams, state) -> None:
+        pass
+
+    def propose(self, token: int, state, k: int) -> list[int]:
+        ahead = self.truth[self.length - self.prompt_length:][:k]  # what follows `token`
+        return [t if self.random.random() < self.alpha else (t + 1) % self.vocab for t in ahead]
+
+
+def decode(engine, state, prompt: list[int], gen: int, decoder: SpeculativeDecoder | None) -> tuple[list[int], float]:
+    """Prefill `prompt`, then greedy decode until `gen` tokens are chosen: (the tokens, decode seconds)."""
+    step, device = engine.step, engine.model.device
+    state.restore(step.new_state())
+    greedy = Sampler(SamplingParams(), device=device)
+    if decoder is not None:
+        decoder.start(prompt)
+    out = step.forward(torch.tensor(prompt), state, last_only=True)
+    if decoder is not None:
+        decoder.observe(prompt, out.streams, state)
+    tokens = [int(out.logits[-1].argmax())]
+    synchronize(device)
+    start = time.perf_counter()
+    while len(tokens) < gen:
+        token = tokens[-1]
+        draft = decoder.draft(token, state, gen - len(tokens)) if decoder is not None else None
+        if draft is not None:
+            accepted, following = decoder.verify(token, draft, state, greedy)
+            tokens += [*accepted, following]
+            continue
+        out = step.forward(torch.tensor([token]), state, last_only=True)
+        if decoder is not None:
+            decoder.observe([token], out.streams, state)
+        tokens.append(int(out.logits[-1].argmax()))
+    synchronize(device)
+    return tokens[:gen], time.perf_counter() - start
+
+
+def union_experts(engine, state, prompt, gen, decoder) -> float | None:
+    """Mean experts a checked step's layer needed (the union of its positions' picks), untimed."""
+    sizes = []
+
+    def observer(layer, ids):
+        if ids.shape[0] > 1 and ids.shape[0] <= decoder.draft_tokens + 1:
+            sizes.append(int(ids.unique().numel()))
+
+    engine.model.observe_routing(observer)
+    try:
+        decode(engine, state, prompt, gen, decoder)
+    finally:
+        engine.model.observe_routing(None)
+    return statistics.mean(sizes) if sizes else None
+
+
+def fixed_step_seconds(model, positions: int) -> float:
+    """Embedding and lm_head of a step of `positions` tokens, timed alone."""
+    tokens = torch.zeros(positions, dtype=torch.long, device=model.device)
+    return median_seconds(lambda: model.logits(model.embed(tokens).repeat(1, model.config.hc_count)), model.device)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("pack")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--vram-budget")
+    parser.add_argument("--ram-budget")
+    parser.add_argument("--hot-set", help="pre-warm the tiers from this profile ('*': every record)")
+    parser.add_argument("--emulate-layers", type=int, help="the full model's decoder layers, for budgets and scaling")
+    parser.add_argument("--prompt-len", type=int, default=512)
+    parser.add_argument("--gen", type=int, default=64)
+    parser.add_argument("--alphas", default="0.5,0.7,0.9")
+    parser.add_argument("--draft-tokens", default="1,2,3,4")
+    parser.add_argument("--repeats", type=int, default=2, help="timed decodes of each setting, plain ones between")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", type=Path, required=True)
+    args = parser.parse_args(argv)
+    alphas = [float(a) for a in args.alphas.split(",")]
+    ks = [int(k) for k in args.draft_tokens.split(",")]
+
+    pack = Pack.open(args.pack)
+    cfg = pack.manifest.config
+    device = parse_device(args.device)
+    layers, target = cfg.num_hidden_layers, args.emulate_layers or cfg.num_hidden_layers
+    typed = {"vram": parse_budget(args.vram_budget, "--vram-budget"), "ram": parse_budget(args.ram_budget, "--ram-budget")}
+    sizes = model_sizes(pack.manifest, parse_dtype("auto", device), device)
+    _, budgets = scaled_budgets(typed, sizes.device_fixed, layers, target)
+    store = StoreConfig(vram_budget=budgets["vram"], ram_budget=budgets["ram"], hot_set=args.hot_set)
+    config = EngineConfig(device=args.device, experts="store" if device.type == "cuda" else "auto", store=store,
+                          prompt_cache_ram=0, speculate="off")
+    engine = load_engine(args.pack, config)
+    eos = cfg.eos_token_id if cfg.eos_token_id is not None and cfg.eos_token_id >= 0 else None
+    prompt = prompt_ids(engine.tokenizer.tokenizer, cfg.vocab_size, args.prompt_len, args.seed, eos)
+    state = engine.step.new_state()
+    state.reserve(args.prompt_len + args.gen + max(ks) + 2)
+
+    def replay(alpha: float, k: int, policy: bool = False) -> SpeculativeDecoder:
+        drafter = ReplayDrafter(truth, args.prompt_len, alpha, cfg.vocab_size, args.seed)
+        return SpeculativeDecoder(engine.step, [drafter], k, policy=policy)
+
+    truth, _ = decode(engine, state, prompt, args.gen, None)  # warm-up: kernels, graphs, store
+    for k in ks:
+        decode(engine, state, prompt, min(args.gen, 8), replay(1.0, k))  # the k + 1 shapes
+    plain_runs = []
+
+    def plain() -> float:
+        tokens, seconds = decode(engine, state, prompt, args.gen, None)
+        if tokens != truth:
+            raise SystemExit("plain greedy decode differs between runs")
+        plain_runs.append(seconds)
+        return seconds
+
+    def scaled(seconds: float, steps: dict[int, int]) -> float:
+        fixed = sum(count * fixed_seconds[positions] for positions, count in steps.items())
+        return seconds + (seconds - fixed) * (target - layers) / layers
+
+    fixed_seconds = {positions: fixed_step_seconds(engine.model, positions) for positions in {1, *(k + 1 for k in ks)}}
+    rows = []
+    settings = [(alpha, k, False) for alpha in alphas for k in ks] + [(alpha, 4, True) for alpha in alphas]
+    for alpha, k, policy in settings:
+        times, stats = [], None
+        for repeat in range(args.repeats):
+            plain()
+            decoder = replay(alpha, k, policy)
+            tokens, seconds = decode(engine, state, prompt, args.gen, decoder)
+            times.append(seconds)
+            stats = decoder.stats
+            lossless = tokens == truth
+        plain_seconds = statistics.median(plain_runs[-args.repeats:])
+        seconds = statistics.median(times)
+        summary = stats.to_dict()
+        steps = {k + 1: stats.steps, 1: stats.plain_steps}
+        rows.append({
+            "alpha": alpha, "k": k, "policy": policy, "seconds": seconds, "plain_seconds": plain_seconds,
+            "speedup": plain_seconds / seconds, "lossless": lossless,
+            "tokens_per_step": summary["tokens_per_step"], "checked_steps": stats.steps, "plain_steps": stats.plain_steps,
+            "acceptance_at": summary["acceptance_at"],
+            "speedup_scaled": scaled(plain_seconds, {1: args.gen - 1}) / scaled(seconds, steps),
+            "union_experts": None if policy else union_experts(engine, state, prompt, min(args.gen, 16), replay(alpha, k)),
+            "draft_seconds": summary["draft_seconds"], "verify_seconds": summary["verify_seconds"],
+            "rollback_seconds": summary["rollback_seconds"],
+        })
+        print(f"alpha {alpha} k {k} policy {policy}: {rows[-1]['speedup']:.2f}x ({rows[-1]['speedup_scaled']:.2f}x at "
+              f"{target} layers), {rows[-1]['tokens_per_step']:.2f} tokens a step, lossless {lossless}", flush=True)
+    engine.close()
+    report = {
+        "machine": machine_info(device),
+        "settings": {**{name: value for name, value in vars(args).items() if name != "json"}, "json": str(args.json),
+                     "pack_layers": layers, "budgets_scaled": budgets, "expert_source": type(engine.store).__name__,
+                     "cuda_graphs": engine.step.graphs is not None},
+        "plain": {"seconds": statistics.median(plain_runs), "tokens_per_s": (args.gen - 1) / statistics.median(plain_runs),
+                  "tokens_per_s_scaled": (args.gen - 1) / scaled(statistics.median(plain_runs), {1: args.gen - 1})},
+        "fixed_step_seconds": fixed_seconds,
+        "runs": rows,
+        "notes": ["speedup: plain decode seconds over speculative, medians of alternated repeats",
+                  f"scaled: t({target}) = t + (t - t_fixed) * ({target} - {layers}) / {layers}",
+                  "union_experts: mean distinct experts per layer of a checked step (top-k of each position)"],
+    }
+    args.json.write_text(json.dumps(report, indent=1) + "\n")
+    table = ["| alpha | k | policy | tokens/step | speed-up | at %d layers | union experts/layer | lossless |" % target,
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for row in rows:
+        union = "" if row["union_experts"] is None else f"{row['union_experts']:.1f}"
+        table.append(f"| {row['alpha']} | {row['k']} | {'on' if row['policy'] else 'off'} | {row['tokens_per_step']:.2f} "
+                     f"| {row['speedup']:.2f}x | {row['speedup_scaled']:.2f}x | {union} | {row['lossless']} |")
+    plain_row = report["plain"]
+    text = (f"plain: {plain_row['tokens_per_s']:.1f} tok/s ({plain_row['tokens_per_s_scaled']:.1f} at {target} layers), "
+            f"{type(engine.store).__name__}, budgets {args.vram_budget or 'none'} / {args.ram_budget or 'none'}\n\n"
+            + "\n".join(table) + "\n")
+    args.json.with_suffix(".md").write_text(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()

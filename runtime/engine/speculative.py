@@ -23,12 +23,16 @@ Each step's cost is the time from one choice of the next token to the next (draf
 rollback and emitting its tokens included), kept as running means per kind: plain, and each
 drafter's steps with the tokens they yield. Drafters are asked in order (prompt lookup where the
 context repeats itself, then the MTP head); one that loses to plain steps rests BACKOFF_TOKENS
-tokens, twice as long after each further loss (up to MAX_BACKOFF_TOKENS), so a budget where
-speculation never pays tries it rarely. Until a plain step has been timed, none is checked.
+tokens, twice as long after each further loss (up to MAX_BACKOFF_TOKENS), and at least so long
+that the time the losing step cost beyond plain steps is TRY_SHARE of the plain time of its rest:
+where speculation never pays, trying it costs at most about that share. The paces outlive a
+request (the engine keeps one decoder), so what one request learnt the next need not pay for.
+Until a plain step has been timed, none is checked.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -41,6 +45,7 @@ from flashpack.runtime.state import SequenceState
 
 BACKOFF_TOKENS = 32  # tokens a drafter rests after its checked steps lost to plain ones
 MAX_BACKOFF_TOKENS = 1024
+TRY_SHARE = 0.02  # of plain decoding's time that trying a losing drafter may cost
 _WEIGHT = 0.2  # of the newest measurement in each running mean
 PLAIN = "plain"
 
@@ -196,7 +201,10 @@ class SpeculativeDecoder:
         if kind == PLAIN or plain is None or not self.policy:
             return
         if pace.rate() < plain.rate():
-            pace.resting, pace.backoff = pace.backoff, min(2 * pace.backoff, MAX_BACKOFF_TOKENS)
+            lost = now - began - self._yielded * plain.seconds  # this step's time beyond plain steps'
+            paid_back = math.ceil(lost / (TRY_SHARE * plain.seconds)) if lost > 0 else 0
+            pace.resting = max(pace.backoff, paid_back)
+            pace.backoff = min(2 * pace.backoff, MAX_BACKOFF_TOKENS)
         else:
             pace.backoff = BACKOFF_TOKENS
 

@@ -122,6 +122,7 @@ def test_run_flags_reach_the_config(tiny_pack, monkeypatch):
 
 
 def test_serve_flags_reach_the_config(tiny_pack, monkeypatch):
+    pytest.importorskip("fastapi", reason="serve needs the server's extra")
     config = _captured(monkeypatch, ["serve", str(tiny_pack), "--dtype", "float32", "--port", "8765", *STORE_FLAGS,
                                      "--speculate", "lookup"])
     _store_flags_arrived(config)
@@ -140,6 +141,7 @@ def test_bench_flags_and_presets_reach_the_config(tiny_pack, monkeypatch):
 
 
 def test_prompt_cache_flags_reach_the_config(tiny_pack, monkeypatch, tmp_path):
+    pytest.importorskip("fastapi", reason="serve needs the server's extra")
     monkeypatch.setenv("FLASHPACK_CACHE_DIR", str(tmp_path / "cache"))
     served = _captured(monkeypatch, ["serve", str(tiny_pack), "--port", "8766"])
     assert served.prompt_cache_dir == str(tmp_path / "cache" / "prompt-states") and served.prompt_cache_ram is None

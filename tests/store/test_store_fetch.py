@@ -137,8 +137,9 @@ def test_staging_rows_come_out_of_the_device_budget(store_pack):
 
 
 def test_a_store_for_some_layers_gives_the_others_no_room(store_pack):
-    """The engine runs no MTP head: its store takes the decoder layers' records alone, and `'*'`
-    pre-warms those."""
+    """A store for some layers takes those layers' records alone, and `'*'` pre-warms those: an
+    engine that runs no MTP head serves the decoder layers, one that drafts with it their and the
+    head's."""
     from flashpack.runtime.engine.build import load_engine
     from flashpack.runtime.engine.config import EngineConfig
 
@@ -151,11 +152,13 @@ def test_a_store_for_some_layers_gives_the_others_no_room(store_pack):
         assert store.layers == decoder
         assert store.plan.device_slots == store.plan.host_slots == len(decoder) * cfg.num_experts
         assert store.stats.total().prewarmed_device == len(decoder) * cfg.num_experts
-    engine = load_engine(store_pack, EngineConfig(store=StoreConfig(vram_budget="1GiB", ram_budget="1GiB")))
-    try:
-        assert engine.store.layers == decoder
-    finally:
-        engine.store.close()
+    budgets = StoreConfig(vram_budget="1GiB", ram_budget="1GiB")
+    for speculate, layers in (("lookup", decoder), ("auto", [*decoder, cfg.num_hidden_layers])):
+        engine = load_engine(store_pack, EngineConfig(store=budgets, speculate=speculate))
+        try:
+            assert engine.store.layers == layers
+        finally:
+            engine.store.close()
 
 
 def test_missing_or_resized_pack_file_is_refused_at_open(pack_copy):

@@ -539,7 +539,8 @@ def notes(layers: int, target: int) -> dict[str, str]:
         "engines": "Two engines: the first answers everything live, and 'no reuse' is it with its prefix cache set "
                    "aside for the request (no restore, no checkpoint saved), on the same expert store at the same "
                    "budget; the second is a fresh engine in the same process on the same stored-states folder (a "
-                   "restart: nothing live). Each is warmed up before anything is timed (Engine.warm_up's prompts of "
+                   "restart: nothing live; its kernels already compiled, as a restarted server finds them in the "
+                   "compile caches on disk). Each is warmed up before anything is timed (Engine.warm_up's prompts of "
                    "each shape class and decode steps, run on a CPU too), so no first request's compile, tuning or "
                    "capture time is counted.",
         "ttft": "TTFT is the generator's first_token_seconds: from the request to its first token chosen, the "

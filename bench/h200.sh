@@ -15,6 +15,9 @@
 #                       two controls: e.g. PRESETS="copy-thread whole-reads"
 #              speculation  each of SPEC_BUDGETS (default BUDGETS): plain decode against checked steps of
 #                       replayed drafts right with probability alpha (runtime/bench/speculation.py)
+#              reuse    prompt-state reuse at 24/64 (bench/prompt_reuse.py): a follow-up on a 32,768-token
+#                       document with no reuse, a live hit and a stored hit after a restart, and a 10-turn
+#                       conversation; the stored states on the pack's disk; prompt-reuse-24-64.{json,md}
 #   BEFORE   another flashpack tree (e.g. .before, carried): each budget is benched with this tree and with
 #            that one alternately, REPEATS (default 2) times each (A/B/A/B), on the same pack
 #   PACK_DIR where the pack is built (default .bench-pack in the repository, which a warm machine keeps
@@ -92,8 +95,18 @@ for stage in $STAGES; do
       bench 8-32-control 8GiB 32GiB
       for p in $PRESETS; do bench 8-32-$p 8GiB 32GiB --preset $p; done
       bench 8-32-control 8GiB 32GiB ;;
+    reuse)
+      echo "== reuse at $(( $(date +%s) - start )) s"
+      timeout ${REUSE_TIMEOUT:-360} python3 bench/prompt_reuse.py $W/full.pack --device cuda --vram-budget 24GiB \
+        --ram-budget 64GiB --emulate-layers 48 --hot-set '*' --document-tokens 32768 --turns 10 --states-dir $W \
+        --json $R/prompt-reuse-24-64.json > $OUT/reuse.log 2>&1
+      echo "reuse rc=$? $(( $(date +%s) - start )) s" >> $OUT/reuse.log
+      rm -rf $W/prompt-states-*  # a run cut short leaves its stored states behind
+      tail -40 $OUT/reuse.log ;;
   esac
   tar czf $OUT/results.tgz -C $R .
 done
-python3 bench/table.py $(ls -tr $R/bench-*.json) --json $R/table.json > $R/table.md && cat $R/table.md
+if ls $R/bench-*.json > /dev/null 2>&1; then  # none where only the reuse stage ran
+  python3 bench/table.py $(ls -tr $R/bench-*.json) --json $R/table.json > $R/table.md && cat $R/table.md
+fi
 tar czf $OUT/results.tgz -C $R .

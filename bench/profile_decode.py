@@ -1,5 +1,7 @@
 """Where a decode step's time goes: torch.profiler over a few greedy steps of `flashpack`'s engine
-(or, with `--phase prefill`, over one forward of the prompt).
+(or, with `--phase prefill`, over one forward of the prompt; with `--phase verify`, over checked
+speculative steps of `--verify-tokens` positions, each tracked and rewound to its first token as a
+rejected draft leaves it).
 
     python bench/profile_decode.py PACK --device cuda [--vram-budget 24GiB --ram-budget 64GiB] --out DIR
     python bench/profile_decode.py PACK --vram-budget 24GiB --ram-budget 64GiB --emulate-layers 48 \
@@ -96,7 +98,8 @@ def main() -> None:
     parser.add_argument("--hot-set", help="pre-warm from this hot set ('*': every record the tiers hold)")
     parser.add_argument("--prompt-len", type=int, default=256)
     parser.add_argument("--steps", type=int, default=8)
-    parser.add_argument("--phase", choices=("decode", "prefill"), default="decode")
+    parser.add_argument("--phase", choices=("decode", "prefill", "verify"), default="decode")
+    parser.add_argument("--verify-tokens", type=int, default=5, help="positions of a checked step (--phase verify)")
     parser.add_argument("--name", default="decode")
     parser.add_argument("--out", default=".")
     parser.add_argument("--trace", action="store_true", help="also write the profiled steps as a Chrome trace")
@@ -109,7 +112,7 @@ def main() -> None:
              "ram": parse_budget(args.ram_budget, "--ram-budget")}
     _, budgets = scaled_budgets(typed, sizes.device_fixed, layers, check_layers(layers, args.emulate_layers))
     store = StoreConfig(vram_budget=budgets["vram"], ram_budget=budgets["ram"], hot_set=args.hot_set)
-    engine = load_engine(args.pack, EngineConfig(device=args.device, store=store))
+    engine = load_engine(args.pack, EngineConfig(device=args.device, store=store, speculate="off"))
     forward, sync = engine.step.forward, (torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None))
     state = engine.step.new_state()
     prompt = torch.randint(0, 1000, (args.prompt_len,))
@@ -120,6 +123,15 @@ def main() -> None:
         def step():
             state.restore(engine.step.new_state())
             forward(prompt, state, last_only=True)
+    elif args.phase == "verify":
+        steps = args.steps
+
+        def step():
+            nonlocal token
+            state.track()
+            drafts = [(token + 1 + i) % 1000 for i in range(args.verify_tokens - 1)]
+            token = int(forward(torch.tensor([token, *drafts]), state).logits[0].argmax())
+            state.rewind(1)
     else:
         steps = args.steps
 

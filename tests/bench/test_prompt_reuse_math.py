@@ -1,0 +1,63 @@
+"""bench/prompt_reuse.py's arithmetic by hand: the document built from repeated source, the layer
+counts and state bytes it scales to the full model's layers, and a TTFT at that count."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flashpack.bench.prompt_reuse import StateBytes, at_layers, document_text, layer_counts, state_parts
+from flashpack.runtime.state import AttentionCache, DeltaNetState, PLEState, SequenceState
+
+
+class _CharTokenizer:
+    """A character a token: encode and decode are exact, so the cut is easy to check."""
+
+    def __init__(self):
+        self.tokenizer = self
+
+    def encode(self, text: str) -> list[int]:
+        return [ord(c) for c in text]
+
+    def decode(self, ids: list[int]) -> str:
+        return "".join(chr(i) for i in ids)
+
+
+def test_document_repeats_the_source_to_the_token_count():
+    assert document_text(_CharTokenizer(), "abc", 7) == "abcabca"
+    assert document_text(_CharTokenizer(), "abcdef", 4) == "abcd"
+    with pytest.raises(ValueError):
+        document_text(_CharTokenizer(), "", 4)
+
+
+def test_layer_counts_continue_the_attention_pattern():
+    linear = [True, True, True, False] * 4  # the benchmark pack: 3 DeltaNet + 1 attention, four times
+    ple = [True] + [False] * 15
+    assert layer_counts(linear, ple, 48) == {"deltanet": (12, 36), "attention": (4, 12)}
+    # no pattern to continue (attention twice in a row): each kind scaled evenly
+    irregular = [True, False, False, True]
+    assert layer_counts(irregular, [False] * 4, 8) == {"deltanet": (2, 4.0), "attention": (2, 4.0)}
+
+
+def test_state_parts_split_the_bytes_by_what_they_scale_with():
+    deltanet = DeltaNetState(torch.zeros(4, 3), torch.zeros(2, 2, 2))  # 48 + 32 bytes
+    decoder, mtp = (AttentionCache(1, 2, 2, 4, torch.float32, "cpu", 8) for _ in range(2))
+    ple = PLEState(torch.zeros(2, dtype=torch.int64), torch.zeros(3))  # 16 + 12 bytes
+    state = SequenceState(0, {0: deltanet}, {1: decoder, 2: mtp}, {0: ple})  # layer 2: the MTP layer of 2 layers
+    parts = state_parts(state, decoder_layers=2)
+    assert parts == {"deltanet": 80, "attention": decoder.nbytes(), "other": 28 + mtp.nbytes()}
+    assert sum(parts.values()) == state.nbytes()
+
+
+def test_state_bytes_at_the_full_layer_count():
+    at_1k = {"deltanet": 1200, "attention": 400 + 1000, "other": 50 + 10}
+    at_2k = {"deltanet": 1200, "attention": 400 + 2000, "other": 50 + 20}
+    sizes = StateBytes.from_states((1000, at_1k), (2000, at_2k))
+    assert sizes.at(3000) == pytest.approx(1200 + 3400 + 80)
+    counts = {"deltanet": (12, 36), "attention": (4, 12)}
+    assert sizes.at(3000, counts) == pytest.approx(1200 * 3 + 3400 * 3 + 80)  # PLE and MTP parts stay
+
+
+def test_ttft_at_layers_scales_state_moves_by_bytes_and_the_rest_by_layers():
+    row = {"ttft_s": 1.0, "restore_s": 0.1, "saves_s": 0.15}
+    assert at_layers(row, layer_scale=3.0, bytes_scale=2.5) == pytest.approx(0.25 * 2.5 + 0.75 * 3.0)

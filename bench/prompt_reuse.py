@@ -449,7 +449,9 @@ def main() -> None:
         args.states_dir.mkdir(parents=True, exist_ok=True)
     document = turns = entry = None
     with tempfile.TemporaryDirectory(prefix="prompt-states-", dir=args.states_dir) as folder:
+        # speculation off: a follow-up's TTFT is its prefill, and no MTP head takes a share of the budgets
         config = EngineConfig(device=args.device, prompt_cache_ram=args.prompt_cache_ram, prompt_cache_dir=folder,
+                              speculate="off",
                               store=StoreConfig(vram_budget=budgets["vram"], ram_budget=budgets["ram"],
                                                 hot_set=args.hot_set))
         report["config"] = asdict(config)

@@ -94,7 +94,9 @@ def run_bench(
              "ram": parse_budget(config.store.ram_budget, "--ram-budget")}
     fixed, engine_budgets = scaled_budgets(typed, sizes.device_fixed, layers, target)
 
-    config = replace(config, experts="store", prompt_cache_ram=0,  # the bench times steps, not generation
+    # the bench times plain steps, not generation: no prompt cache, and no MTP head whose experts
+    # would take a share of the store's budgets
+    config = replace(config, experts="store", prompt_cache_ram=0, speculate="off",
                      store=replace(config.store, vram_budget=engine_budgets["vram"], ram_budget=engine_budgets["ram"]))
     engine = load_engine(pack, config)
     graphs = engine.step.graphs

@@ -4,7 +4,8 @@
 # to 8 GB runs on one pack) while the GPU tests run, then `flashpack bench` emulating 48 layers at each of
 # BUDGETS, every record the tiers hold pre-warmed ('*'). Results: $OUT/results.tgz (bench-NAME.json each,
 # table.md from bench/table.py), beside gpu.txt, build.log and tests.log.
-# Run with carry ["wheels"] (transformers 5.23, fla-core, jsonschema; /work/.library/device/README.md).
+# Run with carry ["wheels"] (transformers 5.23, fla-core, jsonschema, zstandard; /work/.library/device/README.md):
+# the script stops at once when one of the packages the stages import is missing there.
 #
 # Environment:
 #   STAGES   what runs after the build, in order (default "tests budgets"):
@@ -28,6 +29,7 @@ set -o pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site wheels/*.whl || exit 1
 mkdir -p /tmp/pkg && ln -sfn "$PWD" /tmp/pkg/flashpack
 export PYTHONPATH=/tmp/pkg:/tmp/site PYTHONUNBUFFERED=1
+python3 -c "import transformers, fla, jsonschema, zstandard, xxhash, tqdm" || { echo "h200: a package is missing (carry wheels/)"; exit 1; }
 LAYERS=${LAYERS:-16} GEN=${GEN:-32} PROMPT=${PROMPT:-512} W=${PACK_DIR:-$PWD/.bench-pack} R=/tmp/results
 STAGES=${STAGES:-"tests budgets"} BUDGETS=${BUDGETS:-"unbounded 32-128 24-64 8-32"} REPEATS=${REPEATS:-2}
 has() { [[ " $STAGES " == *" $1 "* ]]; }

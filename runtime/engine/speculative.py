@@ -128,8 +128,14 @@ class SpeculativeDecoder:
 
     def observe(self, tokens: Sequence[int], streams: torch.Tensor, state: SequenceState) -> None:
         """The backbone consumed `tokens` (a prefill segment or a plain step) with these streams."""
-        for drafter in self.drafters:
+        for drafter in self._awake():
             drafter.observe(tokens, streams, state)
+
+    def _awake(self) -> list[Drafter]:
+        """The drafters not resting. A resting one is not kept caught up either (the MTP head's
+        catching up is a layer's work a step): it falls out of line with the sequence and drafts
+        again from the next one's prompt."""
+        return [d for d in self.drafters if not (self.policy and d.name in self._paces and self._paces[d.name].resting)]
 
     def draft(self, token: int, state: SequenceState, room: int) -> Draft | None:
         """`token` was chosen and is next to be consumed: up to min(k, room) drafts to check with it,
@@ -169,8 +175,9 @@ class SpeculativeDecoder:
         state.rewind(kept)
         self.stats.rollback_seconds += time.perf_counter() - checked
         self.stats.count(draft.drafter, len(drafts), accepted)
-        for drafter in self.drafters:
+        for drafter in self._awake():
             drafter.observe([token, *drafts[:accepted]], out.streams[:kept], state)
+        for drafter in self.drafters:
             drafter.extend(drafts[:accepted])
         self._yielded = kept
         return drafts[:accepted], following

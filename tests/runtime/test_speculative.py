@@ -178,6 +178,27 @@ def test_the_policy_rests_a_drafter_that_loses_to_plain_steps(engine):
     assert pace.resting == 2 * speculative.BACKOFF_TOKENS
 
 
+def test_a_resting_mtp_head_is_not_kept_caught_up(engine):
+    """Catching the MTP head up is a layer's work a step: while the policy rests it, it is skipped,
+    and the head drafts nothing for the rest of that sequence (out of line, never wrong)."""
+    from flashpack.runtime.model.mtp import MTPHead
+    from flashpack.runtime.pack_source import PackWeights
+
+    mtp = MTPDrafter(MTPHead(engine.model, PackWeights(engine.pack)))
+    decoder = SpeculativeDecoder(engine.step, [mtp])
+    layer = mtp.layer
+    state = engine.step.new_state()
+    prompt = torch.tensor(_prompt())
+    decoder.observe(_prompt(), engine.step.forward(prompt, state).streams, state)
+    assert state.attention[layer].length == len(_prompt()) - 1
+    decoder._paces["mtp"] = speculative._Pace(resting=10)
+    decoder.observe([5], engine.step.forward(torch.tensor([5]), state).streams, state)
+    assert state.attention[layer].length == len(_prompt()) - 1  # skipped
+    decoder._paces["mtp"].resting = 0
+    decoder.observe([6], engine.step.forward(torch.tensor([6]), state).streams, state)
+    assert state.mtp_input is None and mtp.propose(7, state, 4) == []  # out of line: no drafts
+
+
 def test_speculation_is_a_setting(tiny_pack):
     assert [d.name for d in load_engine(tiny_pack, EngineConfig()).generator.speculation.drafters] == ["lookup", "mtp"]
     assert [d.name for d in load_engine(tiny_pack, EngineConfig(speculate="lookup")).generator.speculation.drafters] == [

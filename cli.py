@@ -466,13 +466,17 @@ def trace_replay(trace_file: Path, capacities: tuple[int, ...], policies: tuple[
               "compiled, instead of two Triton kernels each (for comparison; the kernels are used on a GPU only).")
 @click.option("--preset", "presets", multiple=True, metavar="NAME", help="A named experiment: its --set settings "
               "(runtime/bench/presets.py; repeatable), applied before --set.")
+@click.option("--speculate", type=click.Choice(["auto", "mtp", "lookup", "off"]), default="off", show_default=True,
+              help="Also time decode with these drafters checked in one step as run and serve do (the policy on), "
+                   "on the same engine: its plain figures then include what the drafters' store share costs.")
 @one_line_errors
 def bench(pack: Path, vram_budget: str | None, ram_budget: str | None, policy: str | None, hot_set: str | None,
           no_direct_io: bool, no_verify_records: bool, settings: tuple[str, ...], prompt_len: int, gen: int, json_path: Path | None, device: str,
           dtype: str, emulate_layers: int | None, baseline: str | None, baseline_layers: int, baseline_prompt_len: int,
           baseline_gen: int, seed: int, repeats: int, copy_probe: str | None, disk_probe: str,
           offload_dir: Path | None, quiet: bool, no_cuda_graphs: bool, no_compile: bool, graph_layers: int,
-          no_prefetch: bool, read_ahead: bool, promote: bool, no_fused_mix: bool, presets: tuple[str, ...]) -> None:
+          no_prefetch: bool, read_ahead: bool, promote: bool, no_fused_mix: bool, presets: tuple[str, ...],
+          speculate: str) -> None:
     """Time prefill and decode of PACK through the tiered store, against the machine's bandwidth roofline
     and (with --baseline) transformers + accelerate offload at the same budget. The store is always
     used: a budget left out gives its tier room for every record. --set changes any engine setting
@@ -483,7 +487,8 @@ def bench(pack: Path, vram_budget: str | None, ram_budget: str | None, policy: s
 
     config = _engine_config(
         device, dtype, vram_budget, ram_budget, policy, hot_set, no_direct_io, no_verify_records,
-        (f"store.promote={promote}", *preset_settings(presets), *settings), experts="store", cuda_graphs=not no_cuda_graphs,
+        (f"store.promote={promote}", *preset_settings(presets), *settings), speculate, experts="store",
+        cuda_graphs=not no_cuda_graphs,
         compile_layers=not no_compile, prefetch=not no_prefetch, read_ahead=read_ahead, layers_per_graph=graph_layers,
         fused_mix=not no_fused_mix,
     )

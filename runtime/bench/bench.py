@@ -38,6 +38,7 @@ from flashpack.runtime.bench.machine import machine_info
 from flashpack.runtime.bench.report import BENCH_VERSION, notes, write_report
 from flashpack.runtime.bench.roofline import phase_traffic, roofline
 from flashpack.runtime.bench.run import run_engine
+from flashpack.runtime.bench.speculation import speculative_decode
 from flashpack.runtime.bench.sizes import baseline_fixed_bytes, model_sizes
 from flashpack.runtime.bench.workload import prompt_ids
 from flashpack.runtime.engine.build import load_engine, parse_device, parse_dtype
@@ -47,7 +48,7 @@ from flashpack.runtime.store.budget import parse_budget
 
 def run_bench(
     pack: Path | str,
-    config: EngineConfig = EngineConfig(experts="store"),
+    config: EngineConfig = EngineConfig(experts="store", speculate="off"),
     *,
     prompt_len: int = 512,
     gen: int = 64,
@@ -70,7 +71,9 @@ def run_bench(
 
     Budgets are for the full model: with `emulate_layers` (the full model's decoder layer count)
     they are scaled to the pack's layers (emulate.py), and per-token results are reported at both
-    counts; `config.store`'s budgets are the full model's. `baseline="transformers"` also times transformers + accelerate on the pack's first
+    counts; `config.store`'s budgets are the full model's. With `config.speculate` other than off,
+    decode is also timed with the engine's drafters (runtime/bench/speculation.py), reported under
+    results.flashpack.speculation. `baseline="transformers"` also times transformers + accelerate on the pack's first
     `baseline_layers` layers at the same budget (baseline.py)."""
     for name, value, least in (("--prompt-len", prompt_len, 1), ("--gen", gen, 1), ("--repeats", repeats, 1),
                                ("--baseline-prompt-len", baseline_prompt_len, 1), ("--baseline-gen", baseline_gen, 1)):
@@ -94,9 +97,8 @@ def run_bench(
              "ram": parse_budget(config.store.ram_budget, "--ram-budget")}
     fixed, engine_budgets = scaled_budgets(typed, sizes.device_fixed, layers, target)
 
-    # the bench times plain steps, not generation: no prompt cache, and no MTP head whose experts
-    # would take a share of the store's budgets
-    config = replace(config, experts="store", prompt_cache_ram=0, speculate="off",
+    # the bench times steps, not generation: no prompt cache
+    config = replace(config, experts="store", prompt_cache_ram=0,
                      store=replace(config.store, vram_budget=engine_budgets["vram"], ram_budget=engine_budgets["ram"]))
     engine = load_engine(pack, config)
     graphs = engine.step.graphs
@@ -118,6 +120,9 @@ def run_bench(
             disk_bytes=parse_budget(disk_probe, "--disk-probe"), direct_io=config.store.direct_io,
         )
         ours = run_engine(engine, prompt, gen, warmup, repeats, progress)
+        speculation = None
+        if engine.generator.speculation is not None:
+            speculation = speculative_decode(engine, prompt, gen, repeats)
         baseline_prompt = prompt[:min(prompt_len, baseline_prompt_len)]
         ours_prefix = prefix_logits(engine.model, baseline_prompt, baseline_layers) if baseline else None
         opened = engine.pack  # the baseline reads the same mapped pack
@@ -134,6 +139,7 @@ def run_bench(
 
     bandwidth = tier_bandwidths(ceilings)
     ours_dict = ours.to_dict()
+    ours_dict["speculation"] = speculation
     kinds = LayerKinds.of([cfg.is_linear(i) for i in range(layers)],
                           [cfg.ple_index(i) is not None for i in range(layers)], target)
     ours_dict["scaled"] = _scaled(ours_dict, ours.fixed_seconds, layers, target, kinds) if target != layers else None

@@ -197,4 +197,11 @@ def table(report: dict) -> str:
             + ("equal" if check["same_top1"] else f"DIFFERS ({check['ours_top1']} vs {check['baseline_top1']})")
             + ("" if check["passed"] is None else (" - pass" if check["passed"] else " - FAIL")),
         ]
+    speculated = ours.get("speculation")
+    if speculated:
+        stats = speculated["stats"]
+        lines += ["", (f"speculation ({' then '.join(speculated['drafters'])}, the policy on): "
+                       f"{speculated['tokens_per_s']:.1f} tok/s, {speculated['speedup']:.2f}x plain on the same engine; "
+                       f"{stats['steps']} checked steps at {stats['tokens_per_step']:.2f} tokens, {stats['plain_steps']} plain; "
+                       f"output {'equal to plain' if speculated['lossless'] else 'DIFFERS from plain'}")]
     return "\n".join(lines)

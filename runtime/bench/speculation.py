@@ -96,6 +96,25 @@ def decode(engine, state, prompt: list[int], gen: int, decoder: SpeculativeDecod
     return tokens[:gen], time.perf_counter() - start
 
 
+def speculative_decode(engine, prompt: list[int], gen: int, repeats: int) -> dict:
+    """Decode `gen` tokens after `prompt` `repeats` times with the engine's own drafters and policy,
+    beside as many plain decodes (alternated): what `flashpack bench --speculate` reports."""
+    decoder = engine.generator.speculation
+    state = engine.step.new_state()
+    state.reserve(len(prompt) + gen + decoder.draft_tokens + 2)
+    truth, _ = decode(engine, state, prompt, gen, None)
+    plain, checked, lossless = [], [], True
+    for _ in range(repeats):
+        plain.append(decode(engine, state, prompt, gen, None)[1])
+        tokens, seconds = decode(engine, state, prompt, gen, decoder)
+        checked.append(seconds)
+        lossless = lossless and tokens == truth
+    stats = decoder.stats.to_dict()
+    return {"drafters": [d.name for d in decoder.drafters], "plain_seconds": statistics.median(plain),
+            "seconds": statistics.median(checked), "tokens_per_s": (gen - 1) / statistics.median(checked),
+            "speedup": statistics.median(plain) / statistics.median(checked), "lossless": lossless, "stats": stats}
+
+
 def union_experts(engine, state, prompt, gen, decoder) -> float | None:
     """Mean experts a checked step's layer needed (the union of its positions' picks), untimed."""
     sizes = []

@@ -173,8 +173,9 @@ class Metrics:
 
 
 def _provided_gauges(prefix: str, provider: Callable[[], Mapping[str, Any]] | None) -> list[str]:
-    """`prefix`_KEY gauges from a provider's numbers; a nested mapping's as `prefix`_KEY_INNER, a list
-    as one series labelled by position (from 1)."""
+    """`prefix`_KEY gauges from a provider's numbers; a nested mapping's as `prefix`_KEY_INNER (two
+    levels deep: the speculation's by_drafter_lookup_steps), a list as one series labelled by
+    position (from 1)."""
     if provider is None:
         return []
     try:
@@ -184,7 +185,11 @@ def _provided_gauges(prefix: str, provider: Callable[[], Mapping[str, Any]] | No
     flat: dict[str, Any] = {}
     for key, value in found.items():
         if isinstance(value, Mapping):
-            flat.update({f"{key}_{inner}": number for inner, number in value.items()})
+            for inner, number in value.items():
+                if isinstance(number, Mapping):
+                    flat.update({f"{key}_{inner}_{name}": deeper for name, deeper in number.items()})
+                else:
+                    flat[f"{key}_{inner}"] = number
         else:
             flat[key] = value
     lines: list[str] = []

@@ -163,3 +163,16 @@ def test_fused_mixes_are_a_gpu_setting(tiny_pack, tmp_path):
                                        "--json", str(out), *PROBES])
     assert result.exit_code == 0, result.output
     assert json.loads(out.read_text())["settings"]["fused_mix"] is False
+
+
+def test_bench_times_speculation_when_asked(tiny_pack, tmp_path):
+    """`--speculate lookup`: decode also through the engine's drafters, beside plain decodes, the
+    outputs compared; the report says so in its JSON and its table."""
+    out = tmp_path / "bench.json"
+    result = CliRunner().invoke(main, ["bench", str(tiny_pack), "--prompt-len", "24", "--gen", "6", "--speculate",
+                                       "lookup", "--quiet", "--json", str(out)])
+    assert result.exit_code == 0, result.output
+    speculated = json.loads(out.read_text())["results"]["flashpack"]["speculation"]
+    assert speculated["drafters"] == ["lookup"] and speculated["lossless"] is True
+    assert {"acceptance_at", "tokens_per_step", "draft_seconds", "verify_seconds", "rollback_seconds"} <= set(speculated["stats"])
+    assert "speculation (lookup, the policy on)" in result.output

@@ -138,6 +138,8 @@ def test_bench_flags_and_presets_reach_the_config(tiny_pack, monkeypatch):
     assert (config.cuda_graphs, config.compile_layers, config.layers_per_graph, config.prefetch, config.read_ahead,
             config.fused_mix) == (False, False, 2, False, False, False)
     assert config.store.promote and not config.store.copy_on_requesting_thread and config.experts == "store"
+    assert config.speculate == "off"  # the bench times plain steps unless asked
+    assert _captured(monkeypatch, ["bench", str(tiny_pack), "--speculate", "lookup", "--quiet"]).speculate == "lookup"
 
 
 def test_prompt_cache_flags_reach_the_config(tiny_pack, monkeypatch, tmp_path):

@@ -152,13 +152,15 @@ def test_metrics_read_the_prompt_cache_and_speculation_stats():
     from flashpack.runtime.engine.speculative import SpeculationStats
 
     cache = CacheStats(hits=3, misses=1, tokens_reused=900, live_bytes=1 << 20)
-    speculation = SpeculationStats(steps=4, drafted=16, accepted=6, accepted_at=[3, 2, 1, 0])
+    speculation = SpeculationStats(steps=4, drafted=16, accepted=6, accepted_at=[3, 2, 1, 0],
+                                   by_drafter={"lookup": {"steps": 3, "drafted": 12, "accepted": 5}})
     text = Metrics(prompt_cache=lambda: {**cache.to_dict(), "stored": {"entries": 2, "dropped": 1}},
                    speculation=speculation.to_dict).render()
     assert "flashpack_prompt_cache_hits 3" in text and "flashpack_prompt_cache_tokens_reused 900" in text
     assert "flashpack_prompt_cache_stored_entries 2" in text and "flashpack_prompt_cache_stored_dropped 1" in text
     assert "flashpack_speculation_acceptance 0.375" in text and "flashpack_speculation_tokens_per_step 2.5" in text
     assert 'flashpack_speculation_accepted_at{position="1"} 3' in text
+    assert "flashpack_speculation_by_drafter_lookup_accepted 5" in text
 
 
 def test_metrics_survive_a_broken_stats_provider():

@@ -274,6 +274,13 @@ class SequenceState:
             cache.truncate(lengths[layer] + kept)
         self.position, self._tracked_from = position + kept, None
 
+    def _untrack(self) -> None:
+        self._tracked_from = None
+        for part in self.deltanet.values():
+            part.tracked, part.positions, part.window = False, None, None
+        for part in self.ple.values():
+            part.tracked, part.history, part.window = False, None, None
+
     def snapshot(self) -> "SequenceState":
         """A deep copy, independent of this state from now on."""
         return SequenceState(
@@ -292,6 +299,7 @@ class SequenceState:
         across a rollback."""
         self.position = snapshot.position
         self.mtp_input = None if snapshot.mtp_input is None else snapshot.mtp_input.to(self._device(), copy=True)
+        self._untrack()  # a step cut short while tracked (an error mid-verify) leaves nothing behind
         for layer, saved in snapshot.deltanet.items():
             self.deltanet[layer].conv.copy_(saved.conv)
             self.deltanet[layer].recurrent.copy_(saved.recurrent)

@@ -134,6 +134,17 @@ def test_tracked_steps_rewind_to_the_state_after_their_accepted_tokens(engine):
             assert cache.length == reference.attention[layer].length
 
 
+def test_a_restore_ends_a_tracked_step_cut_short(engine):
+    state = engine.step.new_state()
+    state.track()
+    engine.step.forward(torch.tensor(_prompt()[:3]), state)  # as if the verify failed after its forward
+    state.restore(engine.step.new_state())
+    assert not any(part.tracked or part.positions is not None for part in state.deltanet.values())
+    assert not any(part.tracked or part.history is not None for part in state.ple.values())
+    with pytest.raises(RuntimeError, match="without a tracked step"):
+        state.rewind(1)
+
+
 @pytest.mark.parametrize("skipped", [PLEState, DeltaNetState])
 def test_control_a_rollback_that_skips_part_of_the_state_changes_the_output(engine, monkeypatch, skipped):
     plain = _generate(engine, None)

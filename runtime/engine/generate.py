@@ -12,6 +12,11 @@ is given (the chat template's message boundaries) and at its end, each end saved
 the reply is saved too, so a follow-up turn restores everything before its new tokens. The last
 event's timings say how many prompt tokens were restored (`cached_tokens`).
 
+With a SpeculativeDecoder (speculative.py), a request without a grammar, log-probabilities or a
+seed has its drafters propose tokens after each chosen one and checks them in one step; every
+backbone step (prefill segments included) is shown to the drafters first, so the MTP head stays
+caught up and a saved state carries what it needs.
+
 Asked for (a LogprobRequest), events also carry the model's own log-probabilities (runtime/logprobs.py):
 of each sampled token, of the stop token that ended the reply, and of the prompt's tokens; `score`
 reports a prompt's alone, sampling nothing. Not asked for, nothing of that is computed.

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import torch
 from safetensors.torch import load, save
 
@@ -37,8 +38,19 @@ def encode_state(state: SequenceState) -> bytes:
         lengths[layer] = [cache.length, cache.blocks]
     if state.mtp_input is not None:
         tensors["mtp_input"] = state.mtp_input
-    tensors = {name: tensor.detach().to("cpu").contiguous() for name, tensor in tensors.items()}
+    tensors = {name: _contiguous_on_host(tensor) for name, tensor in tensors.items()}
     return save(tensors, metadata={"position": str(state.position), "attention": json.dumps(lengths)})
+
+
+def _contiguous_on_host(tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor` on the host in one piece, copied by numpy where it is strided (an attention cache's
+    filled part): encoding runs on the stored states' writer thread, and a torch copy there would
+    start a second OpenMP team, which slows the engine's own CPU work severalfold on a small machine."""
+    tensor = tensor.detach().to("cpu")
+    if tensor.is_contiguous():
+        return tensor
+    raw = tensor.view(torch.uint8).numpy()  # the last dimension is contiguous: a byte view keeps it so
+    return torch.from_numpy(np.ascontiguousarray(raw)).view(tensor.dtype)
 
 
 def decode_state(data: bytes, like: SequenceState) -> SequenceState:

@@ -29,7 +29,6 @@ import threading
 import time
 from pathlib import Path
 
-import torch
 import xxhash
 import zstandard
 
@@ -125,9 +124,6 @@ class StoredStates:
         return state
 
     def _write_loop(self) -> None:
-        # one thread of torch work here: a second OpenMP team beside the engine's makes both sleep at
-        # every barrier on a small machine (the engine's CPU steps ran ~2.5x slower on 2 cores)
-        torch.set_num_threads(1)
         compressor = zstandard.ZstdCompressor(level=_LEVEL)
         while (item := self._queue.get()) is not None:
             try:

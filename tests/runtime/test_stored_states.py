@@ -176,3 +176,15 @@ def test_a_restarted_engine_restores_from_stored_states(tiny_pack, tmp_path):
     assert second.generator.prefix_cache.to_dict()["stored_hits"] == 1
     second.close()
     assert stored_states.SUFFIX == ".fpstate" and list(tmp_path.rglob("*.fpstate"))
+
+
+def test_strided_parts_are_encoded_as_torch_would_copy_them():
+    """The codec copies an attention cache's filled part (strided) with numpy, off torch's thread
+    pool: the bytes are torch's own contiguous copy's, for every dtype a state holds."""
+    from flashpack.runtime.engine.state_codec import _contiguous_on_host
+
+    for dtype in (torch.bfloat16, torch.float32, torch.int64):
+        whole = (torch.randn(4, 64, 16) * 100).to(dtype)
+        part = whole[:, :37]
+        copied = _contiguous_on_host(part)
+        assert copied.is_contiguous() and copied.dtype == dtype and torch.equal(copied, part.contiguous())

@@ -87,9 +87,10 @@ def load_engine(
     device = parse_device(config.device)
     dtype = parse_dtype(config.dtype, device)
     store = None
-    mtp = runs_mtp(pack, config)
     through_store = fetcher is None and uses_store(config, device)
     states_ram = prompt_cache_bytes(config, device, through_store)
+    host_reserved = states_ram if config.prompt_cache_ram is None and device.type == "cuda" else 0
+    mtp = runs_mtp(pack, config, device, dtype, host_reserved if through_store else None)
     if fetcher is not None:
         source = fetcher
     elif through_store:
@@ -101,7 +102,7 @@ def load_engine(
             allow_resident=device.type == "cuda", staging=device.type == "cuda",
             # the MTP head's experts are one more layer of the store's, where it runs
             layers=list(range(cfg.num_hidden_layers + (cfg.mtp_num_hidden_layers if mtp else 0))),
-            host_reserved=states_ram if config.prompt_cache_ram is None and device.type == "cuda" else 0,
+            host_reserved=host_reserved,
         )
     else:
         source = PackExperts(pack, verify_records=config.store.verify_records)
@@ -127,15 +128,29 @@ def has_mtp(pack: Pack) -> bool:
     return any(record.layer == cfg.num_hidden_layers for record in pack.manifest.expert_records())
 
 
-def runs_mtp(pack: Pack, config: EngineConfig) -> bool:
-    """Whether the engine drafts with the MTP head: `mtp` asks for it (a pack without one is an
-    error), `auto` takes it where the pack has one."""
+def runs_mtp(pack: Pack, config: EngineConfig, device: torch.device, dtype: torch.dtype,
+             host_reserved: int | None) -> bool:
+    """Whether the engine drafts with the MTP head. `mtp` asks for it (a pack without one is an
+    error): its experts are then one more layer of the store, competing for the budgets. `auto`
+    takes it where the pack has one and, through a store (`host_reserved` not None), only where the
+    budgets hold every record of the decoder layers and the head together: a head that pushed
+    decoder records to disk would cost every token a disk read (at 24/64 the 48 layers' records
+    alone fill the RAM budget)."""
     if config.speculate not in ("mtp", "auto"):
         return False
     found = has_mtp(pack)
     if config.speculate == "mtp" and not found:
         raise FlashpackError("--speculate mtp: the pack has no MTP head (convert a checkpoint that has one)")
-    return found
+    if config.speculate == "mtp" or not found or host_reserved is None:
+        return found
+    from flashpack.runtime.store.build import holds_every_record, store_plan
+    from flashpack.runtime.store.budget import served_records
+
+    cfg = pack.manifest.config
+    layers = list(range(cfg.num_hidden_layers + cfg.mtp_num_hidden_layers))
+    plan = store_plan(pack, config.store, device, dtype=dtype, host_reserved=host_reserved,
+                      staging=device.type == "cuda", layers=layers)
+    return holds_every_record(plan, len(served_records(pack, layers)))
 
 
 def _speculation(step: Step, model: Qwen4ExpModel, weights: WeightSource, config: EngineConfig, mtp: bool

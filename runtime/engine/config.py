@@ -77,8 +77,8 @@ class EngineConfig:
     # Speculative decoding (runtime/engine/speculative.py) of requests without a grammar or
     # log-probabilities: drafts checked in one step, lossless, while measured tokens per second say
     # it pays. "lookup" drafts by prompt lookup, "mtp" with the pack's MTP head, "auto" both
-    # (lookup where the context repeats itself, the MTP head where the pack has one), "off" decodes
-    # one token a step.
+    # (lookup where the context repeats itself; the MTP head where the pack has one and the budgets
+    # hold its experts beside every decoder layer's: build.runs_mtp), "off" decodes one token a step.
     speculate: str = "auto"
     # Drafts a speculative step checks at most.
     draft_tokens: int = 4

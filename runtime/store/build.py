@@ -17,7 +17,7 @@ import torch
 from flashpack.errors import FlashpackError
 from flashpack.layout.manifest import Manifest
 from flashpack.layout.pack import Pack
-from flashpack.runtime.store.budget import parse_budget, plan_store, served_records
+from flashpack.runtime.store.budget import StorePlan, parse_budget, plan_store, served_records
 from flashpack.runtime.store.config import StoreConfig
 from flashpack.runtime.store.hotset import apply_hot_set
 from flashpack.runtime.store.resident import ResidentExperts
@@ -65,6 +65,36 @@ def machine_free_bytes(device: str | torch.device) -> tuple[int, int]:
     return int(free_vram * FREE_VRAM_SHARE), int(available_ram * FREE_RAM_SHARE)
 
 
+def store_plan(
+    pack: Pack, config: StoreConfig, device: str | torch.device, *, dtype: str | torch.dtype = "auto",
+    kv_bytes: int = 0, device_reserved: int | None = None, host_reserved: int = 0, staging: bool = False,
+    layers: list[int] | None = None,
+) -> StorePlan:
+    """The slots `build_store` gives each tier for these arguments (its docstring says how)."""
+    manifest = pack.manifest
+    if device_reserved is None:
+        device_reserved = resident_device_bytes(manifest, dtype, kv_bytes, device)
+    vram, ram = parse_budget(config.vram_budget), parse_budget(config.ram_budget)
+    if torch.device(device).type == "cuda":  # no budget on a GPU: what the machine has free, not every record
+        vram, ram = (free if given is None else given for given, free in zip((vram, ram), machine_free_bytes(device)))
+    return plan_store(
+        record_stride=manifest.document["experts"]["record_stride"],
+        total_records=len(served_records(pack, layers)),
+        top_k=manifest.config.num_experts_per_tok,
+        vram_budget=vram,
+        ram_budget=ram,
+        device_reserved=device_reserved,
+        host_reserved=host_reserved,
+        staging=staging,
+    )
+
+
+def holds_every_record(plan: StorePlan, records: int) -> bool:
+    """Whether a store of `plan` keeps `records` records without evicting any: all resident on the
+    device, or all in the host cache."""
+    return plan.device_slots + plan.staging_slots >= records or plan.host_slots >= records
+
+
 def build_store(
     pack: Pack | Path | str,
     config: StoreConfig = StoreConfig(),
@@ -105,21 +135,8 @@ def build_store(
         if profile is None:
             names = ", ".join(sorted(manifest.hot_sets)) or "none; run `flashpack profile` first"
             raise FlashpackError(f"pack has no hot set {config.hot_set!r} (has: {names})")
-    if device_reserved is None:
-        device_reserved = resident_device_bytes(manifest, dtype, kv_bytes, device)
-    vram, ram = parse_budget(config.vram_budget), parse_budget(config.ram_budget)
-    if torch.device(device).type == "cuda":  # no budget on a GPU: what the machine has free, not every record
-        vram, ram = (free if given is None else given for given, free in zip((vram, ram), machine_free_bytes(device)))
-    plan = plan_store(
-        record_stride=manifest.document["experts"]["record_stride"],
-        total_records=len(records),
-        top_k=manifest.config.num_experts_per_tok,
-        vram_budget=vram,
-        ram_budget=ram,
-        device_reserved=device_reserved,
-        host_reserved=host_reserved,
-        staging=staging,
-    )
+    plan = store_plan(pack, config, device, dtype=dtype, kv_bytes=kv_bytes, device_reserved=device_reserved,
+                      host_reserved=host_reserved, staging=staging, layers=layers)
     if allow_resident and plan.device_slots + plan.staging_slots >= len(records):
         return ResidentExperts(pack, device, config, plan=plan, layers=layers)
     store = TieredStore(pack, plan, config, device, poison=poison, layers=layers)

@@ -161,6 +161,30 @@ def test_a_store_for_some_layers_gives_the_others_no_room(store_pack):
             engine.store.close()
 
 
+def test_auto_drafts_with_the_mtp_head_only_where_the_budgets_hold_it(store_pack):
+    """`--speculate auto` through a store adds the MTP head's experts only where every record of the
+    decoder layers and the head fits; a RAM budget that holds the decoder layers' alone leaves the
+    head out (it would push decoder records to disk); `mtp` takes it regardless."""
+    from flashpack.runtime.engine.build import load_engine
+    from flashpack.runtime.engine.config import EngineConfig
+    from flashpack.runtime.store.build import store_plan
+
+    pack = Pack.open(store_pack)
+    cfg = pack.manifest.config
+    decoder = list(range(cfg.num_hidden_layers))
+    stride = pack.manifest.document["experts"]["record_stride"]
+    device_least = store_plan(pack, StoreConfig(vram_budget="1GiB"), "cpu", layers=decoder).device_reserved
+    tight = StoreConfig(vram_budget=device_least + 2 * cfg.num_experts_per_tok * stride,
+                        ram_budget=len(decoder) * cfg.num_experts * stride + stride)
+    for speculate, layers in (("auto", decoder), ("mtp", [*decoder, cfg.num_hidden_layers])):
+        engine = load_engine(store_pack, EngineConfig(store=tight, speculate=speculate))
+        try:
+            assert engine.store.layers == layers
+            assert [d.name for d in engine.generator.speculation.drafters] == (["lookup"] if speculate == "auto" else ["mtp"])
+        finally:
+            engine.store.close()
+
+
 def test_missing_or_resized_pack_file_is_refused_at_open(pack_copy):
     layer_file = next((pack_copy / "experts").iterdir())
     with open(layer_file, "ab") as handle:

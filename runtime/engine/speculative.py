@@ -25,8 +25,11 @@ drafter's steps with the tokens they yield. Drafters are asked in order (prompt 
 context repeats itself, then the MTP head); one that loses to plain steps rests BACKOFF_TOKENS
 tokens, twice as long after each further loss (up to MAX_BACKOFF_TOKENS), and at least so long
 that the time the losing step cost beyond plain steps is TRY_SHARE of the plain time of its rest:
-where speculation never pays, trying it costs at most about that share. The paces outlive a
-request (the engine keeps one decoder), so what one request learnt the next need not pay for.
+where speculation never pays, trying it costs at most about that share. Keeping a drafter caught
+up (the MTP head's layer on every step) is that drafter's cost, not a plain step's: it is charged
+to its next checked step, and a drafter kept up through IDLE_TOKENS steps without drafting, at more
+than TRY_SHARE of their time, rests too. The paces outlive a request (the engine keeps one
+decoder), so what one request learnt the next need not pay for.
 Until a plain step has been timed, none is checked.
 """
 
@@ -46,6 +49,7 @@ from flashpack.runtime.state import SequenceState
 BACKOFF_TOKENS = 32  # tokens a drafter rests after its checked steps lost to plain ones
 MAX_BACKOFF_TOKENS = 1024
 TRY_SHARE = 0.02  # of plain decoding's time that trying a losing drafter may cost
+IDLE_TOKENS = 32  # plain steps a drafter may be kept caught up without drafting before it is judged
 _WEIGHT = 0.2  # of the newest measurement in each running mean
 PLAIN = "plain"
 
@@ -94,6 +98,7 @@ class _Pace:
     tokens: float | None = None
     resting: int = 0  # tokens still to go before this drafter is asked again
     backoff: int = BACKOFF_TOKENS
+    idle: int = 0  # plain steps since the drafter's catching up was last charged
 
     def add(self, seconds: float, tokens: int) -> None:
         self.seconds = _mean(self.seconds, seconds)
@@ -117,6 +122,8 @@ class SpeculativeDecoder:
     policy: bool = True  # False: every proposal is checked (benchmarks, tests)
     stats: SpeculationStats = field(default_factory=SpeculationStats)
     _paces: dict[str, _Pace] = field(default_factory=dict)
+    _upkeep: dict[str, float] = field(default_factory=dict)  # catching-up seconds not charged yet, by drafter
+    _upkeep_in_step: float = 0.0  # catching-up seconds within the step under way
     _since: tuple[str, float] | None = None  # the kind of the step under way, and when it was chosen
     _yielded: int = 1  # tokens the step under way yields
 
@@ -129,7 +136,15 @@ class SpeculativeDecoder:
     def observe(self, tokens: Sequence[int], streams: torch.Tensor, state: SequenceState) -> None:
         """The backbone consumed `tokens` (a prefill segment or a plain step) with these streams."""
         for drafter in self._awake():
-            drafter.observe(tokens, streams, state)
+            self._kept_up(drafter, tokens, streams, state)
+
+    def _kept_up(self, drafter: Drafter, tokens, streams, state) -> None:
+        """drafter.observe, its time kept as the drafter's upkeep."""
+        start = time.perf_counter()
+        drafter.observe(tokens, streams, state)
+        seconds = time.perf_counter() - start
+        self._upkeep[drafter.name] = self._upkeep.get(drafter.name, 0.0) + seconds
+        self._upkeep_in_step += seconds
 
     def _awake(self) -> list[Drafter]:
         """The drafters not resting. A resting one is not kept caught up either (the MTP head's
@@ -176,7 +191,7 @@ class SpeculativeDecoder:
         self.stats.rollback_seconds += time.perf_counter() - checked
         self.stats.count(draft.drafter, len(drafts), accepted)
         for drafter in self._awake():
-            drafter.observe([token, *drafts[:accepted]], out.streams[:kept], state)
+            self._kept_up(drafter, [token, *drafts[:accepted]], out.streams[:kept], state)
         for drafter in self.drafters:
             drafter.extend(drafts[:accepted])
         self._yielded = kept
@@ -198,22 +213,42 @@ class SpeculativeDecoder:
         return len(drafts), sampler.draw(sampler.probabilities(logits[len(drafts)]))
 
     def _settle_pace(self, now: float) -> None:
-        """Charge the step under way (chosen at `self._since`) with the time until now."""
+        """Charge the step under way (chosen at `self._since`) with the time until now. Catching a
+        drafter up is not a plain step's cost but that drafter's: a drafter's checked step is
+        charged with all the catching up it took since its last one, and one that is kept caught up
+        through IDLE_TOKENS steps without drafting, at more than TRY_SHARE of their time, rests."""
         if self._since is None:
             return
         kind, began = self._since
+        seconds = now - began - self._upkeep_in_step
+        self._upkeep_in_step = 0.0
         pace = self._paces.setdefault(kind, _Pace())
-        pace.add(now - began, self._yielded)
+        if kind != PLAIN:
+            seconds += self._upkeep.pop(kind, 0.0)
+            pace.idle = 0
+        pace.add(seconds, self._yielded)
         plain = self._paces.get(PLAIN)
-        if kind == PLAIN or plain is None or not self.policy:
+        if plain is None or not self.policy:
+            return
+        if kind == PLAIN:
+            self._rest_idle(plain)
             return
         if pace.rate() < plain.rate():
-            lost = now - began - self._yielded * plain.seconds  # this step's time beyond plain steps'
+            lost = seconds - self._yielded * plain.seconds  # this step's time beyond plain steps'
             paid_back = math.ceil(lost / (TRY_SHARE * plain.seconds)) if lost > 0 else 0
             pace.resting = max(pace.backoff, paid_back)
             pace.backoff = min(2 * pace.backoff, MAX_BACKOFF_TOKENS)
         else:
             pace.backoff = BACKOFF_TOKENS
+
+    def _rest_idle(self, plain: _Pace) -> None:
+        for name, upkeep in list(self._upkeep.items()):
+            pace = self._paces.setdefault(name, _Pace())
+            pace.idle += 1
+            if pace.idle >= IDLE_TOKENS:
+                if upkeep > TRY_SHARE * pace.idle * plain.seconds:
+                    pace.resting, pace.backoff = pace.backoff, min(2 * pace.backoff, MAX_BACKOFF_TOKENS)
+                self._upkeep[name], pace.idle = 0.0, 0
 
 
 def _mean(mean: float | None, value: float) -> float:

@@ -210,6 +210,28 @@ def test_a_resting_mtp_head_is_not_kept_caught_up(engine):
     assert state.mtp_input is None and mtp.propose(7, state, 4) == []  # out of line: no drafts
 
 
+def test_a_drafter_whose_upkeep_costs_more_than_it_drafts_rests(engine):
+    """A drafter kept caught up every step (10 ms of upkeep a step, as a slow MTP layer) that never
+    drafts is charged for it: after IDLE_TOKENS plain steps it rests and is no longer kept up."""
+    import time as clock
+
+    class Costly(Scripted):
+        name = "costly"
+        observed = 0
+
+        def observe(self, tokens, streams, state):
+            Costly.observed += 1
+            clock.sleep(0.01)
+
+        def propose(self, token, state, k):
+            return []
+
+    decoder = SpeculativeDecoder(engine.step, [Costly([], 0)])
+    _generate(engine, decoder, SamplingParams(max_tokens=speculative.IDLE_TOKENS + 10))
+    assert decoder._paces["costly"].resting > 0
+    assert Costly.observed <= speculative.IDLE_TOKENS + 3  # the prompt, then one a plain step until it rested
+
+
 def test_speculation_is_a_setting(tiny_pack):
     assert [d.name for d in load_engine(tiny_pack, EngineConfig()).generator.speculation.drafters] == ["lookup", "mtp"]
     assert [d.name for d in load_engine(tiny_pack, EngineConfig(speculate="lookup")).generator.speculation.drafters] == [

@@ -128,10 +128,11 @@ class SpeculativeDecoder:
     _yielded: int = 1  # tokens the step under way yields
 
     def start(self, prompt_ids: Sequence[int]) -> None:
-        """A new sequence: drafters index its prompt."""
+        """A new sequence, its first token chosen: drafters index its prompt. The prompt's catching
+        up is a part of its prefill, not charged to any drafter."""
         for drafter in self.drafters:
             drafter.start(prompt_ids)
-        self._since = None
+        self._since, self._upkeep, self._upkeep_in_step = None, {}, 0.0
 
     def observe(self, tokens: Sequence[int], streams: torch.Tensor, state: SequenceState) -> None:
         """The backbone consumed `tokens` (a prefill segment or a plain step) with these streams."""

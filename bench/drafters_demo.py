@@ -8,9 +8,10 @@ Tasks, from the corpus' held-out files (transformers sources the model never tra
     prose   a docstring's first half (English prose about code), continued
     edit    "the same function with the variable X renamed to Y" (bench/demo_model/edit_tasks.py):
             the function is in the prompt, the continuation rewrites it
-Each prompt is decoded greedily `--tokens` tokens (or to its end of text) plainly, then with every
-draft checked (lookup alone, the MTP head alone; the policy off, so acceptance is measured on
-every step), then as `--speculate auto` runs it (lookup, then the MTP head, the policy on). Every
+Each task's prompts are decoded greedily `--tokens` tokens (or to an end of text) with every draft
+checked (lookup alone, the MTP head alone; the policy off, so acceptance is measured on every
+step), and as `--speculate auto` runs it (lookup, then the MTP head, the policy on), each
+alternated with plain decoding `--repeats` times (medians; stats are the decoder's over all its runs). Every
 speculative output is checked to equal the plain one. Reported per task and drafter: acceptance
 per draft position, tokens a checked step, decode tokens a second and the speed-up over plain on
 this machine. Writes JSON and a markdown table beside it.
@@ -83,6 +84,8 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--prompts", type=int, default=4, help="prompts a task")
     parser.add_argument("--tokens", type=int, default=96, help="tokens decoded a prompt at most")
+    parser.add_argument("--repeats", type=int, default=2, help="alternated plain and speculative runs of each "
+                        "(medians; the decoder and its policy carry over between them)")
     parser.add_argument("--json", type=Path, required=True)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="drafters-") as work:
@@ -94,20 +97,26 @@ def main() -> None:
         run(engine, tasks["code"][:1], 16, None)  # warm-up
         rows = []
         for task, prompts in tasks.items():
-            plain, plain_seconds, _ = run(engine, prompts, args.tokens, None)
-            generated = sum(len(output) - 1 for output in plain)
             for name, drafters, policy in (("lookup", [LookupDrafter()], False), ("mtp", [mtp], False),
                                            ("auto", [LookupDrafter(), mtp], True)):
                 decoder = SpeculativeDecoder(engine.step, drafters, policy=policy)
-                outputs, seconds, stats = run(engine, prompts, args.tokens, decoder)
+                plain_times, times, lossless = [], [], True
+                for _ in range(args.repeats):  # alternated: plain, speculative, plain, ...
+                    plain, plain_seconds, _ = run(engine, prompts, args.tokens, None)
+                    outputs, seconds, stats = run(engine, prompts, args.tokens, decoder)
+                    plain_times.append(plain_seconds)
+                    times.append(seconds)
+                    lossless = lossless and outputs == plain
+                generated = sum(len(output) - 1 for output in plain)
+                plain_seconds, seconds = statistics.median(plain_times), statistics.median(times)
                 rows.append({
                     "task": task, "drafter": name, "policy": policy, "prompts": len(prompts),
-                    "decoded_tokens": generated, "lossless": outputs == plain,
+                    "decoded_tokens": generated, "lossless": lossless, "repeats": args.repeats,
                     "acceptance": stats["acceptance"], "acceptance_at": stats["acceptance_at"],
                     "tokens_per_step": stats["tokens_per_step"], "checked_steps": stats["steps"],
                     "plain_steps": stats["plain_steps"], "by_drafter": stats["by_drafter"],
                     "tokens_per_s": generated / seconds, "plain_tokens_per_s": generated / plain_seconds,
-                    "speedup": plain_seconds / seconds,
+                    "speedup": plain_seconds / seconds, "speedups": [p / t for p, t in zip(plain_times, times)],
                 })
                 print(f"{task} {name}: acceptance {stats['acceptance']:.2f}, {stats['tokens_per_step']:.2f} tokens a "
                       f"step, {rows[-1]['speedup']:.2f}x, lossless {rows[-1]['lossless']}", flush=True)
@@ -125,7 +134,8 @@ def main() -> None:
         lines.append(f"| {row['task']} | {row['drafter']} | {'on' if row['policy'] else 'off'} | {row['acceptance']:.2f} "
                      f"| {positions} | {row['tokens_per_step']:.2f} | {row['tokens_per_s']:.1f} "
                      f"| {row['plain_tokens_per_s']:.1f} | {row['speedup']:.2f}x | {row['lossless']} |")
-    table = f"demo model, {args.device}, {args.prompts} prompts a task, up to {args.tokens} tokens each\n\n" + "\n".join(lines) + "\n"
+    table = (f"demo model, {args.device}, {args.prompts} prompts a task, up to {args.tokens} tokens each, "
+             f"{args.repeats} alternated repeats (medians)\n\n") + "\n".join(lines) + "\n"
     args.json.with_suffix(".md").write_text(table)
     print(table)
 

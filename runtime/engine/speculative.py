@@ -69,7 +69,7 @@ class SpeculationStats:
     by_drafter: dict[str, dict[str, int]] = field(default_factory=dict)  # name -> steps, drafted, accepted
 
     def to_dict(self) -> dict:
-        found = {name: value for name, value in self.__dict__.items()}
+        found = dict(self.__dict__)
         found["tokens_per_step"] = (self.steps + self.accepted) / self.steps if self.steps else 0.0
         found["acceptance"] = self.accepted / self.drafted if self.drafted else 0.0
         found["acceptance_at"] = [a / d if d else 0.0 for a, d in zip(self.accepted_at, self.drafted_at)]

@@ -254,6 +254,10 @@ class SequenceState:
         for cache in self.attention.values():
             cache.reserve(tokens)
 
+    @property
+    def tracked(self) -> bool:
+        return self._tracked_from is not None
+
     def track(self) -> None:
         """Keep, through the next step, what `rewind` needs to stand after any of its tokens."""
         self._tracked_from = (self.position, {layer: cache.length for layer, cache in self.attention.items()})

@@ -20,6 +20,7 @@ from flashpack.errors import FlashpackError
 from flashpack.layout.checksums import MANIFEST_HASH_KEY
 from flashpack.layout.pack import Pack
 from flashpack.runtime.engine.config import EngineConfig
+from flashpack.runtime.engine.checked_graphs import CheckedGraphs
 from flashpack.runtime.engine.decode_graphs import DecodeGraphs
 from flashpack.runtime.engine.engine import Engine
 from flashpack.runtime.engine.expert_paths import BankExperts, Prediction, StoreExperts, routed_experts
@@ -107,13 +108,15 @@ def load_engine(
     else:
         source = PackExperts(pack, verify_records=config.store.verify_records)
     model = engine_model(PackWeights(pack), source, config, dtype, device)
-    graphs = None
+    graphs = checked = None
     graphs_pay = decode_tokens is None or decode_graphs_pay(decode_tokens, cfg.num_hidden_layers,
                                                             config.graphs_min_layer_tokens)
     slots = isinstance(model.experts, (BankExperts, StoreExperts))
     if config.cuda_graphs and graphs_pay and device.type == "cuda" and slots:
         graphs = engine_graphs(model, config)
-    step = Step(model, graphs)
+        if config.checked_graphs and isinstance(model.experts, BankExperts):
+            checked = CheckedGraphs(model.layers, model.experts)
+    step = Step(model, graphs, checked)
     tokenizer = PackTokenizer.load(pack.root)
     speculation = _speculation(step, model, PackWeights(pack), config, mtp)
     generator = Generator(step, tokenizer, prefix_cache=_prefix_cache(pack, config, states_ram), speculation=speculation)

@@ -26,6 +26,27 @@ def layer_front(layer: DecoderLayer, streams, position, ple_rows, ple_state, mix
     return layer.attn_hc.combine(streams, mixed, inject)
 
 
+def checked_front(layer: DecoderLayer, streams, position, ple_rows, ple_state, mixer_state):
+    """`layer_front` for the T rows of a checked step at position .. position + T - 1 (position
+    int64 [1] on the device): attention writes and attends token after token, so each sees the
+    ones before it and none after."""
+    if ple_rows is not None:
+        streams = streams + layer.ple.addend(streams, ple_rows, ple_state)
+    block_input, inject = layer.attn_hc.mix(streams)
+    if layer.linear:
+        mixed = layer.mixer(block_input, mixer_state)  # the state tracked: DeltaNet runs its tokens one by one
+    else:
+        attention, count = layer.mixer, streams.shape[0]
+        positions = position + torch.arange(count, device=position.device)
+        q, gate, k, v, index_q, index_k = attention.project(block_input, positions)
+        attended = torch.cat([
+            attention.attend_step(q[t:t + 1], k[t:t + 1], v[t:t + 1], index_q[t:t + 1], index_k[t:t + 1],
+                                  mixer_state, positions[t:t + 1])
+            for t in range(count)])
+        mixed = attention.output(attended, gate)
+    return layer.attn_hc.combine(streams, mixed, inject)
+
+
 def _host_offsets(codes: torch.Tensor, wanted: torch.Tensor, host: HostRecords) -> torch.Tensor:
     """int64 [k]: the word offset of each wanted host-cache code's record, -1 elsewhere."""
     host_slots = torch.where(wanted, host_slot_of(codes), 0).flatten()

@@ -8,7 +8,9 @@ A sequence's tokens may be a whole prompt (prefill), one token (decode) or k + 1
 Today a step takes one sequence; the list form is the interface batching fills in.
 
 A one-token step replays the decoder layers from CUDA graphs when the engine has them
-(decode_graphs.py); everything else runs the model's layers eagerly.
+(decode_graphs.py), and so does a tracked step of a few tokens, speculative decoding's checked
+step, with every expert resident (checked_graphs.py); everything else runs the model's layers
+eagerly.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from flashpack.runtime.engine.checked_graphs import CheckedGraphs
 from flashpack.runtime.engine.decode_graphs import DecodeGraphs
 from flashpack.runtime.model.model import Qwen4ExpModel, StepOutput
 from flashpack.runtime.state import SequenceState
@@ -31,8 +34,9 @@ class StepInput:
 
 
 class Step:
-    def __init__(self, model: Qwen4ExpModel, graphs: DecodeGraphs | None = None):
-        self.model, self.graphs = model, graphs
+    def __init__(self, model: Qwen4ExpModel, graphs: DecodeGraphs | None = None,
+                 checked: CheckedGraphs | None = None):
+        self.model, self.graphs, self.checked = model, graphs, checked
         self.config = model.config
 
     def __call__(self, inputs: Sequence[StepInput]) -> list[StepOutput]:
@@ -45,12 +49,19 @@ class Step:
                 depth: int | None = None) -> StepOutput:
         """tokens int64 [T] -> StepOutput; advances `state` by T. `depth`: the first `depth`
         decoder layers only (a warm-up's prompts; the state is then good for nothing else)."""
-        if self.graphs is None or tokens.ndim != 1 or tokens.shape[0] != 1 or depth is not None:
+        count = tokens.shape[0] if tokens.ndim == 1 else 0
+        one_token = self.graphs is not None and count == 1
+        checked = self.checked is not None and state.tracked and self.checked.takes(count)
+        if depth is not None or not (one_token or checked):
             return self.model.forward(tokens, state, last_only=last_only, depth=depth)
         host_tokens = tokens.cpu()  # the PLE layers hash them on the host: no read-back mid-step
-        streams = self.model.embed(tokens.to(self.model.device)).repeat(1, self.config.hc_count)  # [1, hc*H]
-        streams, logits = self.graphs.run(streams, host_tokens, state, head=self.model.logits)
-        state.position += 1
+        streams = self.model.embed(tokens.to(self.model.device)).repeat(1, self.config.hc_count)  # [T, hc*H]
+        if one_token:
+            streams, logits = self.graphs.run(streams, host_tokens, state, head=self.model.logits)
+        else:
+            streams = self.checked.run(streams, host_tokens, state)
+            logits = self.model.logits(streams[-1:] if last_only else streams)
+        state.position += count
         return StepOutput(logits=logits, streams=streams)
 
     def new_state(self) -> SequenceState:

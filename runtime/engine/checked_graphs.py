@@ -1,0 +1,141 @@
+"""CUDA graphs for speculative decoding's checked steps: a token and its k drafts through every
+decoder layer as one step, replayed, not re-issued.
+
+A checked step of T = k + 1 tokens issued eagerly launches several hundred small kernels a layer
+(its DeltaNet recurrence and its attention run token by token, so that the step can stand after
+any of them), and the host, not the GPU, sets its pace: many times a one-token step replayed
+from decode_graphs.py, which throws away what checking k drafts at once saves. So a checked step
+is a chain of graphs too, one a layer, captured for each T that comes (a drafter proposes up to
+`EngineConfig.draft_tokens`; T stays within the decode kernels' rows, DECODE_MAX_TOKENS):
+
+    graph(layer L: [PLE addend over T rows,] mix, sequence mixer, combine, mix, router, shared
+          expert, the routed experts of all T rows from the bank, combine) -> graph(layer L + 1) ...
+
+Within a layer the projections, routers and experts take the T rows at once; the DeltaNet
+recurrence runs its T one-token computations (the state after each kept in buffers of the graph
+for `SequenceState.rewind`), and attention writes and attends one token after another at
+position + t (`QSAAttention.attend_step`), which is causal by construction. The tracked parts a
+rewind reads (DeltaNet's per-token states and conv window, PLE's conv window) are graph outputs,
+handed back to the state after every replay. The PLE rows are gathered on the host before the
+layers, as for decode, and the logits of all T rows are computed after them.
+
+Every expert must be resident (a bank and its slot table, `BankExperts`): a tiered store's step
+may meet a record on disk, and a checked step then runs eagerly through the store. The pieces
+are not compiled: a compile for each T would cost more than the steps it speeds up. Like decode
+graphs, they are bound to the sequence state's buffers; a state with other buffers (a new
+sequence, an attention cache that grew) has them captured again.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from flashpack.runtime.engine import graph_pieces as pieces
+from flashpack.runtime.engine.captured_call import CapturedCall
+from flashpack.runtime.engine.expert_paths import BankExperts, fused_experts, PREDICT_MAX_TOKENS
+from flashpack.runtime.kernels.dispatch import DECODE_MAX_TOKENS
+from flashpack.runtime.model.decoder_layer import DecoderLayer
+from flashpack.runtime.state import SequenceState
+
+MAX_CHECKED_TOKENS = DECODE_MAX_TOKENS  # more rows would leave the decode kernels: such a step runs eagerly
+
+
+class CheckedGraphs:
+    def __init__(self, layers: nn.ModuleList, experts: BankExperts,
+                 make_call: Callable[..., CapturedCall] | None = None):
+        """`make_call(fn, kept)` wraps each piece (default: a CapturedCall in one graph pool); the
+        CPU tests pass a plain call to check how the layers are cut into pieces."""
+        self.layers = list(layers)
+        self.experts = experts
+        self.make_call = make_call
+        self._pool = None
+        self._bound_to: tuple[int, ...] | None = None
+        self._state: SequenceState | None = None
+        self._position: torch.Tensor | None = None  # int64 [1]: the step's first position
+        self._pieces: dict[int, list[tuple[DecoderLayer, Callable]]] = {}  # by the step's token count
+
+    def takes(self, tokens: int) -> bool:
+        return 1 < tokens <= MAX_CHECKED_TOKENS
+
+    def run(self, streams: torch.Tensor, tokens: torch.Tensor, state: SequenceState) -> torch.Tensor:
+        """streams [T, hc*H] through every decoder layer for the T `tokens` (on the host) of a
+        tracked step; advances `state` (not its position) and leaves it what `rewind` needs."""
+        count = tokens.shape[0]
+        if not state.tracked or not self.takes(count):
+            raise ValueError(f"a checked step takes 2..{MAX_CHECKED_TOKENS} tokens of a tracked state, got {count}")
+        for layer in self.layers:
+            if not layer.linear:
+                state.attention[layer.layer].reserve(state.position + count)
+        self._bind(state, streams.device)
+        self._state = state
+        self._position.fill_(state.position)
+        rows = {layer.layer: layer.ple.embed(tokens, state.ple[layer.layer])
+                for layer in self.layers if layer.ple is not None}  # the n-gram context and its history
+        table = self.experts.source.slot_table
+        for layer, call in self._pieces_for(count):
+            ple = [rows[layer.layer]] if layer.ple is not None else []
+            streams, *tracked = call(table, self._position, streams, *ple)
+            self._hand_back(layer, state, tracked)
+            for _ in range(count):
+                self.experts.source.count_replay(layer.layer)
+        for layer in self.layers:
+            if not layer.linear:
+                state.attention[layer.layer].advance(count)
+        return streams
+
+    @staticmethod
+    def _hand_back(layer: DecoderLayer, state: SequenceState, tracked: list[torch.Tensor]) -> None:
+        """A replay runs none of the Python that sets the tracked parts: set them from its outputs."""
+        if layer.ple is not None:
+            state.ple[layer.layer].window = tracked.pop(0)
+        if layer.linear:
+            state.deltanet[layer.layer].positions, state.deltanet[layer.layer].window = tracked
+
+    def _pieces_for(self, count: int) -> list[tuple[DecoderLayer, Callable]]:
+        if count not in self._pieces:
+            first = self.layers[0]
+            # (table, position, streams, [PLE rows]): all but the first layer's streams and the
+            # PLE rows are the same tensors every step
+            self._pieces[count] = [
+                (layer, self._make(self._piece(layer, count), kept={0, 1} if layer is first else {0, 1, 2}))
+                for layer in self.layers]
+        return self._pieces[count]
+
+    def _make(self, fn: Callable, kept: set[int]) -> Callable:
+        if self.make_call is not None:
+            return self.make_call(fn, kept=kept)
+        return CapturedCall(fn, self._pool, kept)
+
+    def _piece(self, layer: DecoderLayer, count: int) -> Callable:
+        """One layer of a checked step: (streams, [PLE conv window,] [DeltaNet states, conv window])."""
+        bank = self.experts.source.bank
+
+        def piece(table, position, streams, *ple_rows):
+            state = self._state
+            ple_state = state.ple[layer.layer] if layer.ple is not None else None
+            mixer_state = state.deltanet[layer.layer] if layer.linear else state.attention[layer.layer]
+            streams = pieces.checked_front(layer, streams, position, ple_rows[0] if ple_rows else None,
+                                           ple_state, mixer_state)
+            x, inject, weights, experts, shared, _ = pieces.tiered_route(layer, None, streams)
+            routed = fused_experts(x, bank, table[layer.layer][experts], weights, prompt=count > PREDICT_MAX_TOKENS)
+            streams = pieces.expert_combine(layer, streams, routed, shared, inject)
+            tracked = [ple_state.window] if ple_state is not None else []
+            if layer.linear:
+                tracked += [mixer_state.positions, mixer_state.window]
+            return (streams, *tracked)
+
+        return piece
+
+    def _bind(self, state: SequenceState, device: torch.device) -> None:
+        key = tuple(t.data_ptr() for s in state.deltanet.values() for t in (s.conv, s.recurrent))
+        key += tuple(s.conv.data_ptr() for s in state.ple.values())
+        key += tuple(state.attention[layer.layer].buffers()[0].data_ptr() for layer in self.layers if not layer.linear)
+        if key == self._bound_to:
+            return
+        self._bound_to, self._pieces = key, {}
+        if self.make_call is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        self._position = torch.zeros(1, dtype=torch.int64, device=device)

@@ -1,0 +1,189 @@
+"""Checked steps from graph pieces (runtime/engine/checked_graphs.py) against plain decoding.
+
+A checked step of T tokens cut into one piece a layer, with every expert resident, must compute
+for each row what one-token decode steps of those tokens compute from the decode graphs' pieces
+(rel 1e-5 on a CPU in float32), and rewound to any of its tokens must leave the state that
+decoding the kept tokens leaves. The reference is the decode pieces, not the eager layers: both
+graph paths pick the indexer's top blocks over the whole fixed buffer, where the eager layers
+break exact ties of its relu scores (common in the tiny model's two indexer heads) over the
+visible blocks alone, as transformers does, so a tie may fall the other way. On a CPU the pieces run
+as a replay would: from their second call on, what they write into tensors stands and what their
+Python sets on the state (the tracked per-token states) does not, so the state must get those
+from the pieces' outputs; a control that skips that must give other logits. On a GPU the same
+with the pieces captured, and greedy speculative generation equal to plain decoding.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flashpack.layout.pack import Pack
+from flashpack.runtime.engine.build import engine_graphs, engine_model, load_engine
+from flashpack.runtime.engine.checked_graphs import CheckedGraphs
+from flashpack.runtime.engine.config import EngineConfig
+from flashpack.runtime.engine.speculative import SpeculativeDecoder
+from flashpack.runtime.engine.step import Step
+from flashpack.runtime.pack_source import PackWeights
+from flashpack.runtime.sampling import SamplingParams
+from flashpack.runtime.store.resident import ResidentExperts
+
+TOLERANCE = 1e-5
+TRACKED = ("positions", "window")
+
+
+class ReplayLikeCall:
+    """Stands in for a CapturedCall on a CPU: runs the piece every time, but from the second call
+    on undoes what it set on the state's DeltaNet and PLE parts, as a replay runs none of it."""
+
+    def __init__(self, fn, state_of):
+        self.fn, self.state_of, self.calls = fn, state_of, 0
+
+    def __call__(self, *inputs):
+        self.calls += 1
+        if self.calls == 1:
+            return self.fn(*inputs)
+        state = self.state_of()
+        parts = [*state.deltanet.values(), *state.ple.values()]
+        before = [(part, name, getattr(part, name)) for part in parts for name in TRACKED if hasattr(part, name)]
+        out = self.fn(*inputs)
+        for part, name, value in before:
+            setattr(part, name, value)
+        return out
+
+
+class PlainCall:
+    def __init__(self, fn, kept=()):
+        self.fn = fn
+
+    def __call__(self, *inputs):
+        return self.fn(*inputs)
+
+
+def _steps(tiny_pack, device: str = "cpu"):
+    """(a step decoding from graph pieces, the same with checked pieces too), over one resident
+    bank (compile_layers off on the GPU, as the checked pieces are)."""
+    pack = Pack.open(tiny_pack)
+    resident = ResidentExperts(pack, device, progress=False)
+    config = EngineConfig(dtype="float32", compile_layers=False)
+    steps = []
+    for with_checked in (False, True):
+        model = engine_model(PackWeights(pack), resident, config, torch.float32, torch.device(device))
+        graphs = engine_graphs(model, config, make_call=None if device == "cuda" else PlainCall)
+        checked = None
+        if with_checked:
+            checked = CheckedGraphs(model.layers, model.experts, make_call=None if device == "cuda" else (
+                lambda fn, kept: ReplayLikeCall(fn, lambda: checked._state)))
+        steps.append(Step(model, graphs, checked))
+    return steps
+
+
+def _tokens(index: int, count: int) -> torch.Tensor:
+    return torch.randint(0, 1000, (count,), generator=torch.Generator().manual_seed(index))
+
+
+def _checked_run(step: Step, prompt: torch.Tensor, steps: list[tuple[int, int]]) -> list[torch.Tensor]:
+    """The prompt, then tracked steps of (tokens, kept) rewound to their kept tokens, each followed
+    by one plain step: every step's logits."""
+    state = step.new_state()
+    state.reserve(64)  # no attention cache grows within a run: the pieces stay bound, and replay
+    logits = [step.forward(prompt, state, last_only=True).logits]
+    for index, (count, kept) in enumerate(steps):
+        tokens = _tokens(index, count)
+        state.track()
+        logits.append(step.forward(tokens, state).logits)
+        state.rewind(kept)
+        logits.append(step.forward(tokens[kept - 1:kept], state).logits)
+    return logits
+
+
+def _decoded_run(step: Step, prompt: torch.Tensor, steps: list[tuple[int, int]]) -> list[torch.Tensor]:
+    """What `_checked_run` computes, by one-token steps: a checked step's rows are its tokens
+    decoded one by one from a copy of the state; the state then decodes the kept ones."""
+    state = step.new_state()
+    state.reserve(64)
+    logits = [step.forward(prompt, state, last_only=True).logits]
+    for index, (count, kept) in enumerate(steps):
+        tokens, trial = _tokens(index, count), step.new_state()
+        trial.reserve(64)  # buffers of the same size: the indexer scores the same blocks
+        trial.restore(state)
+        logits.append(torch.cat([step.forward(token[None], trial).logits for token in tokens]))
+        for token in tokens[:kept]:
+            step.forward(token[None], state)
+        logits.append(step.forward(tokens[kept - 1:kept], state).logits)
+    return logits
+
+
+# T = 2..5 (5 takes the grouped expert kernels), each length again so the pieces "replay"; one
+# step rewound to its first token, one kept whole
+CHECKED_STEPS = [(3, 2), (5, 1), (3, 3), (2, 1), (5, 4), (2, 2), (4, 2), (4, 4), (5, 5), (3, 1)]
+
+
+def _worst(got, expected) -> float:
+    errors = torch.tensor([float((a - b).norm() / b.norm()) for a, b in zip(got, expected)])
+    return float(errors.nan_to_num(nan=float("inf")).max())
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU test below captures the pieces")
+def test_checked_pieces_compute_plain_decoding_on_cpu(tiny_pack):
+    plain, pieces = _steps(tiny_pack)
+    prompt = torch.randint(0, 1000, (20,), generator=torch.Generator().manual_seed(2))  # past the indexer budget
+    expected, got = _decoded_run(plain, prompt, CHECKED_STEPS), _checked_run(pieces, prompt, CHECKED_STEPS)
+    assert len(got) == 1 + 2 * len(CHECKED_STEPS)
+    assert _worst(got, expected) < TOLERANCE
+    assert set(pieces.checked._pieces) == {2, 3, 4, 5}
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU test below captures the pieces")
+def test_control_pieces_whose_tracked_states_are_not_handed_back_go_wrong(tiny_pack, monkeypatch):
+    plain, pieces = _steps(tiny_pack)
+    monkeypatch.setattr(CheckedGraphs, "_hand_back", staticmethod(lambda layer, state, tracked: None))
+    prompt = torch.randint(0, 1000, (20,), generator=torch.Generator().manual_seed(2))
+    expected, got = _decoded_run(plain, prompt, CHECKED_STEPS), _checked_run(pieces, prompt, CHECKED_STEPS)
+    assert _worst(got, expected) > 1e-3
+
+
+def test_checked_pieces_refuse_what_they_do_not_take(tiny_pack):
+    _, pieces = _steps(tiny_pack)
+    state = pieces.new_state()
+    with pytest.raises(ValueError, match="tracked state"):
+        pieces.checked.run(torch.zeros(3, 1), torch.tensor([1, 2, 3]), state)  # not tracked
+    assert not pieces.checked.takes(1) and not pieces.checked.takes(17) and pieces.checked.takes(16)
+
+
+needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+
+
+@needs_gpu
+def test_captured_checked_steps_compute_plain_decoding(tiny_pack):
+    plain, pieces = _steps(tiny_pack, "cuda")
+    prompt = torch.randint(0, 1000, (20,), generator=torch.Generator().manual_seed(2))
+    expected, got = _decoded_run(plain, prompt, CHECKED_STEPS), _checked_run(pieces, prompt, CHECKED_STEPS)
+    assert _worst(got, expected) < 1e-4  # T rows' projections by cuBLAS, one row's by the matvec kernel
+    assert all(call.graph is not None for _, call in pieces.checked._pieces[3])
+
+
+@needs_gpu
+def test_control_captured_pieces_whose_tracked_states_are_not_handed_back_go_wrong(tiny_pack, monkeypatch):
+    plain, pieces = _steps(tiny_pack, "cuda")
+    monkeypatch.setattr(CheckedGraphs, "_hand_back", staticmethod(lambda layer, state, tracked: None))
+    prompt = torch.randint(0, 1000, (20,), generator=torch.Generator().manual_seed(2))
+    # a replay sets no tracked part: the rewind leaves DeltaNet and PLE after the whole step
+    assert _worst(_checked_run(pieces, prompt, CHECKED_STEPS), _decoded_run(plain, prompt, CHECKED_STEPS)) > 1e-3
+
+
+@needs_gpu
+@pytest.mark.parametrize("draft_tokens", [2, 4])
+def test_graphed_speculation_on_the_gpu_gives_the_plain_greedy_output(tiny_pack, draft_tokens):
+    """Every expert resident: plain steps and checked steps both from graphs, lookup drafts."""
+    engine = load_engine(tiny_pack, EngineConfig(device="cuda", dtype="float32", prompt_cache_ram=0,
+                                                 speculate="lookup", draft_tokens=draft_tokens))
+    assert engine.step.checked is not None
+    phrase = torch.randint(5, 1000, (12,), generator=torch.Generator().manual_seed(0)).tolist()
+    params = SamplingParams(max_tokens=48)
+    decoder: SpeculativeDecoder = engine.generator.speculation
+    decoder.policy = False
+    spoken = engine.generator.generate(phrase * 4, params).token_ids
+    engine.generator.speculation = None
+    assert spoken == engine.generator.generate(phrase * 4, params).token_ids
+    assert decoder.stats.steps > 0 and engine.step.checked._pieces

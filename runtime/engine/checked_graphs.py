@@ -35,7 +35,7 @@ from torch import nn
 
 from flashpack.runtime.engine import graph_pieces as pieces
 from flashpack.runtime.engine.captured_call import CapturedCall
-from flashpack.runtime.engine.expert_paths import BankExperts, fused_experts, PREDICT_MAX_TOKENS
+from flashpack.runtime.engine.expert_paths import BankExperts, fused_experts
 from flashpack.runtime.kernels.dispatch import DECODE_MAX_TOKENS
 from flashpack.runtime.model.decoder_layer import DecoderLayer
 from flashpack.runtime.state import SequenceState
@@ -120,7 +120,7 @@ class CheckedGraphs:
             streams = pieces.checked_front(layer, streams, position, ple_rows[0] if ple_rows else None,
                                            ple_state, mixer_state)
             x, inject, weights, experts, shared, _ = pieces.tiered_route(layer, None, streams)
-            routed = fused_experts(x, bank, table[layer.layer][experts], weights, prompt=count > PREDICT_MAX_TOKENS)
+            routed = fused_experts(x, bank, table[layer.layer][experts], weights, prompt=False)  # decode's kernels, as plain steps
             streams = pieces.expert_combine(layer, streams, routed, shared, inject)
             tracked = [ple_state.window] if ple_state is not None else []
             if layer.linear:

@@ -114,7 +114,7 @@ def _decoded_run(step: Step, prompt: torch.Tensor, steps: list[tuple[int, int]])
     return logits
 
 
-# T = 2..5 (5 takes the grouped expert kernels), each length again so the pieces "replay"; one
+# T = 2..5, each length again so the pieces "replay"; one
 # step rewound to its first token, one kept whole
 CHECKED_STEPS = [(3, 2), (5, 1), (3, 3), (2, 1), (5, 4), (2, 2), (4, 2), (4, 4), (5, 5), (3, 1)]
 

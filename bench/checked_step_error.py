@@ -24,6 +24,7 @@ from flashpack.layout.pack import Pack
 from flashpack.runtime.bench.workload import prompt_ids
 from flashpack.runtime.engine.build import load_engine
 from flashpack.runtime.engine.config import EngineConfig
+from flashpack.runtime.engine.settings import with_settings
 from flashpack.runtime.store.config import StoreConfig
 
 
@@ -35,16 +36,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--prompt-len", type=int, default=512)
     parser.add_argument("--gen", type=int, default=48)
     parser.add_argument("--draft-tokens", type=int, default=4)
-    parser.add_argument("--set", action="append", default=[], help="an EngineConfig field=value (bool or int)")
+    parser.add_argument("--set", dest="settings", action="append", default=[], metavar="KEY=VALUE",
+                        help="an engine setting by name, as `flashpack bench --set` takes it")
     parser.add_argument("--json", type=Path, required=True)
     args = parser.parse_args(argv)
     cfg = Pack.open(args.pack).manifest.config
-    extra = {}
-    for item in args.set:
-        key, value = item.split("=", 1)
-        extra[key] = value == "true" if value in ("true", "false") else int(value)
-    config = EngineConfig(device=args.device, experts="store", store=StoreConfig(hot_set=args.hot_set),
-                          prompt_cache_ram=0, speculate="off", **extra)
+    config = with_settings(EngineConfig(device=args.device, experts="store", store=StoreConfig(hot_set=args.hot_set),
+                                        prompt_cache_ram=0, speculate="off"), args.settings)
     engine = load_engine(args.pack, config)
     step, k = engine.step, args.draft_tokens
     eos = cfg.eos_token_id if cfg.eos_token_id is not None and cfg.eos_token_id >= 0 else None

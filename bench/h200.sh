@@ -15,7 +15,9 @@
 #              presets  8/32 with each named experiment of PRESETS (runtime/bench/presets.py), between
 #                       two controls: e.g. PRESETS="copy-thread whole-reads"
 #              speculation  each of SPEC_BUDGETS (default BUDGETS): plain decode against checked steps of
-#                       replayed drafts right with probability alpha (runtime/bench/speculation.py)
+#                       replayed drafts right with probability alpha (runtime/bench/speculation.py;
+#                       SPEC_ARGS: more of its arguments, e.g. "--set compile_checked=false"; SPEC_NAME: a
+#                       suffix for the results' names)
 #              reuse    prompt-state reuse at 24/64 (bench/prompt_reuse.py): a follow-up on a 32,768-token
 #                       document with no reuse, a live hit and a stored hit after a restart, and a 10-turn
 #                       conversation; the stored states on the pack's disk; prompt-reuse-24-64.{json,md}
@@ -90,7 +92,7 @@ for stage in $STAGES; do
         echo "== speculation $b at $(( $(date +%s) - start )) s"
         timeout ${BENCH_TIMEOUT:-300} python3 -m flashpack.runtime.bench.speculation $W/full.pack --device cuda \
           ${1:+--vram-budget $1} ${2:+--ram-budget $2} --emulate-layers 48 --hot-set '*' --prompt-len $PROMPT \
-          --gen ${SPEC_GEN:-64} --json $R/speculation-$b.json 2>&1 | grep -vE "^alpha" | tail -22
+          --gen ${SPEC_GEN:-64} $SPEC_ARGS --json $R/speculation-$b${SPEC_NAME:+-$SPEC_NAME}.json 2>&1 | grep -vE "^alpha" | tail -22
         tar czf $OUT/results.tgz -C $R .
       done ;;
     presets)

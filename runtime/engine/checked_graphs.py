@@ -20,8 +20,10 @@ handed back to the state after every replay. The PLE rows are gathered on the ho
 layers, as for decode, and the logits of all T rows are computed after them.
 
 Every expert must be resident (a bank and its slot table, `BankExperts`): a tiered store's step
-may meet a record on disk, and a checked step then runs eagerly through the store. The pieces
-are not compiled: a compile for each T would cost more than the steps it speeds up. Like decode
+may meet a record on disk, and a checked step then runs eagerly through the store. With
+`compiled`, the parts without a per-token loop (the hyper-connection mixes, the router and shared
+expert, the experts' combine) are compiled by torch.compile with the step length dynamic, once for
+every T, fused as the decode graphs' pieces are; the mixers' per-token loops run as they are. Like decode
 graphs, they are bound to the sequence state's buffers; a state with other buffers (a new
 sequence, an attention cache that grew) has them captured again.
 """
@@ -45,10 +47,13 @@ MAX_CHECKED_TOKENS = DECODE_MAX_TOKENS  # more rows would leave the decode kerne
 
 class CheckedGraphs:
     def __init__(self, layers: nn.ModuleList, experts: BankExperts,
-                 make_call: Callable[..., CapturedCall] | None = None):
+                 make_call: Callable[..., CapturedCall] | None = None, compiled: bool = False):
         """`make_call(fn, kept)` wraps each piece (default: a CapturedCall in one graph pool); the
         CPU tests pass a plain call to check how the layers are cut into pieces."""
         self.layers = list(layers)
+        compile_ = (lambda fn: torch.compile(fn, dynamic=True)) if compiled else (lambda fn: fn)
+        self.mix, self.route = compile_(pieces.attention_mix), compile_(pieces.mixed_route)
+        self.combine = compile_(pieces.expert_combine)
         self.experts = experts
         self.make_call = make_call
         self._pool = None
@@ -117,11 +122,13 @@ class CheckedGraphs:
             state = self._state
             ple_state = state.ple[layer.layer] if layer.ple is not None else None
             mixer_state = state.deltanet[layer.layer] if layer.linear else state.attention[layer.layer]
-            streams = pieces.checked_front(layer, streams, position, ple_rows[0] if ple_rows else None,
-                                           ple_state, mixer_state)
-            x, inject, weights, experts, shared, _ = pieces.tiered_route(layer, None, streams)
-            routed = fused_experts(x, bank, table[layer.layer][experts], weights, prompt=False)  # decode's kernels, as plain steps
-            streams = pieces.expert_combine(layer, streams, routed, shared, inject)
+            if ple_state is not None:
+                streams = streams + layer.ple.addend(streams, ple_rows[0], ple_state)  # tracked: its conv window
+            block_input, inject = self.mix(layer, streams)
+            mixed = pieces.checked_mixer(layer, block_input, position, mixer_state)
+            streams, x, inject, weights, experts, shared = self.route(layer, streams, mixed, inject)
+            routed = fused_experts(x, bank, table[layer.layer][experts], weights, prompt=False)  # decode's kernels
+            streams = self.combine(layer, streams, routed, shared, inject)
             tracked = [ple_state.window] if ple_state is not None else []
             if layer.linear:
                 tracked += [mixer_state.positions, mixer_state.window]

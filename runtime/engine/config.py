@@ -37,6 +37,9 @@ class EngineConfig:
     # With every expert resident, speculative decoding's checked steps (a token and its drafts) from
     # CUDA graphs too, captured for each step length (runtime/engine/checked_graphs.py).
     checked_graphs: bool = True
+    # Fuse the checked steps' pieces without a per-token loop with torch.compile (one compile for
+    # every step length).
+    compile_checked: bool = True
     # A run that knows how many tokens it decodes builds graphs only when its new tokens times its
     # decoder layers reach this: a layer decodes in ~4.5 ms eagerly and ~0.4 ms from graphs on an
     # H200, and building a step's graphs takes ~8 s with warm compile caches.

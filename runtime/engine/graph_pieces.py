@@ -26,25 +26,33 @@ def layer_front(layer: DecoderLayer, streams, position, ple_rows, ple_state, mix
     return layer.attn_hc.combine(streams, mixed, inject)
 
 
-def checked_front(layer: DecoderLayer, streams, position, ple_rows, ple_state, mixer_state):
-    """`layer_front` for the T rows of a checked step at position .. position + T - 1 (position
-    int64 [1] on the device): attention writes and attends token after token, so each sees the
-    ones before it and none after."""
-    if ple_rows is not None:
-        streams = streams + layer.ple.addend(streams, ple_rows, ple_state)
-    block_input, inject = layer.attn_hc.mix(streams)
+def attention_mix(layer: DecoderLayer, streams):
+    """The attention-side hyper-connection mix: (block input, inject)."""
+    return layer.attn_hc.mix(streams)
+
+
+def checked_mixer(layer: DecoderLayer, block_input, position, mixer_state):
+    """The sequence mixer over the T rows of a checked step at position .. position + T - 1
+    (position int64 [1] on the device). DeltaNet's state is tracked, so it runs its tokens one by
+    one; attention writes and attends token after token, so each sees the ones before it and none
+    after."""
     if layer.linear:
-        mixed = layer.mixer(block_input, mixer_state)  # the state tracked: DeltaNet runs its tokens one by one
-    else:
-        attention, count = layer.mixer, streams.shape[0]
-        positions = position + torch.arange(count, device=position.device)
-        q, gate, k, v, index_q, index_k = attention.project(block_input, positions)
-        attended = torch.cat([
-            attention.attend_step(q[t:t + 1], k[t:t + 1], v[t:t + 1], index_q[t:t + 1], index_k[t:t + 1],
-                                  mixer_state, positions[t:t + 1])
-            for t in range(count)])
-        mixed = attention.output(attended, gate)
-    return layer.attn_hc.combine(streams, mixed, inject)
+        return layer.mixer(block_input, mixer_state)
+    attention, count = layer.mixer, block_input.shape[0]
+    positions = position + torch.arange(count, device=position.device)
+    q, gate, k, v, index_q, index_k = attention.project(block_input, positions)
+    attended = torch.cat([
+        attention.attend_step(q[t:t + 1], k[t:t + 1], v[t:t + 1], index_q[t:t + 1], index_k[t:t + 1],
+                              mixer_state, positions[t:t + 1])
+        for t in range(count)])
+    return attention.output(attended, gate)
+
+
+def mixed_route(layer: DecoderLayer, streams, mixed, inject):
+    """The mixer's output combined, then `tiered_route` without a prediction: (streams, MoE input,
+    its inject, routing weights, expert ids, shared expert output)."""
+    streams = layer.attn_hc.combine(streams, mixed, inject)
+    return (streams, *tiered_route(layer, None, streams)[:5])
 
 
 def _host_offsets(codes: torch.Tensor, wanted: torch.Tensor, host: HostRecords) -> torch.Tensor:

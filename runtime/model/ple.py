@@ -78,6 +78,9 @@ class NGramHasher:
         return ids
 
 
+FEW_TOKENS = 16  # up to here a step's rows are gathered on the host; a prompt's distinct rows on the device
+
+
 class PLELayer(nn.Module):
     def __init__(
         self, cfg: TextConfig, source: WeightSource, prefix: str, ple_index: int,
@@ -112,6 +115,9 @@ class PLELayer(nn.Module):
             state.history = history
         rows = self.hasher.rows(history, tokens.shape[0])  # [T, heads]
         state.context = history[history.shape[0] - state.context.shape[0]:].clone()
+        if tokens.shape[0] <= FEW_TOKENS:  # a speculative step's: gathered on the host and queued, as a token's
+            fetched = self.source.ple_rows(self.ple_index, rows.flatten()).reshape(rows.shape[0], -1)
+            return self.staging.to_device(fetched.to(self.dtype), self.device)
         unique, inverse = torch.unique(rows.flatten(), return_inverse=True)
         fetched = self.source.ple_rows(self.ple_index, unique).to(device=self.device, dtype=self.dtype)
         return fetched[inverse.to(self.device)].reshape(rows.shape[0], -1)

@@ -1,0 +1,40 @@
+"""The controlled-acceptance bench (runtime/bench/speculation.py) on the tiny pack, on a CPU: its
+report, and the replayed truth decoded again where an output leaves it."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+from flashpack.runtime.bench import speculation
+from flashpack.runtime.engine.build import load_engine
+from flashpack.runtime.engine.config import EngineConfig
+from flashpack.runtime.engine.speculative import SpeculativeDecoder
+
+
+def test_the_bench_reports_each_setting_lossless(tiny_pack, tmp_path):
+    out = tmp_path / "spec.json"
+    speculation.main([str(tiny_pack), "--prompt-len", "30", "--gen", "10", "--alphas", "0.9", "--draft-tokens", "2",
+                      "--repeats", "1", "--set", "compile_checked=false", "--json", str(out)])
+    report = json.loads(out.read_text())
+    assert [(run["alpha"], run["k"], run["policy"]) for run in report["runs"]] == [(0.9, 2, False), (0.9, 2, True)]
+    assert all(run["lossless"] and run["divergences"] == 0 for run in report["runs"])
+    assert report["runs"][0]["tokens_per_step"] > 1
+    assert "| 0.9 | 2 | off |" in out.with_suffix(".md").read_text()
+
+
+def test_a_truth_the_output_leaves_is_decoded_again(tiny_pack):
+    """A replayed truth wrong from its fourth token (as a BF16 near-tie would leave it): the decode
+    follows the model, not the truth, and counts where it took the truth up again."""
+    engine = load_engine(tiny_pack, EngineConfig(dtype="float32", prompt_cache_ram=0, speculate="off"))
+    state = engine.step.new_state()
+    prompt = torch.randint(5, 1000, (30,), generator=torch.Generator().manual_seed(0)).tolist()
+    plain, _ = speculation.decode(engine, state, prompt, 16, None)
+    wrong = plain[:3] + [(token + 1) % 997 for token in plain[3:]]
+    drafter = speculation.ReplayDrafter(wrong, len(prompt), alpha=1.0, vocab=997)
+    decoder = SpeculativeDecoder(engine.step, [drafter], 3, policy=False)
+    tokens, seconds = speculation.decode(engine, state, prompt, 16, decoder, replay=drafter)
+    assert tokens == plain and drafter.divergences == 1 and seconds > 0
+    assert decoder.stats.to_dict()["tokens_per_step"] > 2  # right drafts from the truth decoded again
+    engine.close()

@@ -70,6 +70,11 @@ class GatedDeltaNet(nn.Module):
             # One token is a K-tap dot a channel: as a product and a sum, torch.compile fuses it with
             # the cat, the state update and the activation (a conv1d is a kernel of its own).
             out = (full.float() * self.conv_weight[:, 0].float()).sum(-1, keepdim=True).to(x.dtype)
+        elif state.tracked:
+            # A speculative step's few tokens: each the same float32 dot as a token decoded alone, so
+            # that the step rounds as plain decoding does
+            windows = full.unfold(1, self.conv_weight.shape[-1], 1)  # [C, T, K]
+            out = (windows.float() * self.conv_weight[:, 0, None].float()).sum(-1).to(x.dtype)
         else:
             out = F.conv1d(full[None], self.conv_weight, groups=full.shape[0])[0]
         return self.act(out).transpose(0, 1)

@@ -278,7 +278,7 @@ def cached_fraction(paths: Iterable[Path]) -> float | None:
 def restart_request(engine, ids: list[int], saves: SaveClock) -> dict:
     """A request of the restarted engine, its stored states read from the disk (module docstring)."""
     stored = engine.generator.prefix_cache.stored
-    stored.flush()  # its own earlier requests' entries are written before the files are dropped
+    engine.generator.prefix_cache.flush()  # its own earlier requests' entries are written before the files are dropped
     files = stored_files(stored)
     drop_from_page_cache(files)
     left = cached_fraction(files)
@@ -392,14 +392,14 @@ def document_scenario(engine, args, saves: SaveClock) -> tuple[dict, list[int]]:
     text = document_text(engine.tokenizer, source_text(), args.document_tokens)
     messages = [{"role": "system", "content": DOCUMENT_SYSTEM}, {"role": "user", "content": text}]
     first = request(engine, engine.tokenizer.encode_chat(messages), args.reply_tokens, saves)
-    stored.flush()  # the follow-up comes once the first turn's states are stored (its reply is read first)
+    engine.generator.prefix_cache.flush()  # the follow-up comes once the first turn's states are stored (its reply is read first)
     first_turn_keys = set(stored.keys())
     messages += [{"role": "assistant", "content": first.pop("text")}, {"role": "user", "content": QUESTION}]
     follow_up = engine.tokenizer.encode_chat(messages)
     with reuse_off(engine):
         plain = request(engine, follow_up, 1, saves)
     hit = request(engine, follow_up, 1, saves)
-    stored.flush()
+    engine.generator.prefix_cache.flush()
     forget_stored(stored, first_turn_keys, hit["cached_tokens"])
     for row in (plain, hit):
         row.pop("text")
@@ -414,6 +414,7 @@ def turns_scenario(engine, args, saves: SaveClock) -> tuple[dict, list[int], set
     messages = [{"role": "system", "content": TURNS_SYSTEM}]
     pieces = source_turns(engine.tokenizer, args.turns, args.turn_tokens)
     rows = conversation(engine, messages, pieces[:-1], args.reply_tokens, saves)
+    engine.generator.prefix_cache.flush()  # every turn before the last is stored: the restart finds them
     before_last = set(engine.generator.prefix_cache.stored.keys())
     rows += conversation(engine, messages, pieces[-1:], args.reply_tokens, saves)
     for row in rows:

@@ -199,6 +199,11 @@ class AttentionCache:
 
 
 def _moved(tensor: torch.Tensor, device: torch.device, pin: bool) -> torch.Tensor:
+    if pin and device.type == "cpu" and tensor.is_cuda:
+        # straight into pinned memory, queued on the current stream: the caller synchronizes
+        # before the host reads it (a pageable copy then pin_memory would copy twice, and wait)
+        moved = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+        return moved.copy_(tensor, non_blocking=True)
     moved = tensor.to(device)
     return moved.pin_memory() if pin and moved.device.type == "cpu" else moved
 
@@ -314,7 +319,8 @@ class SequenceState:
             self.attention[layer].load(saved)
 
     def to(self, device: torch.device, pin: bool = False) -> "SequenceState":
-        """A copy on `device` (pinned host memory with `pin`: a GPU copies it back asynchronously)."""
+        """A copy on `device` (pinned host memory with `pin`: a GPU copies it back asynchronously).
+        From a GPU to pinned memory the copies are queued on the current stream, not waited for."""
         return SequenceState(
             position=self.position,
             deltanet={layer: DeltaNetState(_moved(s.conv, device, pin), _moved(s.recurrent, device, pin))

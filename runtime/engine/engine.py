@@ -69,9 +69,8 @@ class Engine:
             self.step.graphs.layer_clock = clock
 
     def close(self) -> None:
-        """Stop the store's threads and the stored prompt states' writer (after its pending writes)."""
+        """Stop the store's threads and the prompt states' copier and writer (after their pending work)."""
         if self.store is not None:
             self.store.close()
-        cache = self.generator.prefix_cache
-        if cache is not None and cache.stored is not None:
-            cache.stored.close()
+        if self.generator.prefix_cache is not None:
+            self.generator.prefix_cache.close()

@@ -13,13 +13,17 @@ the prompt once, in order, taking the digest at each length an entry has, and re
 entry that leaves at least one token to prefill (whose logits the next token is sampled from).
 
 Live entries are compact host copies (pinned on a GPU, so a restore is one fast copy per tensor)
-under a byte budget, least recently used evicted first. With a StoredStates tier (stored_states.py)
-every saved entry is also written to disk in the background, and a prompt that finds nothing live
-looks there.
+under a byte budget, least recently used evicted first. On a GPU a save is off the request's path:
+the state is copied on the device (a fraction of a millisecond), the entry is live at once from
+that copy, and a thread of the cache's own copies it to pinned host memory on a stream of its own
+(hundreds of MB at 32k tokens: a copy through pageable memory, waited for, took ~1 s a save)
+before the device copy is let go. With a StoredStates tier (stored_states.py) every saved entry is
+also written to disk in the background, and a prompt that finds nothing live looks there.
 """
 
 from __future__ import annotations
 
+import queue
 import threading
 import time
 from collections import OrderedDict
@@ -79,6 +83,8 @@ class PrefixCache:
         self._live: OrderedDict[str, _Entry] = OrderedDict()
         self._lengths: dict[int, int] = {}  # entry length -> live entries of that length
         self._lock = threading.Lock()  # the server's metrics thread reads stats while the engine saves
+        self._copies: queue.Queue = queue.Queue()  # (key, length, device copy, its event, write)
+        self._copier: threading.Thread | None = None  # started by the first save of a GPU state
 
     def restore_longest(self, tokens: list[int], state: SequenceState) -> int:
         """Restore into `state` the longest saved prefix of `tokens` that leaves a token to prefill;
@@ -95,7 +101,7 @@ class PrefixCache:
                 continue
             state.restore(saved)
             if stored:  # a stored hit becomes live again
-                self._keep(key, length, _host_copy(state), write=False)
+                self._keep_copy(key, length, state, write=False)
             with self._lock:
                 self.stats.hits += 1
                 self.stats.stored_hits += stored
@@ -115,7 +121,58 @@ class PrefixCache:
             if key in self._live:
                 self._live.move_to_end(key)
                 return
-        self._keep(key, len(tokens), _host_copy(state), write=True)
+        self._keep_copy(key, len(tokens), state, write=True)
+
+    def flush(self) -> None:
+        """Wait until every entry saved so far is in host memory and, with a stored tier, on disk."""
+        self._copies.join()
+        if self.stored is not None:
+            self.stored.flush()
+
+    def close(self) -> None:
+        """Finish the pending copies and writes and stop the threads."""
+        if self._copier is not None:
+            self._copies.put(None)
+            self._copier.join()
+            self._copier = None
+        if self.stored is not None:
+            self.stored.close()
+
+    def _keep_copy(self, key: str, length: int, state: SequenceState, write: bool) -> None:
+        """Keep a copy of `state`: on a CPU at once, from a GPU live now on the device and moved to
+        pinned host memory by the copier thread."""
+        saved = state.snapshot()
+        if not any(t.is_cuda for t in _tensors(saved)):
+            self._keep(key, length, saved, write)
+            return
+        copied = torch.cuda.Event()
+        copied.record()
+        self._keep(key, length, saved, write=False)
+        if self._copier is None:
+            self._copier = threading.Thread(target=self._copy_loop, args=(torch.cuda.current_device(),),
+                                            name="flashpack-state-copies", daemon=True)
+            self._copier.start()
+        self._copies.put((key, length, saved, copied, write))
+
+    def _copy_loop(self, device: int) -> None:
+        torch.cuda.set_device(device)
+        stream = torch.cuda.Stream()
+        while (item := self._copies.get()) is not None:
+            key, length, saved, copied, write = item
+            try:
+                with torch.cuda.stream(stream):
+                    stream.wait_event(copied)
+                    host = saved.to(torch.device("cpu"), pin=True)
+                stream.synchronize()
+                with self._lock:
+                    entry = self._live.get(key)
+                    if entry is not None and entry.state is saved:
+                        entry.state = host
+                if write and self.stored is not None:
+                    self.stored.put(key, length, host)
+            finally:
+                self._copies.task_done()
+        self._copies.task_done()
 
     def _keep(self, key: str, length: int, saved: SequenceState, write: bool) -> None:
         nbytes = saved.nbytes()
@@ -163,14 +220,6 @@ class PrefixCache:
         if self.stored is not None:
             found["stored"] = self.stored.stats()
         return found
-
-
-def _host_copy(state: SequenceState) -> SequenceState:
-    """A compact copy of `state` in host memory (pinned where a GPU will copy it back)."""
-    saved = state.snapshot()
-    if not any(t.is_cuda for t in _tensors(saved)):
-        return saved
-    return saved.to(torch.device("cpu"), pin=True)
 
 
 def _tensors(state: SequenceState) -> list[torch.Tensor]:

@@ -128,3 +128,32 @@ def test_prefix_digests_are_the_digests_of_each_prefix():
     digests = prefix_digests(tokens, [1, 64, 100, 64])
     for length, digest in digests.items():
         assert digest == xxhash.xxh64(torch.tensor(tokens[:length], dtype=torch.int64).numpy().tobytes()).intdigest()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the copies to pinned memory are a GPU's")
+def test_on_a_gpu_a_save_is_live_at_once_and_moves_to_pinned_host_memory(tiny_pack):
+    """A save on a GPU returns before its host copy is made: the entry restores from its device copy
+    while the copier thread works, and from pinned host memory once flushed, the same logits both
+    ways. Its sequence going on does not change it (the copy is of the state when saved)."""
+    engine = load_engine(tiny_pack, EngineConfig(device="cuda", dtype="float32", prompt_cache_ram=0, speculate="off"))
+    try:
+        step, cache, prompt = engine.step, PrefixCache(1 << 30), _ids(300, 11)
+        state = step.new_state()
+        step.forward(torch.tensor(prompt), state)
+        cache.save(prompt, state)
+        step.forward(torch.tensor(_ids(40, 12)), state)  # the sequence goes on, the entry stays
+        outputs = []
+        for flushed in (False, True):
+            if flushed:
+                cache.flush()
+                recurrent = next(iter(next(iter(cache._live.values())).state.deltanet.values())).recurrent
+                assert not recurrent.is_cuda and recurrent.is_pinned()
+            fresh = step.new_state()
+            assert cache.restore_longest(prompt + [11, 12], fresh) == len(prompt)
+            outputs.append(step.forward(torch.tensor([11, 12]), fresh).logits)
+        expected = step.forward(torch.tensor(prompt + [11, 12]), step.new_state()).logits[-2:]
+        assert torch.equal(outputs[0], outputs[1])
+        assert float((outputs[0] - expected).norm() / expected.norm()) < 1e-4
+        cache.close()
+    finally:
+        engine.close()

@@ -162,6 +162,20 @@ class AttentionCache:
             self._block_keys[: other.blocks] = other.block_keys
         self.length, self.blocks = other.length, other.blocks
 
+    def prefix(self, length: int) -> "AttentionCache":
+        """A deep copy of the cache as it stood after its first `length` tokens: their keys and the
+        blocks they complete (a causal layer's earlier keys never change)."""
+        if length > self.length:
+            raise ValueError(f"a prefix of {length} tokens of a cache of {self.length}")
+        clone = AttentionCache.__new__(AttentionCache)
+        clone.ratio, clone.length, clone.blocks = self.ratio, length, length // self.ratio
+        capacity = -(-max(length, self.ratio) // self.ratio) * self.ratio
+        clone._keys = _resized(self._keys, 1, capacity, length)
+        clone._values = _resized(self._values, 1, capacity, length)
+        clone._index_keys = _resized(self._index_keys, 0, capacity, length)
+        clone._block_keys = _resized(self._block_keys, 0, capacity // self.ratio, clone.blocks)
+        return clone
+
     def copy(self) -> "AttentionCache":
         """A deep copy holding only the filled part (it grows again on append)."""
         clone = AttentionCache.__new__(AttentionCache)

@@ -65,7 +65,7 @@ class ReplayDrafter:
     def extend(self, tokens) -> None:
         self.length += len(tokens)
 
-    def observe(self, tokens, streams, state) -> None:
+    def observe(self, tokens, streams, state, marked=()) -> None:
         pass
 
     def propose(self, token: int, state, k: int) -> list[int]:

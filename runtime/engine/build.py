@@ -119,7 +119,11 @@ def load_engine(
     step = Step(model, graphs, checked)
     tokenizer = PackTokenizer.load(pack.root)
     speculation = _speculation(step, model, PackWeights(pack), config, mtp)
-    generator = Generator(step, tokenizer, prefix_cache=_prefix_cache(pack, config, states_ram), speculation=speculation)
+    # through a tiered store a step fetches every layer's experts: a prompt's checkpoints are worth
+    # taking in one step there, while elsewhere a step a segment keeps a restore bit for bit what
+    # the first request computed
+    generator = Generator(step, tokenizer, prefix_cache=_prefix_cache(pack, config, states_ram), speculation=speculation,
+                          checkpoints_in_one_step=isinstance(model.experts, StoreExperts))
     return Engine(pack, config, model, step, tokenizer, generator, store)
 
 

@@ -40,7 +40,8 @@ class Drafter(Protocol):
 
     def extend(self, tokens: Sequence[int]) -> None: ...
 
-    def observe(self, tokens: Sequence[int], streams: torch.Tensor, state: SequenceState) -> None: ...
+    def observe(self, tokens: Sequence[int], streams: torch.Tensor, state: SequenceState,
+                marked: Sequence[tuple[int, SequenceState]] = ()) -> None: ...
 
     def propose(self, token: int, state: SequenceState, k: int) -> list[int]: ...
 
@@ -59,7 +60,7 @@ class LookupDrafter:
     def extend(self, tokens: Sequence[int]) -> None:
         self.index.extend(tokens)
 
-    def observe(self, tokens, streams, state) -> None:
+    def observe(self, tokens, streams, state, marked=()) -> None:
         pass
 
     def propose(self, token: int, state: SequenceState, k: int) -> list[int]:
@@ -79,9 +80,12 @@ class MTPDrafter:
     def extend(self, tokens) -> None:
         pass
 
-    def observe(self, tokens: Sequence[int], streams: torch.Tensor, state: SequenceState) -> None:
+    def observe(self, tokens: Sequence[int], streams: torch.Tensor, state: SequenceState,
+                marked: Sequence[tuple[int, SequenceState]] = ()) -> None:
         """After the backbone consumed `tokens` (streams [T, hc*H]): write the head's entries for
-        every pair now complete, and keep the last position's streams for the next."""
+        every pair now complete, and keep the last position's streams for the next. `marked`: (m,
+        the state after the step's first m tokens) pairs of the same step (prompt checkpoints),
+        given the head's part as it stood there."""
         cache = state.attention[self.layer]
         first = state.position - len(tokens)  # the step's first position
         if cache.length == first - 1 and state.mtp_input is not None:  # the pair (first - 1, tokens[0]) waits
@@ -94,6 +98,9 @@ class MTPDrafter:
         if following:
             self.head(rows, torch.tensor(following), state, logits=False)
         state.mtp_input = streams[-1:].clone()
+        for mark, at in marked:  # a state at position p: the entries of pairs 0..p - 2, p - 1's streams waiting
+            at.attention[self.layer] = cache.prefix(at.position - 1)
+            at.mtp_input = streams[mark - 1:mark].clone()
 
     def propose(self, token: int, state: SequenceState, k: int) -> list[int]:
         cache = state.attention[self.layer]

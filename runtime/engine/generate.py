@@ -81,8 +81,8 @@ class GenerationResult:
 
 
 # A checkpoint within this many tokens of the last one (or of the prompt's end) is skipped, but for
-# the prompt's last: a forward's fixed cost (~0.08 s on 2 cores for the demo model) outweighs the few
-# tokens it would save.
+# the prompt's last: each costs a copy of the whole state and one more call of every layer's mixer,
+# more than the few tokens it would save.
 MIN_SEGMENT = 16
 
 # Attention room reserved up front for this many generated tokens at most (9 MB per QSA layer at
@@ -97,6 +97,9 @@ class Generator:
     max_context: int = 0  # 0: the model's max_position_embeddings
     prefix_cache: PrefixCache | None = None
     speculation: SpeculativeDecoder | None = None  # greedy requests check drafts in one step
+    # a prompt's checkpoints taken as one step passes them (Qwen4ExpModel.forward's marks), not a
+    # step a segment: each layer's experts fetched once, the rest rounded otherwise than a restore's
+    checkpoints_in_one_step: bool = False
     _state: object = field(default=None, init=False, repr=False)  # runtime.state.SequenceState, reused
 
     def stream(
@@ -199,12 +202,13 @@ class Generator:
 
     def _prefill(self, prompt_ids: list[int], state, start: int, checkpoints: Sequence[int], keep_streams: bool,
                  observe: Callable | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Prefill prompt_ids[start:] in segments ending at each checkpoint (with a prefix cache) and
-        at the prompt's end, saving the state after each (`observe(tokens, streams, state)` sees
-        each segment first: the MTP head catches up). Returns the last position's logits and, with
+        """Prefill prompt_ids[start:], saving the state (with a prefix cache) after each checkpoint
+        and at the prompt's end: a step a segment, or one step for all (`checkpoints_in_one_step`).
+        `observe(tokens, streams, state, marked)` sees each step first: the MTP head catches up,
+        its part of the checkpoints too. Returns the last position's logits and, with
         `keep_streams`, the streams of the prefilled positions."""
         ends, last = [], start
-        if self.prefix_cache is not None:  # a segment a checkpoint, each worth a forward of its own
+        if self.prefix_cache is not None:  # a checkpoint, each worth its copy of the state
             inner = sorted(end for end in set(checkpoints) if start < end < len(prompt_ids))
             for end in inner:
                 # the last boundary (where the reply's turn opens) is always kept: a follow-up shares
@@ -214,17 +218,24 @@ class Generator:
                     ends.append(end)
                     last = end
         ends.append(len(prompt_ids))
-        streams, logits = [], None
-        for end in ends:
-            out = self.step.forward(torch.tensor(prompt_ids[start:end]), state, last_only=True)
+        streams = []
+        for group in [ends] if self.checkpoints_in_one_step else [[end] for end in ends]:
+            # one step to the group's last end, the states at the others taken as the layers pass them
+            marks, tokens = [end - start for end in group[:-1]], prompt_ids[start:group[-1]]
+            if marks:
+                out = self.step.forward(torch.tensor(tokens), state, last_only=True, marks=marks)
+            else:  # called as any step: a step function alike need not take marks
+                out = self.step.forward(torch.tensor(tokens), state, last_only=True)
+            marked = out.marked if marks else []
             if observe is not None:
-                observe(prompt_ids[start:end], out.streams, state)
+                observe(tokens, out.streams, state, list(zip(marks, marked)))
             if keep_streams:
                 streams.append(out.streams)
-            logits, start = out.logits[-1], end
             if self.prefix_cache is not None:
-                self.prefix_cache.save(prompt_ids[:end], state)
-        return logits, (torch.cat(streams) if streams else None)
+                for end, at in zip(group, [*marked, state]):
+                    self.prefix_cache.save(prompt_ids[:end], at, owned=at is not state)
+            start = group[-1]
+        return out.logits[-1], (torch.cat(streams) if streams else None)
 
     def score(self, prompt_ids: list[int], top_n: int = 0) -> Iterator[GenerationEvent]:
         """The prompt's own log-probabilities, nothing sampled (`echo` with `max_tokens` 0): one

@@ -112,8 +112,9 @@ class PrefixCache:
             self.stats.misses += 1
         return 0
 
-    def save(self, tokens: list[int], state: SequenceState) -> None:
-        """Keep `state` as the checkpoint after `tokens` (its position must be len(tokens))."""
+    def save(self, tokens: list[int], state: SequenceState, owned: bool = False) -> None:
+        """Keep `state` as the checkpoint after `tokens` (its position must be len(tokens)); `owned`:
+        `state` is a copy no one else holds (a step's marked state), kept without copying it again."""
         if state.position != len(tokens) or not tokens:
             raise ValueError(f"a checkpoint of {len(tokens)} tokens needs a state at that position, not {state.position}")
         key = entry_key(len(tokens), prefix_digests(tokens, [len(tokens)])[len(tokens)])
@@ -121,7 +122,7 @@ class PrefixCache:
             if key in self._live:
                 self._live.move_to_end(key)
                 return
-        self._keep_copy(key, len(tokens), state, write=True)
+        self._keep_copy(key, len(tokens), state, write=True, owned=owned)
 
     def flush(self) -> None:
         """Wait until every entry saved so far is in host memory and, with a stored tier, on disk."""
@@ -138,10 +139,10 @@ class PrefixCache:
         if self.stored is not None:
             self.stored.close()
 
-    def _keep_copy(self, key: str, length: int, state: SequenceState, write: bool) -> None:
-        """Keep a copy of `state`: on a CPU at once, from a GPU live now on the device and moved to
-        pinned host memory by the copier thread."""
-        saved = state.snapshot()
+    def _keep_copy(self, key: str, length: int, state: SequenceState, write: bool, owned: bool = False) -> None:
+        """Keep a copy of `state` (`owned`: `state` itself): on a CPU at once, from a GPU live now on
+        the device and moved to pinned host memory by the copier thread."""
+        saved = state if owned else state.snapshot()
         if not any(t.is_cuda for t in _tensors(saved)):
             self._keep(key, length, saved, write)
             return

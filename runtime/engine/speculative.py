@@ -134,15 +134,17 @@ class SpeculativeDecoder:
             drafter.start(prompt_ids)
         self._since, self._upkeep, self._upkeep_in_step = None, {}, 0.0
 
-    def observe(self, tokens: Sequence[int], streams: torch.Tensor, state: SequenceState) -> None:
-        """The backbone consumed `tokens` (a prefill segment or a plain step) with these streams."""
+    def observe(self, tokens: Sequence[int], streams: torch.Tensor, state: SequenceState,
+                marked: Sequence[tuple[int, SequenceState]] = ()) -> None:
+        """The backbone consumed `tokens` (a prompt's or a plain step) with these streams; `marked`:
+        the states saved within the step, (tokens before, state) (Drafter.observe)."""
         for drafter in self._awake():
-            self._kept_up(drafter, tokens, streams, state)
+            self._kept_up(drafter, tokens, streams, state, marked)
 
-    def _kept_up(self, drafter: Drafter, tokens, streams, state) -> None:
+    def _kept_up(self, drafter: Drafter, tokens, streams, state, marked=()) -> None:
         """drafter.observe, its time kept as the drafter's upkeep."""
         start = time.perf_counter()
-        drafter.observe(tokens, streams, state)
+        drafter.observe(tokens, streams, state, marked)
         seconds = time.perf_counter() - start
         self._upkeep[drafter.name] = self._upkeep.get(drafter.name, 0.0) + seconds
         self._upkeep_in_step += seconds

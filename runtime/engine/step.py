@@ -46,14 +46,15 @@ class Step:
 
     @torch.no_grad()
     def forward(self, tokens: torch.Tensor, state: SequenceState, last_only: bool = False,
-                depth: int | None = None) -> StepOutput:
+                depth: int | None = None, marks: Sequence[int] = ()) -> StepOutput:
         """tokens int64 [T] -> StepOutput; advances `state` by T. `depth`: the first `depth`
-        decoder layers only (a warm-up's prompts; the state is then good for nothing else)."""
+        decoder layers only (a warm-up's prompts; the state is then good for nothing else).
+        `marks`: token counts within the T after which the state is wanted too (Qwen4ExpModel.forward)."""
         count = tokens.shape[0] if tokens.ndim == 1 else 0
         one_token = self.graphs is not None and count == 1
         checked = self.checked is not None and state.tracked and self.checked.takes(count)
-        if depth is not None or not (one_token or checked):
-            return self.model.forward(tokens, state, last_only=last_only, depth=depth)
+        if depth is not None or marks or not (one_token or checked):
+            return self.model.forward(tokens, state, last_only=last_only, depth=depth, marks=marks)
         host_tokens = tokens.cpu()  # the PLE layers hash them on the host: no read-back mid-step
         streams = self.model.embed(tokens.to(self.model.device)).repeat(1, self.config.hc_count)  # [T, hc*H]
         if one_token:

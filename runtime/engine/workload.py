@@ -60,9 +60,9 @@ class _SteppingModel:
     def __getattr__(self, name):
         return getattr(self._step, name)
 
-    def forward(self, tokens, state, last_only: bool = False):
+    def forward(self, tokens, state, last_only: bool = False, **kwargs):
         self._recorder.begin_step(int(tokens.shape[0]))
-        return self._step.forward(tokens, state, last_only=last_only)
+        return self._step.forward(tokens, state, last_only=last_only, **kwargs)
 
 
 def run_workload(

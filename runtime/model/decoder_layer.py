@@ -7,6 +7,8 @@ num_hidden_layers + j (QSA, no PLE).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch import nn
 
@@ -42,15 +44,39 @@ class DecoderLayer(nn.Module):
 
     def forward(
         self, streams: torch.Tensor, tokens: torch.Tensor, state: SequenceState,
-        pending: torch.Tensor | None = None,
+        pending: torch.Tensor | None = None, marks: Sequence[int] = (), marked: Sequence[SequenceState] = (),
     ) -> torch.Tensor:
         """streams [T, hc*H], tokens [T] -> streams [T, hc*H]; advances this layer's part of `state`.
 
         `pending` [T, H] is a block output still to be added to every stream with unit weight
-        before this layer (the MTP head's projected token embedding)."""
+        before this layer (the MTP head's projected token embedding). `marks`: token counts within
+        the T (ascending, inside 0 < m < T) after which this layer's recurrent parts (DeltaNet, PLE)
+        are copied into `marked` (one state each): the stateful parts run segment by segment, as
+        separate steps would, and everything per-token runs once over all T."""
+        if marks:
+            return self._marked(streams, tokens, state, marks, marked)
         streams = self.add_inputs(streams, tokens, state, pending)
         block_input, inject = self.attn_hc.mix(streams)
         return self.feed_forward(streams, self.sequence_mixer(block_input, state), inject)
+
+    def _marked(self, streams, tokens, state: SequenceState, marks: Sequence[int], marked: Sequence[SequenceState]
+                ) -> torch.Tensor:
+        bounds = list(zip([0, *marks], [*marks, streams.shape[0]]))
+        if self.ple is not None:
+            parts = []
+            for index, (start, end) in enumerate(bounds):
+                ple = state.ple[self.layer]
+                parts.append(self.ple(streams[start:end], tokens[start:end], ple))
+                if index < len(marks):
+                    marked[index].ple[self.layer] = ple.copy()
+            streams = streams + torch.cat(parts)
+        block_input, inject = self.attn_hc.mix(streams)
+        outputs = []
+        for index, (start, end) in enumerate(bounds):
+            outputs.append(self.sequence_mixer(block_input[start:end], state))
+            if index < len(marks) and self.linear:
+                marked[index].deltanet[self.layer] = state.deltanet[self.layer].copy()
+        return self.feed_forward(streams, torch.cat(outputs), inject)
 
     def add_inputs(
         self, streams: torch.Tensor, tokens: torch.Tensor, state: SequenceState, pending: torch.Tensor | None = None,

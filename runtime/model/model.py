@@ -15,7 +15,7 @@ kernel on CUDA, more cuBLAS).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -37,6 +37,7 @@ from flashpack.runtime.weights import WeightSource, load_dense
 class StepOutput:
     logits: torch.Tensor  # [T, vocab] (or [1, vocab] with last_only), engine dtype
     streams: torch.Tensor  # [T, hc * H] pre-final-mixer hidden streams: the MTP head's input
+    marked: list[SequenceState] | None = None  # the sequence's state after each of `marks` (forward)
 
 
 class Qwen4ExpModel(nn.Module):
@@ -80,19 +81,33 @@ class Qwen4ExpModel(nn.Module):
 
     @torch.no_grad()
     def forward(self, tokens: torch.Tensor, state: SequenceState, last_only: bool = False,
-                depth: int | None = None) -> StepOutput:
+                depth: int | None = None, marks: Sequence[int] = ()) -> StepOutput:
         """tokens int64 [T] (the next T tokens of the sequence) -> StepOutput; advances `state` by T.
         `depth`: run only the first `depth` decoder layers (a warm-up builds every kernel a prompt
-        needs from one layer of each kind; the state is then good for nothing else)."""
+        needs from one layer of each kind; the state is then good for nothing else). `marks`: token
+        counts within the T after which the state is also wanted (prompt-state checkpoints), as if
+        the tokens had run in steps ending there, in one pass over the layers: a step through a
+        tiered store fetches each layer's experts once, not once a segment. Their states come back
+        in `marked`: the recurrent parts copied as each layer passes a mark, the attention caches'
+        prefixes taken at the end (a causal layer's first keys do not change)."""
         if tokens.ndim != 1 or tokens.shape[0] == 0:
             raise ValueError(f"forward takes a non-empty 1-D tensor of token ids, got shape {tuple(tokens.shape)}")
+        marks = list(marks)
+        if marks and (depth is not None or marks != sorted(set(marks)) or not 0 < marks[0] <= marks[-1] < len(tokens)):
+            raise ValueError(f"marks must ascend strictly inside the {len(tokens)} tokens of a full step, got {marks}")
         host_tokens = tokens.cpu()  # the PLE layers hash them on the host: no read-back mid-step
         streams = self.embed(tokens.to(self.device)).repeat(1, self.config.hc_count)  # [T, hc*H]
+        marked = [SequenceState(position=state.position + mark, deltanet={}, attention={}, ple={}) for mark in marks]
         for layer in self.layers[:depth]:
-            streams = layer(streams, host_tokens, state)
+            streams = layer(streams, host_tokens, state, marks=marks, marked=marked)
+        for at in marked:
+            # the MTP head's caches (layers past the backbone's) start empty: its drafter fills them in
+            # where it is caught up (MTPDrafter.observe), else the state gets no MTP drafts
+            at.attention = {layer: cache.prefix(at.position if layer < len(self.layers) else 0)
+                            for layer, cache in state.attention.items()}
         logits = self.logits(streams[-1:] if last_only else streams)
         state.position += tokens.shape[0]
-        return StepOutput(logits=logits, streams=streams)
+        return StepOutput(logits=logits, streams=streams, marked=marked or None)
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         return F.embedding(tokens, self.embed_tokens)

@@ -53,7 +53,7 @@ class Scripted:
     def extend(self, tokens):
         self.context += len(tokens)
 
-    def observe(self, tokens, streams, state):
+    def observe(self, tokens, streams, state, marked=()):
         pass
 
     def propose(self, token, state, k):
@@ -219,7 +219,7 @@ def test_a_drafter_whose_upkeep_costs_more_than_it_drafts_rests(engine):
         name = "costly"
         observed = 0
 
-        def observe(self, tokens, streams, state):
+        def observe(self, tokens, streams, state, marked=()):
             Costly.observed += 1
             clock.sleep(0.01)
 

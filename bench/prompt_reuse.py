@@ -147,18 +147,19 @@ class StateBytes:
 
 
 class SaveClock:
-    """The seconds a prefix cache spends saving checkpoints: a request's prefill saves a host copy of
-    the state at each segment's end before its first token, so that is part of its TTFT."""
+    """The seconds a prefix cache spends saving checkpoints: a request's prefill saves the state at
+    each checkpoint before its first token, so that is part of its TTFT (on a GPU a device copy,
+    moved to the host off the request's path)."""
 
     def __init__(self, cache):
         self.seconds = 0.0
         self._save = cache.save
         cache.save = self._timed
 
-    def _timed(self, tokens, state) -> None:
+    def _timed(self, tokens, state, **options) -> None:
         start = time.perf_counter()
         try:
-            self._save(tokens, state)
+            self._save(tokens, state, **options)
         finally:
             self.seconds += time.perf_counter() - start
 

@@ -154,12 +154,11 @@ class AttentionCache:
     def load(self, other: "AttentionCache") -> None:
         """Become a copy of `other`, in this cache's own buffers when they have room."""
         if other.length > self.capacity:
-            self._keys, self._values, self._index_keys, self._block_keys = other.copy().buffers()
-        else:
-            self._keys[:, : other.length] = other.keys
-            self._values[:, : other.length] = other.values
-            self._index_keys[: other.length] = other.index_keys
-            self._block_keys[: other.blocks] = other.block_keys
+            self._grow(other.length)  # on this cache's device, wherever `other` lives (a host copy)
+        self._keys[:, : other.length] = other.keys
+        self._values[:, : other.length] = other.values
+        self._index_keys[: other.length] = other.index_keys
+        self._block_keys[: other.blocks] = other.block_keys
         self.length, self.blocks = other.length, other.blocks
 
     def prefix(self, length: int) -> "AttentionCache":

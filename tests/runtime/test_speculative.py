@@ -164,7 +164,8 @@ def test_sampled_requests_speculate_unless_seeded(engine):
     step, so it repeats exactly."""
     decoder = _decoder(engine, Scripted(_generate(engine, None), shift=0))  # the greedy output: near-certain
     sampled = _generate(engine, decoder, SamplingParams(max_tokens=TOKENS, temperature=0.05))
-    assert decoder.stats.steps > 0 and len(sampled) == TOKENS and decoder.stats.accepted > 0
+    # unseeded, it may draw a stop token before TOKENS (the drafts end where the greedy output does)
+    assert decoder.stats.steps > 0 and 0 < len(sampled) <= TOKENS and decoder.stats.accepted > 0
     seeded = SamplingParams(max_tokens=TOKENS, temperature=0.8, seed=7)
     decoder = _decoder(engine, LookupDrafter())
     assert _generate(engine, decoder, seeded) == _generate(engine, None, seeded) and decoder.stats.steps == 0

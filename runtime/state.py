@@ -224,8 +224,9 @@ def _moved(tensor: torch.Tensor, device: torch.device, pin: bool) -> torch.Tenso
 def _resized(buffer: torch.Tensor, dim: int, size: int, filled: int) -> torch.Tensor:
     shape = list(buffer.shape)
     shape[dim] = size
-    out = torch.zeros(shape, dtype=buffer.dtype, device=buffer.device)
+    out = torch.empty(shape, dtype=buffer.dtype, device=buffer.device)
     out.narrow(dim, 0, filled).copy_(buffer.narrow(dim, 0, filled))
+    out.narrow(dim, filled, size - filled).zero_()  # what lies past the filled part is zeros
     return out
 
 

@@ -53,10 +53,12 @@ def _contiguous_on_host(tensor: torch.Tensor) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(raw)).view(tensor.dtype)
 
 
-def decode_state(data: bytes, like: SequenceState) -> SequenceState:
-    """The state `data` holds, on `like`'s devices; `like` is a fresh state of the same model."""
+def decode_state(data: bytes | bytearray, like: SequenceState) -> SequenceState:
+    """The state `data` holds, on `like`'s devices; `like` is a fresh state of the same model. From
+    a bytearray (a stored entry's decompressed frames) the tensors are views of it, not copies: a
+    state is read once, into `like`'s devices (on a CPU the decoded state keeps `data` alive)."""
     try:
-        tensors = load(data)
+        tensors = load(data) if isinstance(data, bytes) else _views(data)
         metadata = _metadata(data)
         position = int(metadata["position"])
         lengths = {int(layer): value for layer, value in json.loads(metadata["attention"]).items()}
@@ -98,6 +100,26 @@ def _like(tensors: dict[str, torch.Tensor], name: str, like: torch.Tensor) -> to
     if found.shape != like.shape or found.dtype != like.dtype:
         raise StateFormatError(f"{name}: {tuple(found.shape)} {found.dtype}, expected {tuple(like.shape)} {like.dtype}")
     return found.to(like.device)
+
+
+_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "I64": torch.int64, "I32": torch.int32}
+
+
+def _views(data: bytearray) -> dict[str, torch.Tensor]:
+    """The safetensors bytes' tensors as views of `data` (safetensors' own load copies each)."""
+    header_bytes = int.from_bytes(data[:8], "little")
+    header = json.loads(bytes(data[8:8 + header_bytes]))
+    start, tensors = 8 + header_bytes, {}
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        dtype, shape, (begin, end) = _DTYPES[entry["dtype"]], entry["shape"], entry["data_offsets"]
+        count = int(np.prod(shape, dtype=np.int64))
+        if not 0 <= begin <= end <= len(data) - start or end - begin != count * dtype.itemsize:
+            raise ValueError(f"{name}: its bytes do not fit its shape")
+        flat = torch.frombuffer(data, dtype=dtype, count=count, offset=start + begin) if count else torch.empty(0, dtype=dtype)
+        tensors[name] = flat.view(shape)
+    return tensors
 
 
 def _metadata(data: bytes) -> dict[str, str]:

@@ -49,6 +49,25 @@ def test_a_state_round_trips_exactly(engine):
     assert _equal(decode_state(encode_state(state), engine.step.new_state()), state)
 
 
+def test_a_state_decoded_from_a_bytearray_is_views_of_it_and_exact(engine):
+    """A stored entry's frames land in one bytearray: the tensors are read as views of it, checked as
+    safetensors' own load checks them (a lying shape is refused)."""
+    import json
+
+    state = _state(engine, 70)
+    data = bytearray(encode_state(state))
+    assert _equal(decode_state(data, engine.step.new_state()), state)
+    header_bytes = int.from_bytes(data[:8], "little")
+    header = json.loads(bytes(data[8:8 + header_bytes]))
+    name = next(key for key in header if key.startswith("attention."))
+    header[name]["shape"][-1] *= 2  # more elements than its bytes
+    text = json.dumps(header, separators=(",", ":")).encode().ljust(header_bytes)
+    assert len(text) == header_bytes
+    data[8:8 + header_bytes] = text
+    with pytest.raises(StateFormatError, match="not a stored state"):
+        decode_state(data, engine.step.new_state())
+
+
 def test_a_state_missing_a_part_is_refused(engine):
     state = _state(engine, 70)
     state.ple = {}
@@ -188,3 +207,36 @@ def test_strided_parts_are_encoded_as_torch_would_copy_them():
         part = whole[:, :37]
         copied = _contiguous_on_host(part)
         assert copied.is_contiguous() and copied.dtype == dtype and torch.equal(copied, part.contiguous())
+
+
+@pytest.mark.parametrize("damage", [None, "middle-frame", "frame-lengths"])
+def test_an_entry_of_many_frames_round_trips_and_a_damaged_frame_drops_it(engine, tmp_path, damage):
+    """Frames are compressed and checked each on its own (decoded on a pool as they are read): an entry
+    of many is exact; a flipped bit in one frame, or a header whose frame lengths lie, drops it."""
+    import json
+
+    state = _state(engine, 70)
+    stored = StoredStates(tmp_path, 1 << 30, "p", frame_bytes=4096)
+    stored.put("70-abc", 70, state)
+    stored.flush()
+    path = tmp_path / "70-abc.fpstate"
+    data = bytearray(path.read_bytes())
+    _, _, length = stored_states._PREFIX.unpack_from(data)
+    start = stored_states._PREFIX.size
+    header = json.loads(data[start:start + length])
+    assert len(header["frames"]) > 3
+    if damage == "middle-frame":
+        middle = start + length + sum(size for size, _, _ in header["frames"][:2]) + 5
+        data[middle] ^= 0x10
+    elif damage == "frame-lengths":  # the same total, cut elsewhere: every frame then fails its checksum
+        header["frames"][0][0] += 1
+        header["frames"][1][0] -= 1
+        text = json.dumps(header).encode()
+        data[:start + length] = stored_states._PREFIX.pack(stored_states.MAGIC, stored_states.FORMAT, len(text)) + text
+    path.write_bytes(bytes(data))
+    restored = stored.get("70-abc", engine.step.new_state())
+    if damage is None:
+        assert restored is not None and _equal(restored, state)
+    else:
+        assert restored is None and not path.exists() and stored.stats()["dropped"] == 1
+    stored.close()

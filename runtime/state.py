@@ -167,7 +167,7 @@ class AttentionCache:
         if length > self.length:
             raise ValueError(f"a prefix of {length} tokens of a cache of {self.length}")
         clone = AttentionCache.__new__(AttentionCache)
-        clone.ratio, clone.length, clone.blocks = self.ratio, length, length // self.ratio
+        clone.ratio, clone.length, clone.blocks = self.ratio, length, min(self.blocks, length // self.ratio)
         capacity = -(-max(length, self.ratio) // self.ratio) * self.ratio
         clone._keys = _resized(self._keys, 1, capacity, length)
         clone._values = _resized(self._values, 1, capacity, length)
@@ -177,14 +177,7 @@ class AttentionCache:
 
     def copy(self) -> "AttentionCache":
         """A deep copy holding only the filled part (it grows again on append)."""
-        clone = AttentionCache.__new__(AttentionCache)
-        clone.ratio, clone.length, clone.blocks = self.ratio, self.length, self.blocks
-        capacity = -(-max(self.length, self.ratio) // self.ratio) * self.ratio
-        clone._keys = _resized(self._keys, 1, capacity, self.length)
-        clone._values = _resized(self._values, 1, capacity, self.length)
-        clone._index_keys = _resized(self._index_keys, 0, capacity, self.length)
-        clone._block_keys = _resized(self._block_keys, 0, capacity // self.ratio, self.blocks)
-        return clone
+        return self.prefix(self.length)
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self._keys, self._values, self._index_keys, self._block_keys))

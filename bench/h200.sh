@@ -18,9 +18,10 @@
 #                       replayed drafts right with probability alpha (runtime/bench/speculation.py;
 #                       SPEC_ARGS: more of its arguments, e.g. "--set compile_checked=false"; SPEC_NAME: a
 #                       suffix for the results' names)
-#              reuse    prompt-state reuse at 24/64 (bench/prompt_reuse.py): a follow-up on a 32,768-token
-#                       document with no reuse, a live hit and a stored hit after a restart, and a 10-turn
-#                       conversation; the stored states on the pack's disk; prompt-reuse-24-64.{json,md}
+#              reuse    prompt-state reuse at each of REUSE_BUDGETS (default 24-64; bench/prompt_reuse.py): a
+#                       follow-up on a 32,768-token document with no reuse, a live hit and a stored hit after
+#                       a restart, and a 10-turn conversation; the stored states on the pack's disk;
+#                       prompt-reuse-BUDGET.{json,md}
 #   BEFORE   another flashpack tree (e.g. .before, carried): each budget is benched with this tree and with
 #            that one alternately, REPEATS (default 2) times each (A/B/A/B), on the same pack
 #   PACK_DIR where the pack is built (default .bench-pack in the repository, which a warm machine keeps
@@ -100,13 +101,17 @@ for stage in $STAGES; do
       for p in $PRESETS; do bench 8-32-$p 8GiB 32GiB --preset $p; done
       bench 8-32-control 8GiB 32GiB ;;
     reuse)
-      echo "== reuse at $(( $(date +%s) - start )) s"
-      timeout ${REUSE_TIMEOUT:-360} python3 bench/prompt_reuse.py $W/full.pack --device cuda --vram-budget 24GiB \
-        --ram-budget 64GiB --emulate-layers 48 --hot-set '*' --document-tokens 32768 --turns 10 --states-dir $W \
-        --json $R/prompt-reuse-24-64.json > $OUT/reuse.log 2>&1
-      echo "reuse rc=$? $(( $(date +%s) - start )) s" >> $OUT/reuse.log
-      rm -rf $W/prompt-states-*  # a run cut short leaves its stored states behind
-      tail -40 $OUT/reuse.log ;;
+      for b in ${REUSE_BUDGETS:-24-64}; do
+        eval "set -- $(budget $b)"
+        echo "== reuse $b at $(( $(date +%s) - start )) s"
+        timeout ${REUSE_TIMEOUT:-360} python3 bench/prompt_reuse.py $W/full.pack --device cuda ${1:+--vram-budget $1} \
+          ${2:+--ram-budget $2} --emulate-layers 48 --hot-set '*' --document-tokens 32768 --turns 10 --states-dir $W \
+          --json $R/prompt-reuse-$b.json > $OUT/reuse-$b.log 2>&1
+        echo "reuse rc=$? $(( $(date +%s) - start )) s" >> $OUT/reuse-$b.log
+        rm -rf $W/prompt-states-*  # a run cut short leaves its stored states behind
+        tr '\r' '\n' < $OUT/reuse-$b.log | grep -v "loading experts" | tail -40
+        tar czf $OUT/results.tgz -C $R .
+      done ;;
   esac
   tar czf $OUT/results.tgz -C $R .
 done

@@ -16,8 +16,8 @@ Live entries are compact host copies (pinned on a GPU, so a restore is one fast 
 under a byte budget, least recently used evicted first. On a GPU a save is off the request's path:
 the state is copied on the device (a fraction of a millisecond), the entry is live at once from
 that copy, and a thread of the cache's own copies it to pinned host memory on a stream of its own
-(hundreds of MB at 32k tokens: a copy through pageable memory, waited for, took ~1 s a save)
-before the device copy is let go. With a StoredStates tier (stored_states.py) every saved entry is
+before the device copy is let go (a state is hundreds of MB at 32k tokens: the request's first token
+does not wait for that copy). An entry whose host copy fails (host memory exhausted) is dropped. With a StoredStates tier (stored_states.py) every saved entry is
 also written to disk in the background, and a prompt that finds nothing live looks there.
 """
 
@@ -165,14 +165,19 @@ class PrefixCache:
                     stream.wait_event(copied)
                     host = saved.to(torch.device("cpu"), pin=True)
                 stream.synchronize()
-                with self._lock:
-                    entry = self._live.get(key)
-                    if entry is not None and entry.state is saved:
+            except RuntimeError:  # no pinned memory to be had: the entry goes, its device copy with it
+                host = None
+            with self._lock:
+                entry = self._live.get(key)
+                if entry is not None and entry.state is saved:
+                    if host is None:
+                        self._forget(self._live.pop(key))
+                        self.stats.live_entries = len(self._live)
+                    else:
                         entry.state = host
-                if write and self.stored is not None:
-                    self.stored.put(key, length, host)
-            finally:
-                self._copies.task_done()
+            if write and host is not None and self.stored is not None:
+                self.stored.put(key, length, host)
+            self._copies.task_done()
         self._copies.task_done()
 
     def _keep(self, key: str, length: int, saved: SequenceState, write: bool) -> None:

@@ -15,7 +15,7 @@ import json
 
 import numpy as np
 import torch
-from safetensors.torch import load, save
+from safetensors.torch import save
 
 from flashpack.runtime.state import AttentionCache, DeltaNetState, PLEState, SequenceState
 
@@ -53,12 +53,12 @@ def _contiguous_on_host(tensor: torch.Tensor) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(raw)).view(tensor.dtype)
 
 
-def decode_state(data: bytes | bytearray, like: SequenceState) -> SequenceState:
-    """The state `data` holds, on `like`'s devices; `like` is a fresh state of the same model. From
-    a bytearray (a stored entry's decompressed frames) the tensors are views of it, not copies: a
-    state is read once, into `like`'s devices (on a CPU the decoded state keeps `data` alive)."""
+def decode_state(data: bytearray, like: SequenceState) -> SequenceState:
+    """The state `data` holds, on `like`'s devices; `like` is a fresh state of the same model. The
+    tensors are read as views of `data` (a stored entry's decompressed frames), not copied: a state
+    is read once, into `like`'s devices (on a CPU the decoded state keeps `data` alive)."""
     try:
-        tensors = load(data) if isinstance(data, bytes) else _views(data)
+        tensors = _views(data)
         metadata = _metadata(data)
         position = int(metadata["position"])
         lengths = {int(layer): value for layer, value in json.loads(metadata["attention"]).items()}
@@ -106,7 +106,8 @@ _DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "
 
 
 def _views(data: bytearray) -> dict[str, torch.Tensor]:
-    """The safetensors bytes' tensors as views of `data` (safetensors' own load copies each)."""
+    """The safetensors bytes' tensors as views of `data`, each checked to fit its bytes (safetensors'
+    own load copies every tensor: a second pass over a state of hundreds of MB)."""
     header_bytes = int.from_bytes(data[:8], "little")
     header = json.loads(bytes(data[8:8 + header_bytes]))
     start, tensors = 8 + header_bytes, {}

@@ -171,12 +171,11 @@ class StoredStates:
 
     def _write(self, compressor, key: str, tokens: int, state: SequenceState) -> None:
         encoded = memoryview(encode_state(state))
-        frames = [compressor.compress(encoded[start:start + self.frame_bytes])
-                  for start in range(0, len(encoded), self.frame_bytes)]
-        sizes = [min(self.frame_bytes, len(encoded) - start) for start in range(0, len(encoded), self.frame_bytes)]
+        chunks = [encoded[start:start + self.frame_bytes] for start in range(0, len(encoded), self.frame_bytes)]
+        frames = [compressor.compress(chunk) for chunk in chunks]
         header = json.dumps({"format": FORMAT, "fingerprint": self.fingerprint, "key": key, "tokens": tokens,
-                             "frames": [[len(frame), size, xxhash.xxh64(frame).hexdigest()]
-                                        for frame, size in zip(frames, sizes)]}).encode()
+                             "frames": [[len(frame), len(chunk), xxhash.xxh64(frame).hexdigest()]
+                                        for frame, chunk in zip(frames, chunks)]}).encode()
         final = self.folder / f"{key}{SUFFIX}"
         partial = self.folder / f".{key}{SUFFIX}.partial-{os.getpid()}"
         try:

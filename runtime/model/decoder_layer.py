@@ -61,22 +61,20 @@ class DecoderLayer(nn.Module):
 
     def _marked(self, streams, tokens, state: SequenceState, marks: Sequence[int], marked: Sequence[SequenceState]
                 ) -> torch.Tensor:
-        bounds = list(zip([0, *marks], [*marks, streams.shape[0]]))
-        if self.ple is not None:
-            parts = []
-            for index, (start, end) in enumerate(bounds):
-                ple = state.ple[self.layer]
-                parts.append(self.ple(streams[start:end], tokens[start:end], ple))
-                if index < len(marks):
-                    marked[index].ple[self.layer] = ple.copy()
-            streams = streams + torch.cat(parts)
-        block_input, inject = self.attn_hc.mix(streams)
-        outputs = []
-        for index, (start, end) in enumerate(bounds):
-            outputs.append(self.sequence_mixer(block_input[start:end], state))
-            if index < len(marks) and self.linear:
-                marked[index].deltanet[self.layer] = state.deltanet[self.layer].copy()
-        return self.feed_forward(streams, torch.cat(outputs), inject)
+        """Up to the MoE block segment by segment (a separate step's work), copying this layer's
+        recurrent parts into `marked` after each mark; the MoE block once over all T."""
+        pieces = []
+        for index, (start, end) in enumerate(zip([0, *marks], [*marks, streams.shape[0]])):
+            segment = self.add_inputs(streams[start:end], tokens[start:end], state)
+            block_input, inject = self.attn_hc.mix(segment)
+            pieces.append((segment, self.sequence_mixer(block_input, state), inject))
+            if index < len(marks):
+                if self.ple is not None:
+                    marked[index].ple[self.layer] = state.ple[self.layer].copy()
+                if self.linear:
+                    marked[index].deltanet[self.layer] = state.deltanet[self.layer].copy()
+        streams, block_output, inject = (torch.cat(parts) for parts in zip(*pieces))
+        return self.feed_forward(streams, block_output, inject)
 
     def add_inputs(
         self, streams: torch.Tensor, tokens: torch.Tensor, state: SequenceState, pending: torch.Tensor | None = None,

@@ -157,3 +157,31 @@ def test_on_a_gpu_a_save_is_live_at_once_and_moves_to_pinned_host_memory(tiny_pa
         cache.close()
     finally:
         engine.close()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the copies to pinned memory are a GPU's")
+def test_on_a_gpu_an_entry_whose_host_copy_fails_is_dropped_and_the_copier_goes_on(tiny_pack, monkeypatch):
+    from flashpack.runtime.state import SequenceState
+
+    engine = load_engine(tiny_pack, EngineConfig(device="cuda", dtype="float32", prompt_cache_ram=0, speculate="off"))
+    try:
+        step, cache, prompt = engine.step, PrefixCache(1 << 30), _ids(60, 13)
+        state = step.new_state()
+        step.forward(torch.tensor(prompt), state)
+        real = SequenceState.to
+
+        def failing(self, device, pin=False):
+            raise RuntimeError("CUDA error: out of memory (pinned)")
+
+        monkeypatch.setattr(SequenceState, "to", failing)
+        cache.save(prompt, state)
+        cache.flush()  # returns: the copier took the failure
+        assert cache.stats.live_entries == 0 and cache.stats.live_bytes == 0
+        assert cache.restore_longest(prompt + [5], step.new_state()) == 0
+        monkeypatch.setattr(SequenceState, "to", real)
+        cache.save(prompt, state)
+        cache.flush()
+        assert cache.restore_longest(prompt + [5], step.new_state()) == len(prompt)
+        cache.close()
+    finally:
+        engine.close()

@@ -1,15 +1,19 @@
 """Where a decode step's time goes: torch.profiler over a few greedy steps of `flashpack`'s engine
 (or, with `--phase prefill`, over one forward of the prompt; with `--phase verify`, over checked
 speculative steps of `--verify-tokens` positions, each tracked and rewound to its first token as a
-rejected draft leaves it).
+rejected draft leaves it; with `--phase extend`, over a follow-up's prefill: the prompt's state
+restored, then `--extend-tokens` more tokens in one forward, checkpoints taken at `--marks`, as a
+prompt-cache hit runs it).
 
     python bench/profile_decode.py PACK --device cuda [--vram-budget 24GiB --ram-budget 64GiB] --out DIR
     python bench/profile_decode.py PACK --vram-budget 24GiB --ram-budget 64GiB --emulate-layers 48 \
         --hot-set '*' --out DIR          # the budgets typed for 48 layers, scaled as `flashpack bench` does
     python bench/profile_decode.py PACK --phase prefill --prompt-len 32768 --out DIR
+    python bench/profile_decode.py PACK --phase extend --prompt-len 32768 --extend-tokens 159 --marks 80 --out DIR
 
 Writes DIR/profile-<name>.txt (top operators by host time and by device time) and prints the
-step's wall time against the device-busy time (the sum of kernel and copy times): their gap is
+step's wall time against the device-busy time (and `warm_steps_ms`, each unprofiled warm-up step's
+wall time: the first ones pay for what is compiled or tuned on first use) (the sum of kernel and copy times): their gap is
 host overhead (Python, launches, waits on the store). `host_split_ms` times, unprofiled, what a
 decode step's host thread spends in the calls that matter for a tiered store (each call's wall
 time per step, nested calls inside their callers); `--trace` also writes the profiled steps as a
@@ -98,8 +102,10 @@ def main() -> None:
     parser.add_argument("--hot-set", help="pre-warm from this hot set ('*': every record the tiers hold)")
     parser.add_argument("--prompt-len", type=int, default=256)
     parser.add_argument("--steps", type=int, default=8)
-    parser.add_argument("--phase", choices=("decode", "prefill", "verify"), default="decode")
+    parser.add_argument("--phase", choices=("decode", "prefill", "verify", "extend"), default="decode")
     parser.add_argument("--verify-tokens", type=int, default=5, help="positions of a checked step (--phase verify)")
+    parser.add_argument("--extend-tokens", type=int, default=159, help="tokens after the prompt (--phase extend)")
+    parser.add_argument("--marks", default="", help="checkpoints inside the extension, e.g. 80,150 (--phase extend)")
     parser.add_argument("--name", default="decode")
     parser.add_argument("--out", default=".")
     parser.add_argument("--trace", action="store_true", help="also write the profiled steps as a Chrome trace")
@@ -123,6 +129,15 @@ def main() -> None:
         def step():
             state.restore(engine.step.new_state())
             forward(prompt, state, last_only=True)
+    elif args.phase == "extend":
+        steps = args.steps
+        prompt_state = state.snapshot()
+        extension = torch.randint(0, 1000, (args.extend_tokens,))
+        marks = [int(mark) for mark in args.marks.split(",") if mark]
+
+        def step():
+            state.restore(prompt_state)
+            forward(extension, state, last_only=True, **({"marks": marks} if marks else {}))
     elif args.phase == "verify":
         steps = args.steps
 
@@ -139,9 +154,12 @@ def main() -> None:
             nonlocal token
             token = int(forward(torch.tensor([token]), state).logits.argmax())
 
+    warm_steps = []
     for _ in range(steps):  # warm: kernels compiled, caches as decoding leaves them
+        began = time.perf_counter()
         step()
-    sync()
+        sync()
+        warm_steps.append(round((time.perf_counter() - began) * 1e3, 2))
     start = time.perf_counter()
     for _ in range(steps):
         step()
@@ -173,7 +191,7 @@ def main() -> None:
         with trace.open("rb") as raw, gzip.open(f"{trace}.gz", "wb") as packed:
             shutil.copyfileobj(raw, packed)
         trace.unlink()
-    summary = {"name": args.name, "step_wall_ms": wall * 1e3, "device_busy_ms": device_busy * 1e3,
+    summary = {"name": args.name, "step_wall_ms": wall * 1e3, "warm_steps_ms": warm_steps, "device_busy_ms": device_busy * 1e3,
                "host_overhead_ms": (wall - device_busy) * 1e3, "host_split_ms": host_split, "gpu_idle": idle,
                "device_time_by_kernel_class": classes,
                "phase": args.phase, "prompt_tokens": args.prompt_len,

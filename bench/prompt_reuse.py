@@ -10,7 +10,9 @@ Two scenarios, each skipped at 0:
             repeated as often as it takes, counted with the pack's tokenizer), answered with
             `--reply-tokens` tokens, then a follow-up question (~50 tokens) appended. The
             follow-up's TTFT is timed with no reuse, with a live hit and with a stored hit after
-            a restart; all three send the same prompt.
+            a restart; all three send the same prompt. Then another question of the same kind (a
+            second live hit on the same document): a first live hit may pay for what the engine
+            does first when a prompt continues a restored state, the second shows a hit's own cost.
   turns     (`--turns N`) an agent-like conversation: each turn adds ~`--turn-tokens` tokens of
             Python source and a greedy `--reply-tokens` reply, the whole history sent again every
             turn. Each turn's TTFT with live reuse and with none (the same prompt), and the last
@@ -39,6 +41,8 @@ from __future__ import annotations
 import argparse
 import ctypes
 import gc
+import gzip
+import shutil
 import json
 import mmap
 import os
@@ -57,6 +61,7 @@ import transformers
 
 from flashpack.layout.pack import Pack
 from flashpack.runtime.bench.bandwidth import disk_read
+from flashpack.runtime.bench.gaps import gpu_gaps, load_trace
 from flashpack.runtime.bench.emulate import BUDGET_FORMULA, LayerKinds, check_layers, scale_to_layers, scaled_budgets
 from flashpack.runtime.bench.machine import machine_info
 from flashpack.runtime.bench.sizes import model_sizes
@@ -75,6 +80,10 @@ DOCUMENT_SYSTEM = "You answer questions about the document the user gives you."
 QUESTION = ("Going back to the document above: which functions in it decide when generation stops, and how do "
             "they use the stopping criteria the caller passes in? Answer with a short list, one line for each "
             "function, naming the arguments that matter most.")
+# The second question: as long, about another part of the same document.
+ANOTHER_QUESTION = ("Still about the document above: which functions in it prepare the inputs before the first "
+                    "forward pass, and what do they do with the attention mask and the cache they are given? Answer "
+                    "with a short list, one line for each function, naming the arguments it reads.")
 # The targets issue 25 sets for the full model (48 layers): seconds.
 LIVE_HIT_TARGET = 0.25
 STORED_HIT_TARGET = 1.0
@@ -381,14 +390,43 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="new tokens of each turn's user message (default %(default)s)")
     parser.add_argument("--reply-tokens", type=int, default=32,
                         help="tokens of each greedy reply (default %(default)s)")
+    parser.add_argument("--trace", type=Path,
+                        help="profile the document's first live hit: its Chrome trace into this folder")
     parser.add_argument("--json", type=Path, required=True, help="the report")
     parser.add_argument("--table", type=Path, help="the markdown table (default: the JSON's path with .md)")
     return parser.parse_args(argv)
 
 
+@contextmanager
+def traced(folder: Path | None, name: str, found: dict):
+    """Run the block under torch.profiler (host and, on a GPU, device) where `folder` is given:
+    folder/trace-NAME.json.gz, folder/profile-NAME.txt (the operators by host and by device time)
+    and, on a GPU, in found[name] the GPU's idle time by what the host was doing."""
+    if folder is None:
+        yield
+        return
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if torch.cuda.is_available():
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=activities) as prof:
+        yield
+    folder.mkdir(parents=True, exist_ok=True)
+    trace = folder / f"trace-{name}.json"
+    prof.export_chrome_trace(str(trace))
+    events = prof.key_averages()
+    (folder / f"profile-{name}.txt").write_text("\n\n".join(
+        events.table(sort_by=key, row_limit=30) for key in ("cpu_time_total", "self_cpu_time_total", "self_device_time_total")))
+    if torch.cuda.is_available():
+        found[name] = gpu_gaps(load_trace(trace), 1)
+    with trace.open("rb") as raw, gzip.open(f"{trace}.gz", "wb") as packed:
+        shutil.copyfileobj(raw, packed)
+    trace.unlink()
+
+
 def document_scenario(engine, args, saves: SaveClock) -> tuple[dict, list[int]]:
-    """The document's first turn, then its follow-up with no reuse and with a live hit; returns the
-    rows and the follow-up's prompt. The stored tier is left as the first turn left it."""
+    """The document's first turn, then its follow-up with no reuse and with a live hit, then another
+    question's live hit; returns the rows and the first follow-up's prompt. The stored tier is left as
+    the first turn left it."""
     stored = engine.generator.prefix_cache.stored
     text = document_text(engine.tokenizer, source_text(), args.document_tokens)
     messages = [{"role": "system", "content": DOCUMENT_SYSTEM}, {"role": "user", "content": text}]
@@ -399,14 +437,20 @@ def document_scenario(engine, args, saves: SaveClock) -> tuple[dict, list[int]]:
     follow_up = engine.tokenizer.encode_chat(messages)
     with reuse_off(engine):
         plain = request(engine, follow_up, 1, saves)
-    hit = request(engine, follow_up, 1, saves)
+    profiles: dict = {}
+    with traced(args.trace, "live-hit", profiles):
+        hit = request(engine, follow_up, 1, saves)
     engine.generator.prefix_cache.flush()
-    forget_stored(stored, first_turn_keys, hit["cached_tokens"])
-    for row in (plain, hit):
+    messages[-1] = {"role": "user", "content": ANOTHER_QUESTION}
+    again = request(engine, engine.tokenizer.encode_chat(messages), 1, saves)
+    engine.generator.prefix_cache.flush()
+    forget_stored(stored, first_turn_keys, min(hit["cached_tokens"], again["cached_tokens"]))
+    for row in (plain, hit, again):
         row.pop("text")
     return {"document_tokens": len(engine.tokenizer.encode(text)),
             "question_tokens": len(engine.tokenizer.encode(QUESTION)),
-            "first_turn": first, "no_reuse": plain, "live_hit": hit}, follow_up
+            "first_turn": first, "no_reuse": plain, "live_hit": hit, "live_hit_again": again,
+            "profiles": profiles}, follow_up
 
 
 def turns_scenario(engine, args, saves: SaveClock) -> tuple[dict, list[int], set[str]]:
@@ -488,7 +532,7 @@ def main() -> None:
 
     timed = []  # every timed request
     if document is not None:
-        timed += [document[key] for key in ("first_turn", "no_reuse", "live_hit", "stored_hit")]
+        timed += [document[key] for key in ("first_turn", "no_reuse", "live_hit", "live_hit_again", "stored_hit")]
     if turns is not None:
         timed += turns["rows"] + [row["no_reuse"] for row in turns["rows"]] + [turns["restart"]]
     scale_rows(timed, document, entry, by_part, counts, layers, target)
@@ -608,7 +652,9 @@ def markdown(report: dict) -> str:
                   f"| request | prompt tokens | restored | new tokens | TTFT s | restore s | saves s |{head}",
                   f"| --- | --- | --- | --- | --- | --- | --- |{rule}"]
         for name, key in (("first turn (document)", "first_turn"), ("follow-up, no reuse", "no_reuse"),
-                          ("follow-up, live hit", "live_hit"), ("follow-up, stored hit after a restart", "stored_hit")):
+                          ("follow-up, live hit", "live_hit"),
+                          ("another question, live hit", "live_hit_again"),
+                          ("follow-up, stored hit after a restart", "stored_hit")):
             row = document[key]
             lines.append(f"| {name} | {row['prompt_tokens']} | {row['cached_tokens']} | {row['new_tokens']} | "
                          f"{_seconds(row['ttft_s'])} | {_seconds(row['restore_s'])} | {_seconds(row['saves_s'])} |"

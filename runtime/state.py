@@ -22,6 +22,7 @@ and are restored in place when they have room, because CUDA-graph decode reads t
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -195,16 +196,22 @@ class AttentionCache:
         cache._block_keys = _resized(block_keys.to(device), 0, capacity // ratio, blocks)
         return cache
 
-    def to(self, device: torch.device, pin: bool = False) -> "AttentionCache":
-        """A copy on `device` (pinned host memory with `pin`)."""
+    def to(self, device: torch.device, pin: bool = False, allocate: Allocate | None = None) -> "AttentionCache":
+        """A copy on `device` (pinned host memory with `pin`; `allocate`: SequenceState.to)."""
         moved = AttentionCache.__new__(AttentionCache)
         moved.ratio, moved.length, moved.blocks = self.ratio, self.length, self.blocks
         moved._keys, moved._values, moved._index_keys, moved._block_keys = (
-            _moved(t, device, pin) for t in self.buffers())
+            _moved(t, device, pin, allocate) for t in self.buffers())
         return moved
 
 
-def _moved(tensor: torch.Tensor, device: torch.device, pin: bool) -> torch.Tensor:
+# (shape, dtype) -> an empty pinned host tensor to copy into (a range of runtime/engine/pinned_arena.py's)
+Allocate = Callable[[torch.Size, torch.dtype], torch.Tensor]
+
+
+def _moved(tensor: torch.Tensor, device: torch.device, pin: bool, allocate: Allocate | None = None) -> torch.Tensor:
+    if allocate is not None and device.type == "cpu":
+        return allocate(tensor.shape, tensor.dtype).copy_(tensor, non_blocking=True)
     if pin and device.type == "cpu" and tensor.is_cuda:
         # straight into pinned memory, queued on the current stream: the caller synchronizes
         # before the host reads it (a pageable copy then pin_memory would copy twice, and wait)
@@ -325,17 +332,28 @@ class SequenceState:
         for layer, saved in snapshot.attention.items():
             self.attention[layer].load(saved)
 
-    def to(self, device: torch.device, pin: bool = False) -> "SequenceState":
+    def to(self, device: torch.device, pin: bool = False, allocate: Allocate | None = None) -> "SequenceState":
         """A copy on `device` (pinned host memory with `pin`: a GPU copies it back asynchronously).
-        From a GPU to pinned memory the copies are queued on the current stream, not waited for."""
+        From a GPU to pinned memory the copies are queued on the current stream, not waited for.
+        `allocate(shape, dtype)`: the host tensors to copy into, one for each of `device_tensors()`
+        (else they are allocated, pinned with `pin`)."""
         return SequenceState(
             position=self.position,
-            deltanet={layer: DeltaNetState(_moved(s.conv, device, pin), _moved(s.recurrent, device, pin))
+            deltanet={layer: DeltaNetState(_moved(s.conv, device, pin, allocate),
+                                           _moved(s.recurrent, device, pin, allocate))
                       for layer, s in self.deltanet.items()},
-            attention={layer: cache.to(device, pin) for layer, cache in self.attention.items()},
-            ple={layer: PLEState(s.context.clone(), _moved(s.conv, device, pin)) for layer, s in self.ple.items()},
-            mtp_input=None if self.mtp_input is None else _moved(self.mtp_input, device, pin),
+            attention={layer: cache.to(device, pin, allocate) for layer, cache in self.attention.items()},
+            ple={layer: PLEState(s.context.clone(), _moved(s.conv, device, pin, allocate))
+                 for layer, s in self.ple.items()},
+            mtp_input=None if self.mtp_input is None else _moved(self.mtp_input, device, pin, allocate),
         )
+
+    def device_tensors(self) -> list[torch.Tensor]:
+        """Every tensor `to` moves (all but the PLE token contexts, which live on the host)."""
+        found = [t for s in self.deltanet.values() for t in (s.conv, s.recurrent)]
+        found += [s.conv for s in self.ple.values()]
+        found += [t for cache in self.attention.values() for t in cache.buffers()]
+        return found + ([] if self.mtp_input is None else [self.mtp_input])
 
     def _device(self) -> torch.device:
         return next(iter(self.attention.values())).keys.device

@@ -25,6 +25,7 @@ from flashpack.runtime.engine.decode_graphs import DecodeGraphs
 from flashpack.runtime.engine.engine import Engine
 from flashpack.runtime.engine.expert_paths import BankExperts, Prediction, StoreExperts, routed_experts
 from flashpack.runtime.engine.generate import Generator
+from flashpack.runtime.engine.pinned_arena import PinnedArena
 from flashpack.runtime.engine.prefix_cache import PrefixCache
 from flashpack.runtime.engine.drafters import LookupDrafter, MTPDrafter
 from flashpack.runtime.engine.speculative import SpeculativeDecoder
@@ -122,7 +123,8 @@ def load_engine(
     # through a tiered store a step fetches every layer's experts: a prompt's checkpoints are worth
     # taking in one step there, while elsewhere a step a segment keeps a restore bit for bit what
     # the first request computed
-    generator = Generator(step, tokenizer, prefix_cache=_prefix_cache(pack, config, states_ram), speculation=speculation,
+    generator = Generator(step, tokenizer, prefix_cache=_prefix_cache(pack, config, device, states_ram),
+                          speculation=speculation,
                           checkpoints_in_one_step=isinstance(model.experts, StoreExperts))
     return Engine(pack, config, model, step, tokenizer, generator, store)
 
@@ -170,9 +172,13 @@ def _speculation(step: Step, model: Qwen4ExpModel, weights: WeightSource, config
     return SpeculativeDecoder(step, drafters, config.draft_tokens) if drafters else None
 
 
-def _prefix_cache(pack: Pack, config: EngineConfig, states_ram: int) -> PrefixCache | None:
+def _prefix_cache(pack: Pack, config: EngineConfig, device: torch.device, states_ram: int) -> PrefixCache | None:
     if states_ram == 0:
         return None
+    pinned = None
+    if device.type == "cuda":  # the live states' host memory, pinned now: never while a request runs
+        pinned = PinnedArena.pinned(states_ram)
+        states_ram = pinned.capacity
     stored = None
     if config.prompt_cache_dir is not None:
         from flashpack.runtime.engine.stored_states import StoredStates
@@ -181,7 +187,7 @@ def _prefix_cache(pack: Pack, config: EngineConfig, states_ram: int) -> PrefixCa
         # a folder per pack: one pack's states never evict or collide with another's
         stored = StoredStates(Path(config.prompt_cache_dir).expanduser() / fingerprint,
                               parse_budget(config.prompt_cache_disk), fingerprint)
-    return PrefixCache(states_ram, stored)
+    return PrefixCache(states_ram, stored, pinned)
 
 
 def prompt_cache_bytes(config: EngineConfig, device: torch.device, through_store: bool) -> int:

@@ -74,7 +74,8 @@ class EngineConfig:
     # sequence states, e.g. "4GiB"; 0 turns reuse off. None: on a GPU a tenth of the expert host
     # cache's budget (8 GiB at most), taken from it, so experts and states share the RAM the user
     # gave (a state is worth more than the experts it displaces once a prompt is long: a 32k-token
-    # state of the real model, about 1 GB, saves its whole prefill); on a CPU 1 GiB.
+    # state of the real model, about 1 GB, saves its whole prefill); on a CPU 1 GiB. On a GPU it is
+    # pinned when the engine is built (runtime/engine/pinned_arena.py).
     prompt_cache_ram: str | int | None = None
     # Stored entries: a folder that keeps saved states across restarts (zstd-compressed), None: none.
     prompt_cache_dir: str | None = None

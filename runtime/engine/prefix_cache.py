@@ -12,13 +12,17 @@ An entry is keyed by its length and the xxh64 of its tokens (int64, little-endia
 the prompt once, in order, taking the digest at each length an entry has, and restores the longest
 entry that leaves at least one token to prefill (whose logits the next token is sampled from).
 
-Live entries are compact host copies (pinned on a GPU, so a restore is one fast copy per tensor)
-under a byte budget, least recently used evicted first. On a GPU a save is off the request's path:
-the state is copied on the device (a fraction of a millisecond), the entry is live at once from
-that copy, and a thread of the cache's own copies it to pinned host memory on a stream of its own
-before the device copy is let go (a state is hundreds of MB at 32k tokens: the request's first token
-does not wait for that copy). An entry whose host copy fails (host memory exhausted) is dropped. With a StoredStates tier (stored_states.py) every saved entry is
-also written to disk in the background, and a prompt that finds nothing live looks there.
+Live entries are compact host copies under a byte budget, least recently used evicted first. On
+a GPU they are pinned, so a restore is one fast copy per tensor, in ranges of one PinnedArena
+pinned when the engine starts (pinned_arena.py: pinning while a request runs would hold up its
+kernel launches), and a save is off the request's path: the state is copied on the device (a
+fraction of a millisecond), the entry is live at once from that copy, and a thread of the cache's
+own copies it into the arena on a stream of its own before the device copy is let go (a state is
+hundreds of MB at 32k tokens: the request's first token does not wait for that copy). Where the
+arena has no free range large enough, the least recently used host entries make room; an entry
+that still finds none, or whose copy fails, is dropped. With a StoredStates tier (stored_states.py)
+every saved entry is also written to disk in the background, and a prompt that finds nothing live
+looks there.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from dataclasses import dataclass, field
 import torch
 import xxhash
 
+from flashpack.runtime.engine.pinned_arena import PinnedArena
 from flashpack.runtime.state import SequenceState
 
 
@@ -77,6 +82,7 @@ class _Entry:
 class PrefixCache:
     ram_budget: int  # bytes of live entries
     stored: object | None = None  # stored_states.StoredStates
+    pinned: PinnedArena | None = None  # where a GPU state's host copies go (needed to save one)
     stats: CacheStats = field(default_factory=CacheStats)
 
     def __post_init__(self) -> None:
@@ -143,9 +149,11 @@ class PrefixCache:
         """Keep a copy of `state` (`owned`: `state` itself): on a CPU at once, from a GPU live now on
         the device and moved to pinned host memory by the copier thread."""
         saved = state if owned else state.snapshot()
-        if not any(t.is_cuda for t in _tensors(saved)):
+        if not _on_device(saved):
             self._keep(key, length, saved, write)
             return
+        if self.pinned is None:
+            raise ValueError("a GPU state's live entry needs a PinnedArena for its host copy")
         copied = torch.cuda.Event()
         copied.record()
         self._keep(key, length, saved, write=False)
@@ -163,9 +171,9 @@ class PrefixCache:
             try:
                 with torch.cuda.stream(stream):
                     stream.wait_event(copied)
-                    host = saved.to(torch.device("cpu"), pin=True)
+                    host = self._host_copy(key, saved)
                 stream.synchronize()
-            except RuntimeError:  # no pinned memory to be had: the entry goes, its device copy with it
+            except RuntimeError:  # the copy failed: the entry goes, its device copy with it
                 host = None
             with self._lock:
                 entry = self._live.get(key)
@@ -179,6 +187,18 @@ class PrefixCache:
                 self.stored.put(key, length, host)
             self._copies.task_done()
         self._copies.task_done()
+
+    def _host_copy(self, key: str, saved: SequenceState) -> SequenceState | None:
+        """`saved`'s copy in the arena, the least recently used other host entries evicted while
+        no free range is large enough; None where evicting them all leaves none."""
+        while (host := self.pinned.host_copy(saved)) is None:
+            with self._lock:
+                oldest = next((k for k, entry in self._live.items() if k != key and not _on_device(entry.state)), None)
+                if oldest is None:
+                    return None
+                self._forget(self._live.pop(oldest))
+                self.stats.live_entries = len(self._live)
+        return host
 
     def _keep(self, key: str, length: int, saved: SequenceState, write: bool) -> None:
         nbytes = saved.nbytes()
@@ -228,8 +248,5 @@ class PrefixCache:
         return found
 
 
-def _tensors(state: SequenceState) -> list[torch.Tensor]:
-    found = [t for s in state.deltanet.values() for t in (s.conv, s.recurrent)]
-    found += [s.conv for s in state.ple.values()]
-    found += [t for cache in state.attention.values() for t in cache.buffers()]
-    return found
+def _on_device(state: SequenceState) -> bool:
+    return any(t.is_cuda for t in state.device_tensors())

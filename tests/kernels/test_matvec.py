@@ -33,6 +33,8 @@ def _case(rows, cols, tokens, dtype, device, seed=0):
     (100, 150, 1, {}),  # neither a multiple of a block: masked rows and columns
     (37, 320, 2, {}),  # the default blocks divide 320 by 64
     (64, 96, 3, dict(block_r=8, block_c=32)),
+    (100, 150, 5, {}),  # several tokens: a full block of ROWS_AT_ONCE, then one masked to a single token
+    (33, 2560, 7, {}),  # one row a program at one token: several tokens share it
 ])
 def test_float32_matches_linear(triton_device, rows, cols, tokens, blocks):
     x, weight = _case(rows, cols, tokens, torch.float32, triton_device)
@@ -54,6 +56,14 @@ def test_a_row_off_by_one_fails(triton_device):
     x, weight = _case(40, 64, 1, torch.float32, triton_device, seed=2)
     shifted = torch.cat([weight[1:], weight[:1]])
     assert relative_error(_matvec(x, shifted), F.linear(x.double(), weight.double())) > 0.1
+
+
+def test_a_token_read_as_another_fails(triton_device):
+    """Control for the several-token kernel: each token's output row must come from its own x row;
+    the reference of x with two tokens swapped must fail the tolerance."""
+    x, weight = _case(40, 64, 3, torch.float32, triton_device, seed=3)
+    swapped = x[[0, 2, 1]]
+    assert relative_error(_matvec(x, weight), F.linear(swapped.double(), weight.double())) > 0.1
 
 
 def test_refuses_what_it_cannot_read(triton_device):

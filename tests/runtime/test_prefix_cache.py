@@ -12,6 +12,7 @@ from state_controls import restore_without
 
 from flashpack.runtime.engine.build import load_engine
 from flashpack.runtime.engine.config import EngineConfig
+from flashpack.runtime.engine.pinned_arena import PinnedArena
 from flashpack.runtime.engine.prefix_cache import PrefixCache, prefix_digests
 from flashpack.runtime.sampling import SamplingParams
 
@@ -134,10 +135,12 @@ def test_prefix_digests_are_the_digests_of_each_prefix():
 def test_on_a_gpu_a_save_is_live_at_once_and_moves_to_pinned_host_memory(tiny_pack):
     """A save on a GPU returns before its host copy is made: the entry restores from its device copy
     while the copier thread works, and from pinned host memory once flushed, the same logits both
-    ways. Its sequence going on does not change it (the copy is of the state when saved)."""
+    ways. Its sequence going on does not change it (the copy is of the state when saved). The host
+    copy lies in the cache's pinned arena."""
     engine = load_engine(tiny_pack, EngineConfig(device="cuda", dtype="float32", prompt_cache_ram=0, speculate="off"))
     try:
-        step, cache, prompt = engine.step, PrefixCache(1 << 30), _ids(300, 11)
+        arena = PinnedArena(256 << 20)
+        step, cache, prompt = engine.step, PrefixCache(1 << 30, pinned=arena), _ids(300, 11)
         state = step.new_state()
         step.forward(torch.tensor(prompt), state)
         cache.save(prompt, state)
@@ -148,6 +151,7 @@ def test_on_a_gpu_a_save_is_live_at_once_and_moves_to_pinned_host_memory(tiny_pa
                 cache.flush()
                 recurrent = next(iter(next(iter(cache._live.values())).state.deltanet.values())).recurrent
                 assert not recurrent.is_cuda and recurrent.is_pinned()
+                assert 0 <= recurrent.data_ptr() - arena.data.data_ptr() < arena.capacity
             fresh = step.new_state()
             assert cache.restore_longest(prompt + [11, 12], fresh) == len(prompt)
             outputs.append(step.forward(torch.tensor([11, 12]), fresh).logits)
@@ -165,12 +169,12 @@ def test_on_a_gpu_an_entry_whose_host_copy_fails_is_dropped_and_the_copier_goes_
 
     engine = load_engine(tiny_pack, EngineConfig(device="cuda", dtype="float32", prompt_cache_ram=0, speculate="off"))
     try:
-        step, cache, prompt = engine.step, PrefixCache(1 << 30), _ids(60, 13)
+        step, cache, prompt = engine.step, PrefixCache(1 << 30, pinned=PinnedArena(64 << 20)), _ids(60, 13)
         state = step.new_state()
         step.forward(torch.tensor(prompt), state)
         real = SequenceState.to
 
-        def failing(self, device, pin=False):
+        def failing(self, device, pin=False, allocate=None):
             raise RuntimeError("CUDA error: out of memory (pinned)")
 
         monkeypatch.setattr(SequenceState, "to", failing)
@@ -183,5 +187,29 @@ def test_on_a_gpu_an_entry_whose_host_copy_fails_is_dropped_and_the_copier_goes_
         cache.flush()
         assert cache.restore_longest(prompt + [5], step.new_state()) == len(prompt)
         cache.close()
+    finally:
+        engine.close()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the copies to pinned memory are a GPU's")
+def test_on_a_gpu_an_engine_keeps_a_requests_checkpoints_in_the_arena_it_pinned_at_start(tiny_pack):
+    """Nothing is pinned while a request runs: the engine's prefix cache has its arena from the
+    start, and every live entry a request left lies in it once the copier is done."""
+    engine = load_engine(tiny_pack, EngineConfig(device="cuda", dtype="float32", prompt_cache_ram="64MiB",
+                                                 speculate="off"))
+    try:
+        cache = engine.generator.prefix_cache
+        arena = cache.pinned
+        assert arena is not None and arena.capacity == cache.ram_budget == 64 << 20
+        assert arena.free_bytes() == arena.capacity
+        prompt = _ids(200, 14)
+        engine.generator.generate(prompt, SamplingParams(max_tokens=4), checkpoints=[60, 120])
+        cache.flush()
+        assert cache.stats.live_entries >= 3  # two checkpoints, the prompt, the reply
+        start, end = arena.data.data_ptr(), arena.data.data_ptr() + arena.capacity
+        for entry in cache._live.values():
+            for tensor in entry.state.device_tensors():
+                assert not tensor.is_cuda and start <= tensor.data_ptr() < end
+        assert arena.free_bytes() < arena.capacity
     finally:
         engine.close()

@@ -1,0 +1,152 @@
+"""The live prompt states' pinned arena (runtime/engine/pinned_arena.py): its free ranges against a
+byte map on random takes and gives; host copies that are exact, aligned, disjoint and give their
+range back once garbage; a prefix cache that makes room by evicting its least recently used host
+entries. On a CPU the arena is plain memory (pin=False): the bookkeeping and the copies are the
+same; tests/runtime/test_prefix_cache.py runs the pinned one on a GPU."""
+
+from __future__ import annotations
+
+import gc
+import random
+
+import pytest
+import torch
+
+from flashpack.runtime.engine.build import load_engine
+from flashpack.runtime.engine.config import EngineConfig
+from flashpack.runtime.engine.pinned_arena import ALIGNMENT, FreeRanges, PinnedArena, aligned
+from flashpack.runtime.engine.prefix_cache import PrefixCache
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_pack):
+    return load_engine(tiny_pack, EngineConfig(dtype="float32"))
+
+
+def _state(engine, tokens: int, seed: int):
+    state = engine.step.new_state()
+    ids = torch.randint(5, 1000, (tokens,), generator=torch.Generator().manual_seed(seed))
+    engine.step.forward(ids, state)
+    return state
+
+
+def _copy_bytes(state) -> int:
+    return sum(aligned(t.numel() * t.element_size()) for t in state.device_tensors())
+
+
+def test_free_ranges_match_a_byte_map_on_random_takes_and_gives():
+    capacity, rng = 4096, random.Random(0)
+    ranges, used, taken = FreeRanges(capacity), [False] * capacity, []
+    for _ in range(2000):
+        if taken and rng.random() < 0.5:
+            offset, size = taken.pop(rng.randrange(len(taken)))
+            ranges.give(offset, size)
+            used[offset:offset + size] = [False] * size
+        else:
+            size = rng.randint(1, 600)
+            offset = ranges.take(size)
+            first_fit = next((start for start in range(capacity - size + 1)
+                              if not any(used[start:start + size])), None)
+            # first fit over merged free ranges is the lowest free run of that length
+            assert offset == first_fit
+            if offset is not None:
+                used[offset:offset + size] = [True] * size
+                taken.append((offset, size))
+        assert ranges.free_bytes() == used.count(False)
+    for offset, size in taken:
+        ranges.give(offset, size)
+    assert ranges.free_bytes() == ranges.largest() == capacity  # merged back into one range
+
+
+def test_free_ranges_refuse_a_range_given_back_twice():
+    ranges = FreeRanges(1000)
+    offset = ranges.take(100)
+    ranges.give(offset, 100)
+    with pytest.raises(ValueError, match="given back twice"):
+        ranges.give(offset, 100)
+
+
+def test_a_host_copy_is_exact_aligned_and_disjoint_from_the_next(engine):
+    arena = PinnedArena(4 << 20, pin=False)
+    arena.data.fill_(0xFF)  # poisoned: a byte the copy misses reads as NaN
+    state = _state(engine, 40, 1)
+    first, second = arena.host_copy(state), arena.host_copy(_state(engine, 40, 2))
+    start, end = arena.data.data_ptr(), arena.data.data_ptr() + arena.capacity
+    for got, want in zip(first.device_tensors(), state.device_tensors()):
+        assert torch.equal(got, want)
+        assert start <= got.data_ptr() < end and (got.data_ptr() - start) % ALIGNMENT == 0
+    spans = [(t.data_ptr(), t.data_ptr() + t.numel() * t.element_size())
+             for copy in (first, second) for t in copy.device_tensors() if t.numel()]
+    spans.sort()
+    assert all(a_end <= b_start for (_, a_end), (b_start, _) in zip(spans, spans[1:]))
+    # the copy restores as the snapshot does
+    fresh, again = engine.step.new_state(), engine.step.new_state()
+    fresh.restore(first)
+    again.restore(state.snapshot())
+    token = torch.tensor([7])
+    assert torch.equal(engine.step.forward(token, fresh).logits, engine.step.forward(token, again).logits)
+
+
+def test_a_host_copy_gives_its_range_back_once_garbage(engine):
+    arena = PinnedArena(4 << 20, pin=False)
+    state = _state(engine, 40, 3)
+    copy = arena.host_copy(state)
+    assert arena.free_bytes() == arena.capacity - _copy_bytes(state)
+    held = [copy]  # a stored write still encoding it
+    del copy
+    gc.collect()
+    assert arena.free_bytes() < arena.capacity
+    held.clear()
+    assert arena.free_bytes() == arena.capacity
+
+
+def test_a_host_copy_that_does_not_fit_or_fails_takes_nothing(engine, monkeypatch):
+    from flashpack.runtime.state import SequenceState
+
+    state = _state(engine, 40, 4)
+    small = PinnedArena(_copy_bytes(state) - ALIGNMENT, pin=False)
+    assert small.host_copy(state) is None and small.free_bytes() == small.capacity
+    arena = PinnedArena(4 << 20, pin=False)
+
+    def failing(self, device, pin=False, allocate=None):
+        raise RuntimeError("copy failed")
+
+    monkeypatch.setattr(SequenceState, "to", failing)
+    with pytest.raises(RuntimeError, match="copy failed"):
+        arena.host_copy(state)
+    assert arena.free_bytes() == arena.capacity
+
+
+def test_the_cache_evicts_least_recent_host_entries_to_make_room(engine):
+    states = [_state(engine, 40, seed) for seed in range(3)]
+    size = _copy_bytes(states[0])
+    arena = PinnedArena(2 * size + ALIGNMENT, pin=False)  # room for two copies, not three
+    cache = PrefixCache(1 << 30, pinned=arena)
+    for index, state in enumerate(states):
+        key = f"40-{index:016x}"
+        copy = cache._host_copy(key, state)
+        assert copy is not None
+        cache._keep(key, 40, copy, write=False)
+        del copy  # the entry holds it now
+    assert list(cache._live) == ["40-0000000000000001", "40-0000000000000002"]  # the first made room
+    assert cache.stats.evicted == 1
+    lone = PrefixCache(1 << 30, pinned=PinnedArena(size - ALIGNMENT, pin=False))
+    assert lone._host_copy("40-0000000000000009", states[0]) is None  # nothing to evict: dropped
+
+
+def test_an_arena_that_cannot_be_pinned_whole_halves_then_gives_one_clear_error(monkeypatch):
+    from flashpack.errors import FlashpackError
+    from flashpack.runtime.engine import pinned_arena
+
+    limit = [100 << 20]  # what the machine lets us pin
+
+    def register(data):
+        if data.numel() > limit[0]:
+            raise RuntimeError("cudaHostRegister failed (CUDA error 2)")
+
+    monkeypatch.setattr(pinned_arena, "_register", register)
+    monkeypatch.setattr(pinned_arena, "_unregister", lambda data: None)
+    assert PinnedArena.pinned(400 << 20).capacity == 100 << 20
+    limit[0] = 0
+    with pytest.raises(FlashpackError, match="could not pin 0.4 GiB .* --prompt-cache-ram"):
+        PinnedArena.pinned(400 << 20)

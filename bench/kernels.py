@@ -13,8 +13,8 @@ H = 2560, I = 640, 512 experts per layer, top-10; FP8 matrix 8192 x 2560.
             (reads over PCIe from the SMs) against the copy engine (one copy_ per record), both
             in a graph, GB/s held against one large pinned host-to-device copy
   router    softmax + top-10 of 512 + renormalise for 1 token: the router_top_k kernel against torch
-  dense     the BF16 products of a decode layer (1 token, real shapes): matvec.py's kernel against
-            cuBLAS, each matrix rotated past the L2
+  dense     the BF16 products of a decode layer (real shapes) at 1 token and at a checked step's 2, 3
+            and 5: matvec.py's kernels against cuBLAS, each matrix rotated past the L2
   attention one token's masked QSA attention (capacity 600 and 32768): decode_attention's split-K
             kernels against the SDPA call attend_step made before
   hc-mix    a hyper-connection mix (hc = 4, rank 320, with injection) for 1 token: hc_mix's two
@@ -365,15 +365,18 @@ def bench_dense(report: Report, device, sweep: bool) -> None:
     for name, (rows, cols) in DENSE_SHAPES.items():
         copies = max(2, -(-120 * 2**20 // (rows * cols * 2)))  # rotated past the 60 MB L2
         weights = [torch.randn(rows, cols, device=device, dtype=torch.bfloat16) / cols**0.5 for _ in range(copies)]
-        xs = [torch.randn(1, cols, device=device, dtype=torch.bfloat16) for _ in range(copies)]
-        moved = rows * cols * 2 + (rows + cols) * 2
+        for tokens in (1, 2, 3, 5):  # a decode step, and a speculative step's checked rows
+            xs = [torch.randn(tokens, cols, device=device, dtype=torch.bfloat16) for _ in range(copies)]
+            moved = rows * cols * 2 + tokens * (rows + cols) * 2
+            case = f"dense {name} {rows}x{cols} T={tokens}"
+            report.timing(case, "cuBLAS F.linear", graph_ms(
+                lambda i: torch.nn.functional.linear(xs[i % copies], weights[i % copies]), 32), moved)
+            run = lambda i, **kw: matvec(xs[i % copies], weights[i % copies], **kw)  # noqa: E731
+            report.timing(case, "triton matvec", graph_ms(run, 32), moved)
+            want = torch.nn.functional.linear(xs[0].double(), weights[0].double())
+            report.check(case, relative_error(matvec(xs[0], weights[0]), want), 2.0**-8, "float64, bf16 output")
+        xs = [x[:1] for x in xs]
         case = f"dense {name} {rows}x{cols} T=1"
-        report.timing(case, "cuBLAS F.linear",
-                      graph_ms(lambda i: torch.nn.functional.linear(xs[i % copies], weights[i % copies]), 32), moved)
-        run = lambda i, **kw: matvec(xs[i % copies], weights[i % copies], **kw)  # noqa: E731
-        report.timing(case, "triton matvec", graph_ms(run, 32), moved)
-        want = torch.nn.functional.linear(xs[0].double(), weights[0].double())
-        report.check(case, relative_error(matvec(xs[0], weights[0]), want), 2.0**-8, "float64, bf16 output")
         if sweep:
             report.start_sweep()
             configs = [dict(block_r=r, num_warps=w) for r in (1, 2, 4, 8, 16) for w in (4, 8)]

@@ -116,7 +116,8 @@ def load_engine(
     if config.cuda_graphs and graphs_pay and device.type == "cuda" and slots:
         graphs = engine_graphs(model, config)
         if config.checked_graphs and isinstance(model.experts, BankExperts):
-            checked = CheckedGraphs(model.layers, model.experts, compiled=config.compile_checked)
+            checked = CheckedGraphs(model.layers, model.experts, compiled=config.compile_checked,
+                                    compile_mixers=config.compile_checked_mixers)
     step = Step(model, graphs, checked)
     tokenizer = PackTokenizer.load(pack.root)
     speculation = _speculation(step, model, PackWeights(pack), config, mtp)

@@ -23,7 +23,8 @@ Every expert must be resident (a bank and its slot table, `BankExperts`): a tier
 may meet a record on disk, and a checked step then runs eagerly through the store. With
 `compiled`, the parts without a per-token loop (the hyper-connection mixes, the router and shared
 expert, the experts' combine) are compiled by torch.compile with the step length dynamic, once for
-every T, fused as the decode graphs' pieces are; the mixers' per-token loops run as they are. Like decode
+every T, fused as the decode graphs' pieces are; the mixers' per-token loops run as they are, or,
+with `compile_mixers`, are compiled too, unrolled, once for each T. Like decode
 graphs, they are bound to the sequence state's buffers; a state with other buffers (a new
 sequence, an attention cache that grew) has them captured again.
 """
@@ -47,13 +48,16 @@ MAX_CHECKED_TOKENS = DECODE_MAX_TOKENS  # more rows would leave the decode kerne
 
 class CheckedGraphs:
     def __init__(self, layers: nn.ModuleList, experts: BankExperts,
-                 make_call: Callable[..., CapturedCall] | None = None, compiled: bool = False):
+                 make_call: Callable[..., CapturedCall] | None = None, compiled: bool = False,
+                 compile_mixers: bool = False):
         """`make_call(fn, kept)` wraps each piece (default: a CapturedCall in one graph pool); the
         CPU tests pass a plain call to check how the layers are cut into pieces."""
         self.layers = list(layers)
         compile_ = (lambda fn: torch.compile(fn, dynamic=True)) if compiled else (lambda fn: fn)
         self.mix, self.route = compile_(pieces.attention_mix), compile_(pieces.mixed_route)
         self.combine = compile_(pieces.expert_combine)
+        # a loop over the step's tokens: specialised on T (a few values), not dynamic
+        self.mixer = torch.compile(pieces.checked_mixer, dynamic=False) if compile_mixers else pieces.checked_mixer
         self.experts = experts
         self.make_call = make_call
         self._pool = None
@@ -125,7 +129,7 @@ class CheckedGraphs:
             if ple_state is not None:
                 streams = streams + layer.ple.addend(streams, ple_rows[0], ple_state)  # tracked: its conv window
             block_input, inject = self.mix(layer, streams)
-            mixed = pieces.checked_mixer(layer, block_input, position, mixer_state)
+            mixed = self.mixer(layer, block_input, position, mixer_state)
             streams, x, inject, weights, experts, shared = self.route(layer, streams, mixed, inject)
             routed = fused_experts(x, bank, table[layer.layer][experts], weights, prompt=False)  # decode's kernels
             streams = self.combine(layer, streams, routed, shared, inject)

@@ -40,6 +40,9 @@ class EngineConfig:
     # Fuse the checked steps' pieces without a per-token loop with torch.compile (one compile for
     # every step length).
     compile_checked: bool = True
+    # Compile the checked steps' sequence mixers too (their per-token loops unrolled: one compile for
+    # each step length), as decode graphs compile a layer's front; an experiment until measured.
+    compile_checked_mixers: bool = False
     # A run that knows how many tokens it decodes builds graphs only when its new tokens times its
     # decoder layers reach this: a layer decodes in ~4.5 ms eagerly and ~0.4 ms from graphs on an
     # H200, and building a step's graphs takes ~8 s with warm compile caches.

@@ -60,7 +60,7 @@ class PlainCall:
         return self.fn(*inputs)
 
 
-def _steps(tiny_pack, device: str = "cpu", compiled: bool = False):
+def _steps(tiny_pack, device: str = "cpu", compiled: bool = False, compile_mixers: bool = False):
     """(a step decoding from graph pieces, the same with checked pieces too), over one resident
     bank (compile_layers off on the GPU, as the checked pieces are)."""
     pack = Pack.open(tiny_pack)
@@ -72,7 +72,8 @@ def _steps(tiny_pack, device: str = "cpu", compiled: bool = False):
         graphs = engine_graphs(model, config, make_call=None if device == "cuda" else PlainCall)
         checked = None
         if with_checked:
-            checked = CheckedGraphs(model.layers, model.experts, compiled=compiled, make_call=None if device == "cuda" else (
+            checked = CheckedGraphs(model.layers, model.experts, compiled=compiled, compile_mixers=compile_mixers,
+                                    make_call=None if device == "cuda" else (
                 lambda fn, kept: ReplayLikeCall(fn, lambda: checked._state)))
         steps.append(Step(model, graphs, checked))
     return steps
@@ -155,9 +156,10 @@ needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graph
 
 
 @needs_gpu
-@pytest.mark.parametrize("compiled", [False, True], ids=["plain", "compiled"])
-def test_captured_checked_steps_compute_plain_decoding(tiny_pack, compiled):
-    plain, pieces = _steps(tiny_pack, "cuda", compiled)
+@pytest.mark.parametrize("compiled,compile_mixers", [(False, False), (True, False), (True, True)],
+                         ids=["plain", "compiled", "compiled-mixers"])
+def test_captured_checked_steps_compute_plain_decoding(tiny_pack, compiled, compile_mixers):
+    plain, pieces = _steps(tiny_pack, "cuda", compiled, compile_mixers)
     prompt = torch.randint(0, 1000, (20,), generator=torch.Generator().manual_seed(2))
     expected, got = _decoded_run(plain, prompt, CHECKED_STEPS), _checked_run(pieces, prompt, CHECKED_STEPS)
     assert _worst(got, expected) < 1e-4  # T rows' projections by cuBLAS, one row's by the matvec kernel

@@ -17,7 +17,9 @@
 #              speculation  each of SPEC_BUDGETS (default BUDGETS): plain decode against checked steps of
 #                       replayed drafts right with probability alpha (runtime/bench/speculation.py;
 #                       SPEC_ARGS: more of its arguments, e.g. "--set compile_checked=false"; SPEC_NAME: a
-#                       suffix for the results' names)
+#                       suffix for the results' names). SPEC_VARIANTS="NAME=ARGS;NAME=ARGS" instead runs
+#                       each variant (its ARGS after SPEC_ARGS) in turn, SPEC_REPEATS (default 1) times
+#                       (A/B/A/B), as speculation-BUDGET-NAME.json (a repeat: -again)
 #              reuse    prompt-state reuse at each of REUSE_BUDGETS (default 24-64; bench/prompt_reuse.py): a
 #                       follow-up on a 32,768-token document with no reuse, a live hit and a stored hit after
 #                       a restart, and a 10-turn conversation; the stored states on the pack's disk;
@@ -88,13 +90,20 @@ for stage in $STAGES; do
       done ;;
     long) PROMPT=32768 GEN=4 bench 24-64-32k 24GiB 64GiB ;;
     speculation)
+      IFS=';' read -ra variants <<< "${SPEC_VARIANTS:-${SPEC_NAME:-}=}"
       for b in ${SPEC_BUDGETS:-$BUDGETS}; do
         eval "set -- $(budget $b)"
-        echo "== speculation $b at $(( $(date +%s) - start )) s"
-        timeout ${BENCH_TIMEOUT:-300} python3 -m flashpack.runtime.bench.speculation $W/full.pack --device cuda \
-          ${1:+--vram-budget $1} ${2:+--ram-budget $2} --emulate-layers 48 --hot-set '*' --prompt-len $PROMPT \
-          --gen ${SPEC_GEN:-64} $SPEC_ARGS --json $R/speculation-$b${SPEC_NAME:+-$SPEC_NAME}.json 2>&1 | grep -vE "^alpha" | tail -22
-        tar czf $OUT/results.tgz -C $R .
+        for ((i = 1; i <= ${SPEC_REPEATS:-1}; i++)); do
+          for variant in "${variants[@]}"; do
+            name=${variant%%=*} extra=${variant#*=} out=$R/speculation-$b${name:+-$name}
+            while [ -f $out.json ]; do out=$out-again; done
+            echo "== speculation $b ${name:-} at $(( $(date +%s) - start )) s"
+            timeout ${BENCH_TIMEOUT:-300} python3 -m flashpack.runtime.bench.speculation $W/full.pack --device cuda \
+              ${1:+--vram-budget $1} ${2:+--ram-budget $2} --emulate-layers 48 --hot-set '*' --prompt-len $PROMPT \
+              --gen ${SPEC_GEN:-64} $SPEC_ARGS $extra --json $out.json 2>&1 | grep -vE "^alpha" | tail -22
+            tar czf $OUT/results.tgz -C $R .
+          done
+        done
       done ;;
     presets)
       bench 8-32-control 8GiB 32GiB

@@ -44,6 +44,7 @@ from flashpack.runtime.bench.sizes import model_sizes
 from flashpack.runtime.engine.build import load_engine, parse_device, parse_dtype
 from flashpack.runtime.engine.config import EngineConfig
 from flashpack.runtime.engine.expert_paths import StoreExperts
+from flashpack.runtime.engine.settings import with_settings
 from flashpack.runtime.store.config import StoreConfig
 from flashpack.runtime.store.budget import parse_budget
 
@@ -109,6 +110,8 @@ def main() -> None:
     parser.add_argument("--name", default="decode")
     parser.add_argument("--out", default=".")
     parser.add_argument("--trace", action="store_true", help="also write the profiled steps as a Chrome trace")
+    parser.add_argument("--set", dest="settings", action="append", default=[], metavar="KEY=VALUE",
+                        help="an engine setting by name, as `flashpack bench --set` takes it")
     args = parser.parse_args()
     manifest = Pack.open(args.pack).manifest
     device = parse_device(args.device)
@@ -118,7 +121,8 @@ def main() -> None:
              "ram": parse_budget(args.ram_budget, "--ram-budget")}
     _, budgets = scaled_budgets(typed, sizes.device_fixed, layers, check_layers(layers, args.emulate_layers))
     store = StoreConfig(vram_budget=budgets["vram"], ram_budget=budgets["ram"], hot_set=args.hot_set)
-    engine = load_engine(args.pack, EngineConfig(device=args.device, store=store, speculate="off"))
+    engine = load_engine(args.pack, with_settings(EngineConfig(device=args.device, store=store, speculate="off"),
+                                                  args.settings))
     forward, sync = engine.step.forward, (torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None))
     state = engine.step.new_state()
     prompt = torch.randint(0, 1000, (args.prompt_len,))

@@ -196,6 +196,16 @@ class AttentionCache:
         cache._block_keys = _resized(block_keys.to(device), 0, capacity // ratio, blocks)
         return cache
 
+    @classmethod
+    def viewing(cls, keys: torch.Tensor, values: torch.Tensor, index_keys: torch.Tensor, block_keys: torch.Tensor,
+                ratio: int, length: int, blocks: int) -> "AttentionCache":
+        """A cache whose buffers are exactly these filled parts, not copied (a host entry read from
+        disk into pinned memory: restored from, never appended to)."""
+        cache = cls.__new__(cls)
+        cache.ratio, cache.length, cache.blocks = ratio, length, blocks
+        cache._keys, cache._values, cache._index_keys, cache._block_keys = keys, values, index_keys, block_keys
+        return cache
+
     def to(self, device: torch.device, pin: bool = False, allocate: Allocate | None = None) -> "AttentionCache":
         """A copy on `device` (pinned host memory with `pin`; `allocate`: SequenceState.to)."""
         moved = AttentionCache.__new__(AttentionCache)

@@ -9,10 +9,10 @@ request runs. The piece is registered with the driver (cudaHostRegister) rather 
 torch's pinned allocator, which rounds every allocation up to a power of two: 6.4 GB would pin 8 GiB.
 
 `FreeRanges` is the bookkeeping, plain Python: first fit over the free ranges kept in offset
-order, merged with their neighbours when given back. `PinnedArena` moves the bytes: a device
-state's host copy in one range, its tensors views of the arena, the range given back once that
-host state is garbage (`weakref.finalize`), so anything still reading it (a stored write encoding
-it) keeps it.
+order, merged with their neighbours when given back. `PinnedArena` hands out `ArenaBlock`s: a
+device state's host copy in one block, its tensors views of the arena, or a stored state read
+straight into one; a block goes back once the host state it holds is garbage (`weakref.finalize`),
+so anything still reading it (a stored write encoding it) keeps it.
 """
 
 from __future__ import annotations
@@ -111,37 +111,66 @@ class PinnedArena:
         with self._lock:
             return self._ranges.free_bytes()
 
-    def host_copy(self, state: SequenceState) -> SequenceState | None:
-        """A host copy of the device state `state` in one range of the arena, its copies queued on
-        the current stream (synchronize it before reading the copy); None where no free range is
-        large enough."""
-        nbytes = sum(aligned(t.numel() * t.element_size()) for t in state.device_tensors())
+    def block(self, nbytes: int) -> ArenaBlock | None:
+        """A block of `nbytes`, None where no free range is that large."""
         with self._lock:
             offset = self._ranges.take(nbytes)
-        if offset is None:
+        return None if offset is None else ArenaBlock(self, offset, nbytes)
+
+    def host_copy(self, state: SequenceState) -> SequenceState | None:
+        """A host copy of the device state `state` in one block, its copies queued on the current
+        stream (synchronize it before reading the copy); None where no free range is large enough."""
+        block = self.block(sum(aligned(t.numel() * t.element_size()) for t in state.device_tensors()))
+        if block is None:
             return None
-        cursor, end = offset, offset + nbytes
+        cursor = 0
 
         def allocate(shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
             nonlocal cursor
             size = math.prod(shape) * dtype.itemsize
-            if cursor + size > end:
+            if cursor + size > block.nbytes:
                 raise AssertionError("a host copy moved more than state.device_tensors() names")
-            view = self.data[cursor:cursor + size].view(dtype).view(shape)
+            view = block.data[cursor:cursor + size].view(dtype).view(shape)
             cursor += aligned(size)
             return view
 
         try:
             copy = state.to(torch.device("cpu"), pin=True, allocate=allocate)
         except BaseException:
-            self._give(offset, nbytes)
+            block.release()
             raise
-        weakref.finalize(copy, self._give, offset, nbytes)
+        block.held_by(copy)
         return copy
 
     def _give(self, offset: int, nbytes: int) -> None:
         with self._lock:
             self._ranges.give(offset, nbytes)
+
+
+class ArenaBlock:
+    """`nbytes` of an arena (`data`, uint8), until `release` or until what `held_by` names is garbage."""
+
+    def __init__(self, arena: PinnedArena, offset: int, nbytes: int):
+        self.data = arena.data[offset:offset + nbytes]
+        self.nbytes = nbytes
+        self._give = (arena._give, offset, nbytes)
+        self._done = False
+
+    def held_by(self, owner: object) -> None:
+        """Give the block back once `owner` (a host state made of views of it) is garbage."""
+        self._settle()
+        weakref.finalize(owner, *self._give)
+
+    def release(self) -> None:
+        """Give the block back now: nothing reads it."""
+        self._settle()
+        give, offset, nbytes = self._give
+        give(offset, nbytes)
+
+    def _settle(self) -> None:
+        if self._done:
+            raise ValueError("this block was given away already")
+        self._done = True
 
 
 def _register(data: torch.Tensor) -> None:

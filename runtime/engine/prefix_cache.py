@@ -22,7 +22,8 @@ hundreds of MB at 32k tokens: the request's first token does not wait for that c
 arena has no free range large enough, the least recently used host entries make room; an entry
 that still finds none, or whose copy fails, is dropped. With a StoredStates tier (stored_states.py)
 every saved entry is also written to disk in the background, and a prompt that finds nothing live
-looks there.
+looks there; on a GPU a stored entry is read straight into the arena, restored from there, and
+stays live there.
 """
 
 from __future__ import annotations
@@ -102,12 +103,14 @@ class PrefixCache:
             key = entry_key(length, digests[length])
             saved, stored = self._live_state(key), False
             if saved is None and self.stored is not None:
-                saved, stored = self.stored.get(key, state), True
+                saved, stored = self._read_stored(key, state), True
             if saved is None:
                 continue
             state.restore(saved)
-            if stored:  # a stored hit becomes live again
+            if stored and _on_device(saved):  # a stored hit becomes live again
                 self._keep_copy(key, length, state, write=False)
+            elif stored:  # read into host memory (on a GPU the arena's): live as it stands
+                self._keep(key, length, saved, write=False)
             with self._lock:
                 self.stats.hits += 1
                 self.stats.stored_hits += stored
@@ -188,17 +191,44 @@ class PrefixCache:
             self._copies.task_done()
         self._copies.task_done()
 
+    def _read_stored(self, key: str, like: SequenceState) -> SequenceState | None:
+        """The stored entry `key`: with an arena and a GPU state, read straight into a block of it
+        (the restore is then one fast copy, and the entry is live from that block), else onto
+        `like`'s device."""
+        if self.pinned is None or not _on_device(like):
+            return self.stored.get(key, like)
+        blocks = []
+
+        def buffer(nbytes: int):
+            block = self._in_arena(key, lambda: self.pinned.block(nbytes))
+            if block is None:
+                return None
+            blocks.append(block)
+            return block.data.numpy()
+
+        found = self.stored.get(key, like, buffer=buffer)
+        for block in blocks:
+            if found is not None and not _on_device(found):
+                block.held_by(found)
+            else:
+                block.release()
+        return found
+
     def _host_copy(self, key: str, saved: SequenceState) -> SequenceState | None:
-        """`saved`'s copy in the arena, the least recently used other host entries evicted while
-        no free range is large enough; None where evicting them all leaves none."""
-        while (host := self.pinned.host_copy(saved)) is None:
+        return self._in_arena(key, lambda: self.pinned.host_copy(saved))
+
+    def _in_arena(self, key: str, attempt):
+        """attempt() (a host copy or block of the arena, None where it has no room), the least
+        recently used host entries other than `key` evicted while it finds none; None where evicting
+        them all leaves no room."""
+        while (found := attempt()) is None:
             with self._lock:
                 oldest = next((k for k, entry in self._live.items() if k != key and not _on_device(entry.state)), None)
                 if oldest is None:
                     return None
                 self._forget(self._live.pop(oldest))
                 self.stats.live_entries = len(self._live)
-        return host
+        return found
 
     def _keep(self, key: str, length: int, saved: SequenceState, write: bool) -> None:
         nbytes = saved.nbytes()

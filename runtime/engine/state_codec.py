@@ -53,10 +53,11 @@ def _contiguous_on_host(tensor: torch.Tensor) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(raw)).view(tensor.dtype)
 
 
-def decode_state(data: bytearray, like: SequenceState) -> SequenceState:
-    """The state `data` holds, on `like`'s devices; `like` is a fresh state of the same model. The
-    tensors are read as views of `data` (a stored entry's decompressed frames), not copied: a state
-    is read once, into `like`'s devices (on a CPU the decoded state keeps `data` alive)."""
+def decode_state(data, like: SequenceState, on_host: bool = False) -> SequenceState:
+    """The state `data` holds (a bytearray or a numpy uint8 array: a stored entry's decompressed
+    frames), on `like`'s devices; `like` is a fresh state of the same model. The tensors are read as
+    views of `data`, not copied: a state is read once, into `like`'s devices, or with `on_host` left
+    where `data` is, views all (data in pinned memory: the state is a live entry as it stands)."""
     try:
         tensors = _views(data)
         metadata = _metadata(data)
@@ -72,11 +73,12 @@ def decode_state(data: bytearray, like: SequenceState) -> SequenceState:
     if set(tensors) != expected or set(lengths) != set(like.attention):
         missing, extra = sorted(expected - set(tensors)), sorted(set(tensors) - expected)
         raise StateFormatError(f"the stored state's parts differ from this model's (missing {missing[:3]}, extra {extra[:3]})")
-    deltanet = {layer: DeltaNetState(_like(tensors, f"deltanet.{layer}.conv", part.conv),
-                                     _like(tensors, f"deltanet.{layer}.recurrent", part.recurrent))
+    found = lambda name, part: _like(tensors, name, part, on_host)  # noqa: E731
+    deltanet = {layer: DeltaNetState(found(f"deltanet.{layer}.conv", part.conv),
+                                     found(f"deltanet.{layer}.recurrent", part.recurrent))
                 for layer, part in like.deltanet.items()}
-    ple = {layer: PLEState(_like(tensors, f"ple.{layer}.context", part.context),
-                           _like(tensors, f"ple.{layer}.conv", part.conv)) for layer, part in like.ple.items()}
+    ple = {layer: PLEState(found(f"ple.{layer}.context", part.context), found(f"ple.{layer}.conv", part.conv))
+           for layer, part in like.ple.items()}
     attention = {}
     for layer, cache in like.attention.items():
         length, blocks = lengths[layer]
@@ -87,28 +89,32 @@ def decode_state(data: bytearray, like: SequenceState) -> SequenceState:
             if tuple(part.shape) != shape or part.dtype != cache.keys.dtype:
                 raise StateFormatError(f"attention layer {layer}: a part of shape {tuple(part.shape)} {part.dtype}, "
                                        f"expected {shape} {cache.keys.dtype}")
-        attention[layer] = AttentionCache.filled(*parts, cache.ratio, length, blocks, cache.keys.device)
+        if on_host:
+            attention[layer] = AttentionCache.viewing(*parts, cache.ratio, length, blocks)
+        else:
+            attention[layer] = AttentionCache.filled(*parts, cache.ratio, length, blocks, cache.keys.device)
     dtype = next(iter(like.attention.values())).keys.dtype
     if mtp_input is not None and (mtp_input.ndim != 2 or mtp_input.shape[0] != 1 or mtp_input.dtype != dtype):
         raise StateFormatError(f"mtp_input: {tuple(mtp_input.shape)} {mtp_input.dtype}, expected (1, hc * H) {dtype}")
-    device = next(iter(like.attention.values())).keys.device
+    device = torch.device("cpu") if on_host else next(iter(like.attention.values())).keys.device
     return SequenceState(position, deltanet, attention, ple, None if mtp_input is None else mtp_input.to(device))
 
 
-def _like(tensors: dict[str, torch.Tensor], name: str, like: torch.Tensor) -> torch.Tensor:
+def _like(tensors: dict[str, torch.Tensor], name: str, like: torch.Tensor, on_host: bool) -> torch.Tensor:
     found = tensors[name]
     if found.shape != like.shape or found.dtype != like.dtype:
         raise StateFormatError(f"{name}: {tuple(found.shape)} {found.dtype}, expected {tuple(like.shape)} {like.dtype}")
-    return found.to(like.device)
+    # the PLE token context lives on the host whatever the device
+    return found if on_host else found.to(like.device)
 
 
 _DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "I64": torch.int64, "I32": torch.int32}
 
 
-def _views(data: bytearray) -> dict[str, torch.Tensor]:
+def _views(data) -> dict[str, torch.Tensor]:
     """The safetensors bytes' tensors as views of `data`, each checked to fit its bytes (safetensors'
     own load copies every tensor: a second pass over a state of hundreds of MB)."""
-    header_bytes = int.from_bytes(data[:8], "little")
+    header_bytes = int.from_bytes(bytes(data[:8]), "little")
     header = json.loads(bytes(data[8:8 + header_bytes]))
     start, tensors = 8 + header_bytes, {}
     for name, entry in header.items():
@@ -123,6 +129,6 @@ def _views(data: bytearray) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def _metadata(data: bytes) -> dict[str, str]:
-    header = int.from_bytes(data[:8], "little")
-    return json.loads(data[8:8 + header])["__metadata__"]
+def _metadata(data) -> dict[str, str]:
+    header = int.from_bytes(bytes(data[:8]), "little")
+    return json.loads(bytes(data[8:8 + header]))["__metadata__"]

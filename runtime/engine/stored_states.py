@@ -3,7 +3,9 @@
     StoredStates(folder, disk_budget, fingerprint)
       put(key, tokens, state)   encode, compress and write on the writer thread (`state` is an
                                 entry's own copy, never changed after: it is read there)
-      get(key, like)            the state, or None (missing, or damaged: then the file is removed)
+      get(key, like[, buffer])  the state, or None (missing, or damaged: then the file is removed);
+                                with `buffer(nbytes)` giving a writable uint8 array, read into it
+                                and left there, views all (the prefix cache's pinned arena)
 
 One file an entry, `<key>.fpstate`:
 
@@ -82,7 +84,10 @@ class StoredStates:
             self._pending_bytes += size
         self._queue.put((key, tokens, state, size))
 
-    def get(self, key: str, like: SequenceState) -> SequenceState | None:
+    def get(self, key: str, like: SequenceState, buffer=None) -> SequenceState | None:
+        """The stored state of `key` on `like`'s devices, or None. `buffer(nbytes)`: a numpy uint8
+        array of that size to decompress into (None: it has no room), the state then left in it on
+        the host, its tensors views of it."""
         path = self.folder / f"{key}{SUFFIX}"
         try:
             handle = open(path, "rb")
@@ -91,7 +96,7 @@ class StoredStates:
             return None
         try:
             with handle:
-                state = self._read(handle, key, like)
+                state = self._read(handle, key, like, buffer)
         except OSError:  # gone or unreadable mid-read: a miss, the file left to the disk budget
             self._count("misses")
             return None
@@ -122,7 +127,7 @@ class StoredStates:
         self._writer.join()
         self._decoders.shutdown()
 
-    def _read(self, handle, key: str, like: SequenceState) -> SequenceState:
+    def _read(self, handle, key: str, like: SequenceState, buffer) -> SequenceState:
         magic, version, length = _PREFIX.unpack(_exactly(handle, _PREFIX.size))
         if magic != MAGIC or version != FORMAT:
             raise StateFormatError(f"format {version}, not {FORMAT}")
@@ -130,8 +135,12 @@ class StoredStates:
         if header["fingerprint"] != self.fingerprint or header["key"] != key:
             raise StateFormatError("an entry of another pack or key")
         frames = header["frames"]
-        data = bytearray(sum(raw_size for _, raw_size, _ in frames))  # each frame decompressed into its place
-        view, parts, offset = memoryview(data), [], 0
+        size = sum(raw_size for _, raw_size, _ in frames)
+        data = None if buffer is None else buffer(size)
+        on_host = data is not None
+        if data is None:
+            data = bytearray(size)
+        view, parts, offset = memoryview(data), [], 0  # each frame decompressed into its place
         try:
             for size, raw_size, digest in frames:
                 frame = _exactly(handle, size)
@@ -146,7 +155,7 @@ class StoredStates:
         finally:
             for part in parts:
                 part.cancel()
-        state = decode_state(data, like)
+        state = decode_state(data, like, on_host=on_host)
         if state.position != header["tokens"]:
             raise StateFormatError("the state's position is not its token count")
         return state

@@ -213,3 +213,29 @@ def test_on_a_gpu_an_engine_keeps_a_requests_checkpoints_in_the_arena_it_pinned_
         assert arena.free_bytes() < arena.capacity
     finally:
         engine.close()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the pinned arena is a GPU's")
+def test_on_a_gpu_a_stored_hit_is_read_into_the_arena_and_stays_live_there(tiny_pack, tmp_path):
+    config = EngineConfig(device="cuda", dtype="float32", prompt_cache_ram="64MiB", prompt_cache_dir=str(tmp_path),
+                          speculate="off")
+    prompt, params = _ids(80, 15), SamplingParams(max_tokens=4)
+    first = load_engine(tiny_pack, config)
+    try:
+        first.generator.generate(prompt, params)
+    finally:
+        first.close()
+    second = load_engine(tiny_pack, config)
+    try:
+        follow_up = prompt + [11, 12, 13]
+        result = second.generator.generate(follow_up, params)
+        cache = second.generator.prefix_cache
+        assert result.cached_tokens == len(prompt) and cache.stats.stored_hits == 1
+        arena = cache.pinned
+        start, end = arena.data.data_ptr(), arena.data.data_ptr() + arena.capacity
+        restored = next(entry.state for entry in cache._live.values() if entry.length == len(prompt))
+        assert all(start <= t.data_ptr() < end for t in restored.device_tensors() if t.numel())
+        second.generator.prefix_cache = None
+        assert second.generator.generate(follow_up, params).token_ids == result.token_ids
+    finally:
+        second.close()

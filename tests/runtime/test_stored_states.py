@@ -89,6 +89,36 @@ def test_an_entry_survives_a_restart_and_continues_to_the_same_logits(engine, tm
     assert again.stats()["hits"] == 1 and again.keys() == ["70-abc"]
 
 
+def test_an_entry_read_into_a_given_buffer_stays_there_as_views_and_continues_alike(engine, tmp_path):
+    """What a GPU's prefix cache does with its pinned arena: the frames decompress into the buffer,
+    and the state is made of views of it on the host, attention caches exactly their filled parts."""
+    import numpy as np
+
+    state = _state(engine, 70)
+    stored = StoredStates(tmp_path, 1 << 30, "pack-a")
+    stored.put("70-abc", 70, state.snapshot())
+    stored.flush()
+    buffers = []
+
+    def buffer(nbytes):
+        buffers.append(np.full(nbytes, 0xFF, dtype=np.uint8))  # poisoned: a byte not written reads as NaN
+        return buffers[-1]
+
+    restored = stored.get("70-abc", engine.step.new_state(), buffer=buffer)
+    assert restored is not None and _equal(restored, state) and len(buffers) == 1
+    start, end = buffers[0].ctypes.data, buffers[0].ctypes.data + buffers[0].nbytes
+    for tensor in restored.device_tensors():
+        assert tensor.numel() == 0 or start <= tensor.data_ptr() < end
+    assert all(cache.capacity == cache.length for cache in restored.attention.values())
+    follow = torch.tensor([7, 8, 9])
+    fresh = engine.step.new_state()
+    fresh.restore(restored)
+    assert torch.equal(engine.step.forward(follow, fresh).logits, engine.step.forward(follow, state).logits)
+    # no room in the buffer's owner: read as without one
+    assert _equal(stored.get("70-abc", engine.step.new_state(), buffer=lambda nbytes: None), restored)
+    stored.close()
+
+
 def _damaged(path, kind: str) -> None:
     data = bytearray(path.read_bytes())
     if kind == "truncated":

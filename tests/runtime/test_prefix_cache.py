@@ -235,7 +235,8 @@ def test_on_a_gpu_a_stored_hit_is_read_into_the_arena_and_stays_live_there(tiny_
         start, end = arena.data.data_ptr(), arena.data.data_ptr() + arena.capacity
         restored = next(entry.state for entry in cache._live.values() if entry.length == len(prompt))
         assert all(start <= t.data_ptr() < end for t in restored.device_tensors() if t.numel())
-        second.generator.prefix_cache = None
+        second.generator.prefix_cache = None  # the same request with no reuse
         assert second.generator.generate(follow_up, params).token_ids == result.token_ids
+        second.generator.prefix_cache = cache
     finally:
         second.close()

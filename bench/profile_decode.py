@@ -141,7 +141,7 @@ def main() -> None:
 
         def step():
             state.restore(prompt_state)
-            forward(extension, state, last_only=True, **({"marks": marks} if marks else {}))
+            forward(extension, state, last_only=True, marks=marks)
     elif args.phase == "verify":
         steps = args.steps
 

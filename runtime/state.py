@@ -369,10 +369,8 @@ class SequenceState:
         return next(iter(self.attention.values())).keys.device
 
     def nbytes(self) -> int:
-        tensors = [t for s in self.deltanet.values() for t in (s.conv, s.recurrent)]
-        tensors += [] if self.mtp_input is None else [self.mtp_input]
-        tensors += [t for s in self.ple.values() for t in (s.context, s.conv)]
-        return sum(t.numel() * t.element_size() for t in tensors) + sum(c.nbytes() for c in self.attention.values())
+        tensors = self.device_tensors() + [s.context for s in self.ple.values()]
+        return sum(t.numel() * t.element_size() for t in tensors)
 
 
 def _attention_cache(cfg: TextConfig, dtype: torch.dtype, device: torch.device | str) -> AttentionCache:

@@ -135,11 +135,11 @@ class StoredStates:
         if header["fingerprint"] != self.fingerprint or header["key"] != key:
             raise StateFormatError("an entry of another pack or key")
         frames = header["frames"]
-        size = sum(raw_size for _, raw_size, _ in frames)
-        data = None if buffer is None else buffer(size)
+        total = sum(raw_size for _, raw_size, _ in frames)
+        data = None if buffer is None else buffer(total)
         on_host = data is not None
         if data is None:
-            data = bytearray(size)
+            data = bytearray(total)
         view, parts, offset = memoryview(data), [], 0  # each frame decompressed into its place
         try:
             for size, raw_size, digest in frames:

@@ -226,28 +226,34 @@ def main(argv: list[str] | None = None) -> None:
     for alpha, k, policy in settings:
         # with the policy, one decoder serves every repeat, as the engine's does its requests: the
         # first pays for trying, the others know (the first is reported apart)
-        times, stats, lossless, divergences = [], None, True, 0
+        times, counts, stats, lossless, divergences = [], [], None, True, 0
         shared = replay(alpha, k, policy=True) if policy else None
         for repeat in range(args.repeats + policy):
             plain()
             decoder = shared or replay(alpha, k)
             drafter = decoder.drafters[0]
             drafter.truth, before = truth, drafter.divergences  # each repeat from the plain output
+            stats = decoder.stats
+            steps_before = (stats.steps, stats.plain_steps)  # the shared decoder's stats run on over repeats
             tokens, seconds = decode(engine, state, prompt, args.gen, decoder, replay=drafter)
             times.append(seconds)
-            stats = decoder.stats
+            counts.append((stats.steps - steps_before[0], stats.plain_steps - steps_before[1]))
             lossless = lossless and tokens == truth
             divergences += drafter.divergences - before
-        first_seconds = times.pop(0) if policy else None
+        if policy:
+            first_seconds, _ = times.pop(0), counts.pop(0)
+        else:
+            first_seconds = None
         plain_seconds = statistics.median(plain_runs[-len(times):])
         seconds = statistics.median(times)
         summary = stats.to_dict()
-        steps = {k + 1: stats.steps, 1: stats.plain_steps}
+        # one timed decode's steps (the mean over the repeats), scaled with that decode's seconds
+        steps = {k + 1: statistics.mean(c for c, _ in counts), 1: statistics.mean(p for _, p in counts)}
         rows.append({
             "alpha": alpha, "k": k, "policy": policy, "seconds": seconds, "plain_seconds": plain_seconds,
             "speedup": plain_seconds / seconds, "lossless": lossless, "divergences": divergences,
             "first_request_speedup": None if first_seconds is None else plain_seconds / first_seconds,
-            "tokens_per_step": summary["tokens_per_step"], "checked_steps": stats.steps, "plain_steps": stats.plain_steps,
+            "tokens_per_step": summary["tokens_per_step"], "checked_steps": steps[k + 1], "plain_steps": steps[1],
             "acceptance_at": summary["acceptance_at"],
             "speedup_scaled": scaled(plain_seconds, {1: args.gen - 1}) / scaled(seconds, steps),
             "union_experts": None if policy else union_experts(engine, state, prompt, min(args.gen, 16), replay(alpha, k)),

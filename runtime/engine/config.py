@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from flashpack.errors import FlashpackError
+from flashpack.runtime.kernels.dispatch import DENSE_MATVEC_MAX_TOKENS
 from flashpack.runtime.store.budget import parse_budget
 from flashpack.runtime.store.config import StoreConfig
 
@@ -41,8 +42,9 @@ class EngineConfig:
     # every step length).
     compile_checked: bool = True
     # Compile the checked steps' sequence mixers too (their per-token loops unrolled: one compile for
-    # each step length), as decode graphs compile a layer's front; an experiment until measured.
-    compile_checked_mixers: bool = False
+    # each step length), as decode graphs compile a layer's front: the mixers' many small kernels are
+    # what a checked step spends most on beside its projections (bench/HISTORY.md, session 21).
+    compile_checked_mixers: bool = True
     # A run that knows how many tokens it decodes builds graphs only when its new tokens times its
     # decoder layers reach this: a layer decodes in ~4.5 ms eagerly and ~0.4 ms from graphs on an
     # H200, and building a step's graphs takes ~8 s with warm compile caches.
@@ -56,8 +58,10 @@ class EngineConfig:
     layers_per_graph: int = 1
     # One-token hyper-connection mixes as two Triton kernels each (GPU only) instead of the module's code.
     fused_mix: bool = True
-    # BF16 projections of up to this many tokens take the matvec kernel, more cuBLAS.
-    dense_matvec_max_tokens: int = 1
+    # BF16 projections of up to this many tokens take the matvec kernel (each tile of the weight read
+    # once for up to 4 tokens), more cuBLAS: a checked step of a token and up to 4 drafts reads its
+    # BF16 weights (the router, the LM head) as a decode step does.
+    dense_matvec_max_tokens: int = DENSE_MATVEC_MAX_TOKENS
     # Decode through a store: the next layer's router, applied to this layer's input, names experts
     # to load ahead.
     prefetch: bool = True

@@ -28,8 +28,8 @@ BACKENDS = ("auto", "triton", "reference")
 FP8_MATVEC_MAX_TOKENS = 4
 # BF16 projections of up to this many tokens take matvec.py's kernel, more cuBLAS: the default of
 # dense_linear's `matvec_max_tokens` (the engine's EngineConfig.dense_matvec_max_tokens; 0 puts every
-# projection on cuBLAS)
-DENSE_MATVEC_MAX_TOKENS = 1
+# projection on cuBLAS). A checked step of a token and 4 drafts stays on the matvec.
+DENSE_MATVEC_MAX_TOKENS = 5
 DECODE_MAX_TOKENS = 16  # up to here the matvec kernels beat the grouped ones on an H200 (bench/kernels.py)
 
 

@@ -7,6 +7,7 @@ import json
 
 import torch
 
+from flashpack.layout.pack import Pack
 from flashpack.runtime.bench import speculation
 from flashpack.runtime.engine.build import load_engine
 from flashpack.runtime.engine.config import EngineConfig
@@ -15,12 +16,18 @@ from flashpack.runtime.engine.speculative import SpeculativeDecoder
 
 def test_the_bench_reports_each_setting_lossless(tiny_pack, tmp_path):
     out = tmp_path / "spec.json"
+    layers = Pack.open(tiny_pack).manifest.config.num_hidden_layers
     speculation.main([str(tiny_pack), "--prompt-len", "30", "--gen", "10", "--alphas", "0.9", "--draft-tokens", "2",
-                      "--repeats", "1", "--set", "compile_checked=false", "--json", str(out)])
+                      "--repeats", "2", "--emulate-layers", str(2 * layers), "--set", "compile_checked=false",
+                      "--json", str(out)])
     report = json.loads(out.read_text())
     assert [(run["alpha"], run["k"], run["policy"]) for run in report["runs"]] == [(0.9, 2, False), (0.9, 2, True)]
     assert all(run["lossless"] and run["divergences"] == 0 for run in report["runs"])
     assert report["runs"][0]["tokens_per_step"] > 1
+    for run in report["runs"]:
+        # the steps scaled with a decode's seconds are one decode's (the policy's decoder serves
+        # three decodes: its running totals are not), so they cover its 9 tokens after the first
+        assert run["checked_steps"] + run["plain_steps"] <= 9 <= 3 * run["checked_steps"] + run["plain_steps"]
     assert "| 0.9 | 2 | off |" in out.with_suffix(".md").read_text()
 
 

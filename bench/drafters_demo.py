@@ -35,6 +35,7 @@ from flashpack.runtime.bench.machine import machine_info
 from flashpack.runtime.engine.build import load_engine, parse_device
 from flashpack.runtime.engine.config import EngineConfig
 from flashpack.runtime.engine.drafters import LookupDrafter
+from flashpack.runtime.engine.settings import with_settings
 from flashpack.runtime.engine.speculative import SpeculativeDecoder
 from flashpack.runtime.sampling import SamplingParams
 
@@ -86,11 +87,14 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=96, help="tokens decoded a prompt at most")
     parser.add_argument("--repeats", type=int, default=2, help="alternated plain and speculative runs of each "
                         "(medians; the decoder and its policy carry over between them)")
+    parser.add_argument("--set", dest="settings", action="append", default=[], metavar="KEY=VALUE",
+                        help="an engine setting by name, as `flashpack bench --set` takes it")
     parser.add_argument("--json", type=Path, required=True)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="drafters-") as work:
         pack = args.pack or convert(str(demo_model.snapshot_path()), Path(work) / "demo.pack", progress=False)
-        engine = load_engine(pack, EngineConfig(device=args.device, prompt_cache_ram=0, speculate="auto"))
+        config = with_settings(EngineConfig(device=args.device, prompt_cache_ram=0, speculate="auto"), args.settings)
+        engine = load_engine(pack, config)
         lookup, mtp = engine.generator.speculation.drafters
         text = TextModel.load(demo_model.snapshot_path())
         tasks = task_prompts(text, load_corpus(max_train_files=0), args.prompts)

@@ -7,6 +7,8 @@ O_DIRECT reads behind the same `ExpertFetcher` call.
 
 from __future__ import annotations
 
+from collections import OrderedDict
+
 import torch
 
 from flashpack.errors import FlashpackError
@@ -47,15 +49,43 @@ class PackWeights:
 
 
 class PackExperts:
-    """Every fetch decodes the records from the pack (hash-checked on first read)."""
+    """Experts decoded from the pack's records (hash-checked on first read) and dequantised.
 
-    def __init__(self, pack: Pack, verify_records: bool = True):
+    Decoding a record costs far more than using it (on the demo model a layer's 4 experts take
+    1.4 ms to decode against 0.1 ms for their products), so up to `cache_bytes` of dequantised
+    experts are kept, least recently used dropped first; 0 decodes on every fetch. The weights
+    handed out are never written to, so a cached expert is shared as it is."""
+
+    def __init__(self, pack: Pack, verify_records: bool = True, cache_bytes: int = 0):
         self.pack = pack
         self.verify_records = verify_records
+        self.cache_bytes = cache_bytes
+        self._cached: OrderedDict[tuple[int, int], ExpertWeights] = OrderedDict()
+        self._held = 0
 
     def fetch(self, layer: int, experts: list[int]) -> dict[int, ExpertWeights]:
         fetched = {}
         for expert in experts:
-            decoded = self.pack.expert(layer, expert, verify=self.verify_records)
-            fetched[expert] = ExpertWeights(*(decoded.dequantize(p) for p in PROJECTIONS))
+            weights = self._cached.get((layer, expert))
+            if weights is None:
+                decoded = self.pack.expert(layer, expert, verify=self.verify_records)
+                weights = ExpertWeights(*(decoded.dequantize(p) for p in PROJECTIONS))
+                self._keep((layer, expert), weights)
+            else:
+                self._cached.move_to_end((layer, expert))
+            fetched[expert] = weights
         return fetched
+
+    def _keep(self, key: tuple[int, int], weights: ExpertWeights) -> None:
+        size = _nbytes(weights)
+        if size > self.cache_bytes:
+            return
+        while self._held + size > self.cache_bytes:
+            _, dropped = self._cached.popitem(last=False)
+            self._held -= _nbytes(dropped)
+        self._cached[key] = weights
+        self._held += size
+
+
+def _nbytes(weights: ExpertWeights) -> int:
+    return sum(getattr(weights, p).nbytes for p in PROJECTIONS)

@@ -107,7 +107,8 @@ def load_engine(
             host_reserved=host_reserved,
         )
     else:
-        source = PackExperts(pack, verify_records=config.store.verify_records)
+        source = PackExperts(pack, verify_records=config.store.verify_records,
+                             cache_bytes=parse_budget(config.decoded_experts_ram, "decoded_experts_ram"))
     model = engine_model(PackWeights(pack), source, config, dtype, device)
     graphs = checked = None
     graphs_pay = decode_tokens is None or decode_graphs_pay(decode_tokens, cfg.num_hidden_layers,

@@ -33,6 +33,11 @@ class EngineConfig:
     # pack on each use (the plain path). "auto": the store on a GPU, and on a CPU when any store
     # setting differs from its default, else the pack.
     experts: str = "auto"
+    # On the pack path, the dequantised experts kept in RAM (least recently used dropped first), e.g.
+    # "1GiB"; 0 decodes every expert on every use. Decoding a record costs far more than the expert's
+    # products (the demo model: 1.4 ms a layer's 4 experts against 0.1 ms), and a checked step pays
+    # it for the union of its positions' experts. The demo model's experts are 28 MB in all.
+    decoded_experts_ram: str | int = "1GiB"
     # On a GPU, replay decode steps' fixed-shape work from CUDA graphs (runtime/engine/decode_graphs.py).
     cuda_graphs: bool = True
     # With every expert resident, speculative decoding's checked steps (a token and its drafts) from
@@ -58,9 +63,8 @@ class EngineConfig:
     layers_per_graph: int = 1
     # One-token hyper-connection mixes as two Triton kernels each (GPU only) instead of the module's code.
     fused_mix: bool = True
-    # BF16 projections of up to this many tokens take the matvec kernel (each tile of the weight read
-    # once for up to 4 tokens), more cuBLAS: a checked step of a token and up to 4 drafts reads its
-    # BF16 weights (the router, the LM head) as a decode step does.
+    # BF16 projections of up to this many tokens take the matvec kernel, more cuBLAS (which wins from
+    # two tokens on at the real model's shapes but the router's).
     dense_matvec_max_tokens: int = DENSE_MATVEC_MAX_TOKENS
     # Decode through a store: the next layer's router, applied to this layer's input, names experts
     # to load ahead.
@@ -114,6 +118,8 @@ class EngineConfig:
         if self.draft_tokens > MAX_DRAFT_TOKENS:
             raise FlashpackError(f"engine draft_tokens must be at most {MAX_DRAFT_TOKENS}, got {self.draft_tokens}")
         parse_budget(self.prompt_cache_ram, "prompt_cache_ram")
+        if parse_budget(self.decoded_experts_ram, "decoded_experts_ram") is None:
+            raise FlashpackError("engine decoded_experts_ram must be a size such as 1GiB, or 0")
         parse_budget(self.prompt_cache_disk, "prompt_cache_disk")
         if not isinstance(self.store, StoreConfig):
             raise FlashpackError("engine store must be a StoreConfig")

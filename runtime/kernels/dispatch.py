@@ -28,8 +28,9 @@ BACKENDS = ("auto", "triton", "reference")
 FP8_MATVEC_MAX_TOKENS = 4
 # BF16 projections of up to this many tokens take matvec.py's kernel, more cuBLAS: the default of
 # dense_linear's `matvec_max_tokens` (the engine's EngineConfig.dense_matvec_max_tokens; 0 puts every
-# projection on cuBLAS). A checked step of a token and 4 drafts stays on the matvec.
-DENSE_MATVEC_MAX_TOKENS = 5
+# projection on cuBLAS). One: at 2 to 5 tokens the matvec loses to cuBLAS on every BF16 shape of the
+# real model but the router's stack (bench/kernels.py --only dense on an H200).
+DENSE_MATVEC_MAX_TOKENS = 1
 DECODE_MAX_TOKENS = 16  # up to here the matvec kernels beat the grouped ones on an H200 (bench/kernels.py)
 
 

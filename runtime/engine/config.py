@@ -34,9 +34,9 @@ class EngineConfig:
     # setting differs from its default, else the pack.
     experts: str = "auto"
     # On the pack path, the dequantised experts kept in RAM (least recently used dropped first), e.g.
-    # "1GiB"; 0 decodes every expert on every use. Decoding a record costs far more than the expert's
-    # products (the demo model: 1.4 ms a layer's 4 experts against 0.1 ms), and a checked step pays
-    # it for the union of its positions' experts. The demo model's experts are 28 MB in all.
+    # "1GiB"; 0 decodes every expert on every use. Decoding costs far more than using an expert
+    # (runtime/pack_source.py), and a checked step pays it for the union of its positions' experts.
+    # The demo model's experts take 28 MB in all.
     decoded_experts_ram: str | int = "1GiB"
     # On a GPU, replay decode steps' fixed-shape work from CUDA graphs (runtime/engine/decode_graphs.py).
     cuda_graphs: bool = True
@@ -47,8 +47,8 @@ class EngineConfig:
     # every step length).
     compile_checked: bool = True
     # Compile the checked steps' sequence mixers too (their per-token loops unrolled: one compile for
-    # each step length), as decode graphs compile a layer's front: the mixers' many small kernels are
-    # what a checked step spends most on beside its projections (bench/HISTORY.md, session 21).
+    # each step length), as decode graphs compile a layer's front: eagerly, the mixers' many small
+    # kernels are what a checked step spends most on beside its projections.
     compile_checked_mixers: bool = True
     # A run that knows how many tokens it decodes builds graphs only when its new tokens times its
     # decoder layers reach this: a layer decodes in ~4.5 ms eagerly and ~0.4 ms from graphs on an

@@ -13,8 +13,8 @@ from flashpack.runtime.engine.config import EngineConfig
 from flashpack.runtime.pack_source import PackExperts
 
 
-def _expert_bytes(experts: PackExperts) -> int:
-    weights = PackExperts(experts.pack).fetch(0, [0])[0]
+def _expert_bytes(pack: Pack) -> int:
+    weights = PackExperts(pack).fetch(0, [0])[0]
     return sum(getattr(weights, p).nbytes for p in PROJECTIONS)
 
 
@@ -36,7 +36,7 @@ def test_a_cached_expert_equals_a_fresh_decode_and_is_not_decoded_again(tiny_pac
 
 def test_the_cache_keeps_within_its_bytes_dropping_the_least_recently_used(tiny_pack, monkeypatch):
     pack = Pack.open(tiny_pack)
-    one = _expert_bytes(PackExperts(pack))
+    one = _expert_bytes(pack)
     cache = PackExperts(pack, cache_bytes=2 * one)
     cache.fetch(0, [0, 1])
     cache.fetch(0, [0])  # 0 is now the most recent: fetching 2 drops 1

@@ -8,7 +8,7 @@ H = 2560, I = 640, 512 experts per layer, top-10; FP8 matrix 8192 x 2560.
 
   decode    1 token, 10 experts: matvec kernels; also 2..32 tokens, matvec vs grouped (crossover)
   prefill   2048 tokens: grouped W4A16 kernels (bf16 tensor cores)
-  fp8       8192 x 2560 row-scaled: matvec (1 token) and tile GEMM (2048 tokens)
+  fp8       8192 x 2560 row-scaled: matvec (1 token), matvec against tile GEMM (3, 5, 8), tile GEMM (2048)
   staging   5 and 10 records from pinned host memory into device rows: the stage_records kernel
             (reads over PCIe from the SMs) against the copy engine (one copy_ per record), both
             in a graph, GB/s held against one large pinned host-to-device copy
@@ -359,6 +359,13 @@ DENSE_SHAPES = {  # [rows, cols] of the BF16 products a decode layer makes at th
 }
 
 
+MATVEC_SWEEP_ONE = [dict(block_r=r, num_warps=w) for r in (1, 2, 4, 8, 16) for w in (4, 8)] + [
+    dict(block_c=c) for c in (128, 256)]
+MATVEC_SWEEP_SEVERAL = [dict(block_r=r, block_c=c) for r, c in (
+    (1, 512), (4, 128), (8, 128), (16, 128), (32, 128), (8, 64), (16, 64), (32, 64), (4, 256), (8, 256))] + [
+    dict(block_r=r, block_c=128, num_warps=8) for r in (16, 32)]
+
+
 def bench_dense(report: Report, device, sweep: bool) -> None:
     from flashpack.runtime.kernels.matvec import matvec
 
@@ -375,17 +382,13 @@ def bench_dense(report: Report, device, sweep: bool) -> None:
             report.timing(case, "triton matvec", graph_ms(run, 32), moved)
             want = torch.nn.functional.linear(xs[0].double(), weights[0].double())
             report.check(case, relative_error(matvec(xs[0], weights[0]), want), 2.0**-8, "float64, bf16 output")
-        xs = [x[:1] for x in xs]
-        case = f"dense {name} {rows}x{cols} T=1"
-        if sweep:
-            report.start_sweep()
-            configs = [dict(block_r=r, num_warps=w) for r in (1, 2, 4, 8, 16) for w in (4, 8)]
-            configs += [dict(block_c=c) for c in (128, 256)]
-            for cfg in configs:
-                if not report.sweeping():
-                    break
-                report.timing("sweep " + case, " ".join(f"{k}={v}" for k, v in cfg.items()),
-                              graph_ms(lambda i: run(i, **cfg), 32), moved)
+            if sweep:
+                report.start_sweep()
+                for cfg in MATVEC_SWEEP_ONE if tokens == 1 else MATVEC_SWEEP_SEVERAL:
+                    if not report.sweeping():
+                        break
+                    report.timing("sweep " + case, " ".join(f"{k}={v}" for k, v in cfg.items()),
+                                  graph_ms(lambda i: run(i, **cfg), 32), moved)
 
 
 def bench_attention(report: Report, device, sweep: bool) -> None:
@@ -517,6 +520,7 @@ def bench_prefill(report: Report, bank, geometry, device, sweep: bool) -> None:
 
 def bench_fp8(report: Report, device, sweep: bool) -> None:
     from flashpack.runtime.kernels.fp8_linear import fp8_linear_triton
+    from flashpack.runtime.kernels.matvec import ROWS_AT_ONCE
     from flashpack.runtime.kernels.reference import fp8_linear_reference
 
     copies = 8  # 8 x 21 MB rotate past the 60 MB L2
@@ -527,20 +531,28 @@ def bench_fp8(report: Report, device, sweep: bool) -> None:
         mats.append(((w / scale[:, None]).to(torch.float8_e4m3fn), scale))
     dense = [(v.float() * s[:, None]).to(torch.bfloat16) for v, s in mats]
     matrix_bytes = FP8_ROWS * FP8_COLS + FP8_ROWS * 4
-    for tokens in (1, PREFILL_TOKENS):
+    for tokens in (1, 3, 5, 8, PREFILL_TOKENS):  # decode, a checked step's rows, a prompt
         x = torch.randn(tokens, FP8_COLS, device=device, dtype=torch.bfloat16)
         moved = matrix_bytes + tokens * (FP8_COLS + FP8_ROWS) * 2
         flops = 2 * tokens * FP8_ROWS * FP8_COLS
         case = f"fp8 {FP8_ROWS}x{FP8_COLS} T={tokens}"
-        calls = 16 if tokens == 1 else 4
+        calls = 16 if tokens <= ROWS_AT_ONCE else 4
         run = lambda i, **kw: fp8_linear_triton(x, *mats[i % copies], **kw)  # noqa: E731
-        report.timing(case, "triton " + ("matvec" if tokens == 1 else "gemm bf16"), graph_ms(run, calls), moved,
-                      flops, eager_us=eager_ms(run, 20) * 1e3)
+        kinds = (["matvec"] if tokens <= ROWS_AT_ONCE else []) + (["gemm bf16"] if tokens > 1 else [])
+        for kind in kinds:
+            chosen = dict(matvec_max_tokens=ROWS_AT_ONCE if kind == "matvec" else 0)
+            report.timing(case, f"triton {kind}", graph_ms(lambda i: run(i, **chosen), calls), moved,
+                          flops, eager_us=eager_ms(lambda i: run(i, **chosen), 20) * 1e3)
         report.timing(case, "reference (fp32 dequant)",
                       graph_ms(lambda i: fp8_linear_reference(x, *mats[i % copies]), calls), moved, flops)
         report.timing(case, "torch bf16 pre-dequantised",
                       graph_ms(lambda i: torch.nn.functional.linear(x, dense[i % copies]), calls),
                       FP8_ROWS * FP8_COLS * 2 + tokens * (FP8_COLS + FP8_ROWS) * 2, flops)
+        if 1 < tokens <= ROWS_AT_ONCE:
+            got = fp8_linear_triton(x, *mats[0], out=torch.full((tokens, FP8_ROWS), float("nan"), device=device),
+                                    matvec_max_tokens=ROWS_AT_ONCE)
+            report.check(case + " matvec", relative_error(got, fp8_linear_reference(
+                x, *mats[0], out_dtype=torch.float32)), 1e-5, "reference fp32")
         values, scale = mats[0]
         got = fp8_linear_triton(x, values, scale, out=torch.full((tokens, FP8_ROWS), float("nan"), device=device))
         if tokens == 1:
@@ -551,6 +563,12 @@ def bench_fp8(report: Report, device, sweep: bool) -> None:
                 x, values, scale, act_dtype=torch.bfloat16, out_dtype=torch.float32)), 1e-5, "reference bf16 acts")
         if sweep:
             report.start_sweep()
+        if sweep and 1 < tokens <= ROWS_AT_ONCE:
+            for cfg in MATVEC_SWEEP_SEVERAL:
+                if not report.sweeping():
+                    break
+                report.timing("sweep " + case, " ".join(f"{k}={v}" for k, v in cfg.items()),
+                              graph_ms(lambda i: run(i, matvec_max_tokens=ROWS_AT_ONCE, **cfg), calls), moved)
         if sweep and tokens == 1:
             for cfg in [dict(block_r=br, block_c=bc, num_warps=w) for br in (4, 8, 16, 32)
                         for bc in (256, 512, 1024) for w in (2, 4, 8)]:
@@ -558,7 +576,7 @@ def bench_fp8(report: Report, device, sweep: bool) -> None:
                     break
                 report.timing("sweep " + case, " ".join(f"{k}={v}" for k, v in cfg.items()),
                               graph_ms(lambda i: run(i, **cfg), calls), moved)
-        if sweep and tokens > 1:
+        if sweep and tokens == PREFILL_TOKENS:
             for cfg in [dict(block_m=bm, block_n=bn, block_k=bk, num_warps=w) for bm in (64, 128)
                         for bn in (64, 128, 256) for bk in (64, 128) for w in (4, 8)]:
                 if not report.sweeping():

@@ -63,8 +63,9 @@ class EngineConfig:
     layers_per_graph: int = 1
     # One-token hyper-connection mixes as two Triton kernels each (GPU only) instead of the module's code.
     fused_mix: bool = True
-    # BF16 projections of up to this many tokens take the matvec kernel, more cuBLAS (which wins from
-    # two tokens on at the real model's shapes but the router's).
+    # BF16 projections of up to this many tokens take the matvec kernel, more cuBLAS; beyond one token
+    # only matrices of under 2,048 rows (the router's stack, the hyper-connections' down projections),
+    # where cuBLAS's few-row kernels are slow (runtime/kernels/dispatch.py says where it was measured).
     dense_matvec_max_tokens: int = DENSE_MATVEC_MAX_TOKENS
     # Decode through a store: the next layer's router, applied to this layer's input, names experts
     # to load ahead.

@@ -25,12 +25,22 @@ from flashpack.runtime.kernels.reference import (
 )
 
 BACKENDS = ("auto", "triton", "reference")
-FP8_MATVEC_MAX_TOKENS = 4
+# FP8 projections of up to this many tokens take matvec.py's kernel (all of a program's tokens
+# against each tile read), more the tile kernel, whose 128-row tiles a checked step's few tokens waste
+# (8192 x 2560 on an H200, bench/kernels.py --only fp8: 20.8 against 40.4 us at 3 tokens, 35.7
+# against 40.9 at 5 and 36.4 against 40.9 at 8).
+FP8_MATVEC_MAX_TOKENS = 8
 # BF16 projections of up to this many tokens take matvec.py's kernel, more cuBLAS: the default of
 # dense_linear's `matvec_max_tokens` (the engine's EngineConfig.dense_matvec_max_tokens; 0 puts every
-# projection on cuBLAS). One: at 2 to 5 tokens the matvec loses to cuBLAS on every BF16 shape of the
-# real model but the router's stack (bench/kernels.py --only dense on an H200).
-DENSE_MATVEC_MAX_TOKENS = 1
+# projection on cuBLAS). One token always; two or three (a checked step of one or two drafts) only
+# for matrices of fewer than SEVERAL_TOKENS_MAX_ROWS rows, where cuBLAS's kernels for a few rows run
+# far below the memory's rate while the matvec's do not (bench/kernels.py --only dense on an H200, at
+# 3 tokens: the router and shared expert's stack 1793 x 2560 6.7 against 29.0 us, a hyper-connection's
+# down projection 324 x 10240 5.5 against 10.7); on taller ones cuBLAS wins from two or three tokens
+# on (DeltaNet's input projection 12352 x 2560: 30.0 against 19.3 us at 3 tokens), and at 5 tokens
+# (a program of 8) the matvec loses on all but the router's stack.
+DENSE_MATVEC_MAX_TOKENS = 3
+SEVERAL_TOKENS_MAX_ROWS = 2048
 DECODE_MAX_TOKENS = 16  # up to here the matvec kernels beat the grouped ones on an H200 (bench/kernels.py)
 
 
@@ -108,10 +118,12 @@ def moe_expert_pairs(
 
 def dense_linear(x: torch.Tensor, weight: torch.Tensor, backend: str = "auto",
                  matvec_max_tokens: int = DENSE_MATVEC_MAX_TOKENS) -> torch.Tensor:
-    """x [..., C] @ weight [R, C]^T -> [..., R]: F.linear, or for up to `matvec_max_tokens` tokens
-    on CUDA the matvec kernel, which reads the matrix nearer the memory's bandwidth than cuBLAS
-    does at one token."""
-    if x.numel() > matvec_max_tokens * x.shape[-1] or not use_triton(x.device, backend):
+    """x [..., C] @ weight [R, C]^T -> [..., R]: F.linear, or on CUDA the matvec kernel for one token
+    and for up to `matvec_max_tokens` tokens of a matrix of fewer than SEVERAL_TOKENS_MAX_ROWS rows,
+    where it reads the matrix nearer the memory's bandwidth than cuBLAS does."""
+    tokens = x.numel() // x.shape[-1]
+    several_loses = tokens > 1 and weight.shape[0] >= SEVERAL_TOKENS_MAX_ROWS
+    if tokens > matvec_max_tokens or several_loses or not use_triton(x.device, backend):
         return F.linear(x, weight)
     return _dense_matvec(x, weight)
 

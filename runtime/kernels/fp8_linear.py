@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from flashpack.runtime.kernels.matvec import matvec
+from flashpack.runtime.kernels.matvec import ROWS_AT_ONCE, matvec
 
 
 @triton.jit(do_not_specialize=["T"])  # one build whatever the token count
@@ -43,7 +43,7 @@ def _fp8_matmul_kernel(x_ptr, values_ptr, scale_ptr, y_ptr, T, R, C: tl.constexp
 
 def fp8_linear_triton(
     x: torch.Tensor, values: torch.Tensor, row_scale: torch.Tensor, out: torch.Tensor | None = None,
-    precision: str = "bf16", matvec_max_tokens: int = 4,
+    precision: str = "bf16", matvec_max_tokens: int = ROWS_AT_ONCE,
     block_r: int | None = None, block_c: int | None = None, block_m: int = 128, block_n: int = 128,
     block_k: int = 64, num_warps: int = 4,
 ) -> torch.Tensor:

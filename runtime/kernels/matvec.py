@@ -13,10 +13,13 @@ its rows is in flight at once, and multiply-adds into a float32 [BLOCK_R, BLOCK_
 summed across threads once, at the end. Blocks are sized so each thread holds at most
 ELEMENTS_PER_THREAD weights in flight. Accumulation is float32 in a fixed order: deterministic.
 
-Several tokens (a speculative step's checked rows) take `_matvec_rows_kernel`: each program reads
-its rows of W once for up to ROWS_AT_ONCE tokens, a float32 tile a token, so a step of a few tokens
-reads each matrix once, not once a token; its row blocks shrink by the tokens a program holds,
-keeping a thread's accumulators to what one token's were.
+Several tokens (a speculative step's checked rows): each program reads its rows of W once for up
+to ROWS_AT_ONCE tokens, multiplying each tile into one float32 accumulator a token, so a step of a
+few tokens reads each matrix once, not once a token. Its time still grows with the tokens (on an
+H200 DeltaNet's input projection takes 16.5 us at one token, 20.8 at two, 29.9 at four, 53.7 at
+eight): against cuBLAS, which reads a BF16 matrix in about the same time for 1 to 5 tokens, it wins
+at several tokens only on some shapes (dispatch.py's DENSE_MATVEC_MAX_TOKENS), and for FP8 rows it
+beats the tile kernel up to ROWS_AT_ONCE tokens.
 
 The reference is `F.linear` (float32 products of the same values; fp8_linear_reference for FP8).
 """
@@ -32,65 +35,93 @@ import triton.language as tl
 # 7.0 against 9.6 us; the hyper-connection up projection 10240 x 320: 3.6 against 5.7)
 ELEMENTS_PER_THREAD = 32
 MAX_BLOCK_C = 512
-ROWS_AT_ONCE = 4  # tokens a program of the several-token kernel multiplies by each tile of W
+ROWS_AT_ONCE = 8  # tokens a program multiplies by each tile of W it reads (1, 2, 4 or 8)
 
 
 @triton.jit
-def _matvec_kernel(x_ptr, w_ptr, scale_ptr, y_ptr, R, C: tl.constexpr, FP8: tl.constexpr,
-                   BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
-    t = tl.program_id(0).to(tl.int64)
-    rows = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
-    row_mask = rows < R
-    cols = tl.arange(0, BLOCK_C)
-    acc = tl.zeros([BLOCK_R, BLOCK_C], dtype=tl.float32)
-    for start in tl.static_range(0, C, BLOCK_C):  # unrolled: all of the rows' loads in flight together
-        col_mask = start + cols < C
-        w = tl.load(w_ptr + rows.to(tl.int64)[:, None] * C + (start + cols)[None, :],
-                    mask=row_mask[:, None] & col_mask[None, :], other=0)
-        if FP8:
-            w = w.to(tl.float8e4nv, bitcast=True)
-        xv = tl.load(x_ptr + t * C + start + cols, mask=col_mask, other=0).to(tl.float32)
-        acc += w.to(tl.float32) * xv[None, :]
-    y = tl.sum(acc, axis=1)
-    if FP8:
-        y = y * tl.load(scale_ptr + rows, mask=row_mask, other=0)
-    tl.store(y_ptr + t * R + rows, y.to(y_ptr.dtype.element_ty), mask=row_mask)
+def _token_chunk(x_ptr, token, T, C: tl.constexpr, columns, col_mask):
+    """Token `token`'s inputs at `columns` in float32 (zeros past the step's T tokens)."""
+    return tl.load(x_ptr + token.to(tl.int64) * C + columns, mask=col_mask & (token < T), other=0).to(tl.float32)
+
+
+@triton.jit
+def _store_token(y_ptr, token, T, R, rows, row_mask, acc, scale):
+    """One token's accumulator [BLOCK_R, BLOCK_C] summed across threads into y[token, rows]."""
+    y = tl.sum(acc, axis=1) * scale
+    tl.store(y_ptr + token.to(tl.int64) * R + rows, y.to(y_ptr.dtype.element_ty), mask=row_mask & (token < T))
 
 
 @triton.jit(do_not_specialize=["T"])  # one build whatever the step's token count
-def _matvec_rows_kernel(x_ptr, w_ptr, scale_ptr, y_ptr, T, R, C: tl.constexpr, FP8: tl.constexpr,
-                        TOKENS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
-    tokens = tl.program_id(0) * TOKENS + tl.arange(0, TOKENS)
-    token_mask = tokens < T
+def _matvec_kernel(x_ptr, w_ptr, scale_ptr, y_ptr, T, R, C: tl.constexpr, FP8: tl.constexpr,
+                   TOKENS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    # One float32 accumulator a token, each of the layout of a one-token program's (a [TOKENS, BLOCK_R,
+    # BLOCK_C] one would have Triton spread the tokens over threads and move every tile of W between
+    # them); the unused ones are compiled away.
+    first = tl.program_id(0) * TOKENS
     rows = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
     row_mask = rows < R
     cols = tl.arange(0, BLOCK_C)
-    acc = tl.zeros([TOKENS, BLOCK_R, BLOCK_C], dtype=tl.float32)
-    for start in tl.static_range(0, C, BLOCK_C):  # unrolled, as in _matvec_kernel
-        col_mask = start + cols < C
-        w = tl.load(w_ptr + rows.to(tl.int64)[:, None] * C + (start + cols)[None, :],
+    acc0 = tl.zeros([BLOCK_R, BLOCK_C], dtype=tl.float32)
+    acc1 = tl.zeros([BLOCK_R, BLOCK_C], dtype=tl.float32)
+    acc2 = tl.zeros([BLOCK_R, BLOCK_C], dtype=tl.float32)
+    acc3 = tl.zeros([BLOCK_R, BLOCK_C], dtype=tl.float32)
+    acc4 = tl.zeros([BLOCK_R, BLOCK_C], dtype=tl.float32)
+    acc5 = tl.zeros([BLOCK_R, BLOCK_C], dtype=tl.float32)
+    acc6 = tl.zeros([BLOCK_R, BLOCK_C], dtype=tl.float32)
+    acc7 = tl.zeros([BLOCK_R, BLOCK_C], dtype=tl.float32)
+    for start in tl.static_range(0, C, BLOCK_C):  # unrolled: all of the rows' loads in flight together
+        columns = start + cols
+        col_mask = columns < C
+        w = tl.load(w_ptr + rows.to(tl.int64)[:, None] * C + columns[None, :],
                     mask=row_mask[:, None] & col_mask[None, :], other=0)
         if FP8:
             w = w.to(tl.float8e4nv, bitcast=True)
-        xv = tl.load(x_ptr + tokens.to(tl.int64)[:, None] * C + (start + cols)[None, :],
-                     mask=token_mask[:, None] & col_mask[None, :], other=0).to(tl.float32)
-        acc += w.to(tl.float32)[None, :, :] * xv[:, None, :]  # each weight read once for all TOKENS
-    y = tl.sum(acc, axis=2)  # [TOKENS, BLOCK_R]
+        w = w.to(tl.float32)  # read once, multiplied by each of the program's tokens
+        acc0 += w * _token_chunk(x_ptr, first, T, C, columns, col_mask)[None, :]
+        if TOKENS > 1:
+            acc1 += w * _token_chunk(x_ptr, first + 1, T, C, columns, col_mask)[None, :]
+        if TOKENS > 2:
+            acc2 += w * _token_chunk(x_ptr, first + 2, T, C, columns, col_mask)[None, :]
+            acc3 += w * _token_chunk(x_ptr, first + 3, T, C, columns, col_mask)[None, :]
+        if TOKENS > 4:
+            acc4 += w * _token_chunk(x_ptr, first + 4, T, C, columns, col_mask)[None, :]
+            acc5 += w * _token_chunk(x_ptr, first + 5, T, C, columns, col_mask)[None, :]
+            acc6 += w * _token_chunk(x_ptr, first + 6, T, C, columns, col_mask)[None, :]
+            acc7 += w * _token_chunk(x_ptr, first + 7, T, C, columns, col_mask)[None, :]
     if FP8:
-        y = y * tl.load(scale_ptr + rows, mask=row_mask, other=0)[None, :]
-    tl.store(y_ptr + tokens.to(tl.int64)[:, None] * R + rows[None, :], y.to(y_ptr.dtype.element_ty),
-             mask=token_mask[:, None] & row_mask[None, :])
+        scale = tl.load(scale_ptr + rows, mask=row_mask, other=0)
+    else:
+        scale = 1.0
+    _store_token(y_ptr, first, T, R, rows, row_mask, acc0, scale)
+    if TOKENS > 1:
+        _store_token(y_ptr, first + 1, T, R, rows, row_mask, acc1, scale)
+    if TOKENS > 2:
+        _store_token(y_ptr, first + 2, T, R, rows, row_mask, acc2, scale)
+        _store_token(y_ptr, first + 3, T, R, rows, row_mask, acc3, scale)
+    if TOKENS > 4:
+        _store_token(y_ptr, first + 4, T, R, rows, row_mask, acc4, scale)
+        _store_token(y_ptr, first + 5, T, R, rows, row_mask, acc5, scale)
+        _store_token(y_ptr, first + 6, T, R, rows, row_mask, acc6, scale)
+        _store_token(y_ptr, first + 7, T, R, rows, row_mask, acc7, scale)
 
 
-def matvec_blocks(rows: int, cols: int, num_warps: int = 4) -> tuple[int, int]:
-    """(BLOCK_R, BLOCK_C): BLOCK_C the largest power of two up to MAX_BLOCK_C that divides `cols`
-    (no masked lanes), BLOCK_R as many rows as keep ELEMENTS_PER_THREAD weights a thread in flight."""
+def matvec_blocks(rows: int, cols: int, tokens: int = 1, num_warps: int = 4) -> tuple[int, int]:
+    """(BLOCK_R, BLOCK_C) for a product of `tokens` rows of x: BLOCK_C the largest power of two up to
+    MAX_BLOCK_C that divides `cols` (no masked lanes), BLOCK_R as many rows as keep ELEMENTS_PER_THREAD
+    weights a thread in flight, divided by the tokens a program takes (its accumulators stay what one
+    token's are). Taller, narrower blocks for several tokens (fewer programs, each reading all of its
+    tokens' x) measured slower at every shape swept on an H200 (bench/kernels.py --only dense --sweep)."""
     block_c = MAX_BLOCK_C
     while block_c > 16 and cols % block_c:
         block_c //= 2
-    budget = max(1, ELEMENTS_PER_THREAD * 32 * num_warps // cols)
+    budget = max(1, ELEMENTS_PER_THREAD * 32 * num_warps // cols // tokens_at_once(tokens))
     block_r = 1 << (budget.bit_length() - 1)
     return min(block_r, triton.next_power_of_2(rows)), block_c
+
+
+def tokens_at_once(tokens: int) -> int:
+    """The tokens a program of the kernel takes: TOKENS, a power of two up to ROWS_AT_ONCE."""
+    return min(ROWS_AT_ONCE, triton.next_power_of_2(tokens))
 
 
 def matvec(
@@ -100,7 +131,7 @@ def matvec(
     """x [..., C] -> [..., R] (dtype of `out` if given, else x.dtype) for W `weight` [R, C] with
     contiguous rows: BF16/FP16, or float8_e4m3fn with `row_scale` float32 [R]. Meant for a few
     tokens (W is read once for every ROWS_AT_ONCE of them); block sizes default to `matvec_blocks`
-    (`block_r` for one token: several share it)."""
+    for the call's token count."""
     rows, cols = weight.shape
     fp8 = weight.dtype == torch.float8_e4m3fn
     if x.shape[-1] != cols or fp8 != (row_scale is not None) or weight.stride() != (cols, 1):
@@ -113,18 +144,13 @@ def matvec(
         raise ValueError(f"out must be contiguous {(*x.shape[:-1], rows)}")
     if x2.shape[0] == 0:
         return out
-    default_r, default_c = matvec_blocks(rows, cols, num_warps)
+    tokens = x2.shape[0]
+    default_r, default_c = matvec_blocks(rows, cols, tokens, num_warps)
     block_r, block_c = block_r or default_r, block_c or default_c
     w = weight.view(torch.uint8) if fp8 else weight
     scale = row_scale.float().contiguous() if fp8 else w  # unused unless FP8
-    tokens = x2.shape[0]
-    if tokens == 1:
-        _matvec_kernel[(1, triton.cdiv(rows, block_r))](
-            x2, w, scale, out, rows, cols, FP8=fp8, BLOCK_R=block_r, BLOCK_C=block_c, num_warps=num_warps)
-        return out
-    at_once = min(ROWS_AT_ONCE, triton.next_power_of_2(tokens))
-    block_r = max(1, block_r // at_once)
-    _matvec_rows_kernel[(triton.cdiv(tokens, at_once), triton.cdiv(rows, block_r))](
+    at_once = tokens_at_once(tokens)
+    _matvec_kernel[(triton.cdiv(tokens, at_once), triton.cdiv(rows, block_r))](
         x2, w, scale, out, tokens, rows, cols, FP8=fp8, TOKENS=at_once, BLOCK_R=block_r, BLOCK_C=block_c,
         num_warps=num_warps)
     return out

@@ -10,7 +10,7 @@ Routed experts come through one injected `RoutedExperts` (runtime/model/routed_e
 `ExpertFetcher` given instead runs as the plain `DequantisedExperts`. Two kernel choices are fixed
 at construction: `fused_mix` (one-token hyper-connection mixes as two Triton kernels each, CUDA
 only) and `dense_matvec_max_tokens` (BF16 projections of up to that many tokens take the matvec
-kernel on CUDA, more cuBLAS).
+kernel on CUDA, more cuBLAS; dense_linear says which matrices beyond one token).
 """
 
 from __future__ import annotations

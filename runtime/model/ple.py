@@ -60,8 +60,8 @@ class NGramHasher:
         return torch.cat(blocks, dim=-1)[-new:]
 
     def last_rows(self, history: list[int]) -> list[int]:
-        """`rows` for the last token of `history` alone, in plain Python: a decode step hashes one
-        token, where a dozen tiny tensor ops would cost far more than the arithmetic. The
+        """`rows` for the last token of `history` alone, in plain Python: a decode or speculative
+        step hashes a few tokens, where a dozen tiny tensor ops would cost far more than the arithmetic. The
         multipliers are below 2^63 / vocab, so the products fit int64 exactly as in `rows`."""
         last = len(history) - 1
         shifted = []
@@ -104,20 +104,21 @@ class PLELayer(nn.Module):
         """tokens int64 [T] (on the host, or read back) -> concatenated n-gram rows [T, ple_embed_dim];
         advances the n-gram context."""
         tokens = tokens.cpu()
-        if tokens.shape[0] == 1:
+        count = tokens.shape[0]
+        if count <= FEW_TOKENS:  # a decode or speculative step's: hashed in plain Python, gathered on the host
             history = state.context.tolist() + tokens.tolist()
-            state.context = torch.tensor(history[1:], dtype=torch.int64)
-            rows = torch.tensor(self.hasher.last_rows(history), dtype=torch.int64)
-            rows = self.source.ple_rows(self.ple_index, rows).reshape(1, -1)
+            if state.tracked:
+                state.history = torch.tensor(history, dtype=torch.int64)
+            state.context = torch.tensor(history[count:], dtype=torch.int64)
+            first = len(history) - count
+            ids = [row for end in range(first + 1, len(history) + 1) for row in self.hasher.last_rows(history[:end])]
+            rows = self.source.ple_rows(self.ple_index, torch.tensor(ids, dtype=torch.int64)).reshape(count, -1)
             return self.staging.to_device(rows.to(self.dtype), self.device)  # cast first: half the bytes to copy
         history = torch.cat([state.context, tokens])
         if state.tracked:
             state.history = history
-        rows = self.hasher.rows(history, tokens.shape[0])  # [T, heads]
-        state.context = history[history.shape[0] - state.context.shape[0]:].clone()
-        if tokens.shape[0] <= FEW_TOKENS:  # a speculative step's: gathered on the host and queued, as a token's
-            fetched = self.source.ple_rows(self.ple_index, rows.flatten()).reshape(rows.shape[0], -1)
-            return self.staging.to_device(fetched.to(self.dtype), self.device)
+        rows = self.hasher.rows(history, count)  # [T, heads]
+        state.context = history[count:].clone()
         unique, inverse = torch.unique(rows.flatten(), return_inverse=True)
         fetched = self.source.ple_rows(self.ple_index, unique).to(device=self.device, dtype=self.dtype)
         return fetched[inverse.to(self.device)].reshape(rows.shape[0], -1)

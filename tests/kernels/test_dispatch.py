@@ -95,3 +95,22 @@ def test_an_fp32_engine_gets_ieee_dots_on_cuda():
     assert tile_precision(cuda, torch.bfloat16) == "bf16" and tile_precision(cuda, torch.float16) == "bf16"
     assert tile_precision(cuda, torch.float32) == "fp32"
     assert tile_precision(cpu, torch.bfloat16) == "fp32"  # the interpreter's bf16 tl.dot is wrong
+
+
+@pytest.mark.parametrize("tokens,rows,matvec", [
+    (1, 2048, True),  # one token: always the matvec
+    (3, 2047, True),  # a few tokens of a short matrix (the router's stack)
+    (3, 2048, False),  # a few tokens of a tall one: cuBLAS
+    (4, 100, False),  # past matvec_max_tokens
+])
+def test_dense_linear_takes_the_matvec_where_it_wins(monkeypatch, tokens, rows, matvec):
+    """dense_linear's choice between the matvec kernel and F.linear (rows and tokens only), with
+    the default matvec_max_tokens; the product is F.linear's either way (test_matvec.py)."""
+    from flashpack.runtime.kernels import dispatch
+
+    calls = []
+    monkeypatch.setattr(dispatch, "_dense_matvec", lambda x, w: calls.append(x.shape) or torch.nn.functional.linear(x, w))
+    x, weight = torch.randn(tokens, 16), torch.randn(rows, 16)
+    assert dispatch.DENSE_MATVEC_MAX_TOKENS == 3
+    torch.testing.assert_close(dispatch.dense_linear(x, weight, backend="triton"), torch.nn.functional.linear(x, weight))
+    assert bool(calls) == matvec

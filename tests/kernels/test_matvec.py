@@ -33,8 +33,10 @@ def _case(rows, cols, tokens, dtype, device, seed=0):
     (100, 150, 1, {}),  # neither a multiple of a block: masked rows and columns
     (37, 320, 2, {}),  # the default blocks divide 320 by 64
     (64, 96, 3, dict(block_r=8, block_c=32)),
-    (100, 150, 5, {}),  # several tokens: a full block of ROWS_AT_ONCE, then one masked to a single token
+    (100, 150, 5, {}),  # several tokens: one program of ROWS_AT_ONCE, three of its tokens masked
     (33, 2560, 7, {}),  # one row a program at one token: several tokens share it
+    (40, 96, 9, {}),  # a full program of ROWS_AT_ONCE tokens, then one masked to a single token
+    (24, 64, 4, dict(block_r=2, block_c=32)),  # four tokens a program of two rows
 ])
 def test_float32_matches_linear(triton_device, rows, cols, tokens, blocks):
     x, weight = _case(rows, cols, tokens, torch.float32, triton_device)
@@ -75,12 +77,16 @@ def test_refuses_what_it_cannot_read(triton_device):
 
 
 def test_blocks_keep_a_threads_loads_bounded():
-    from flashpack.runtime.kernels.matvec import ELEMENTS_PER_THREAD, matvec_blocks
+    from flashpack.runtime.kernels.matvec import ELEMENTS_PER_THREAD, matvec_blocks, tokens_at_once
 
     for rows, cols in [(12352, 2560), (2560, 4096), (324, 10240), (10240, 320), (2560, 640), (100, 150)]:
         block_r, block_c = matvec_blocks(rows, cols)
         assert block_c <= 512 and (cols % block_c == 0 or block_c == 16)
         assert block_r == 1 or block_r * cols <= ELEMENTS_PER_THREAD * 128
+        for tokens in (2, 3, 5, 8):  # a thread's sums over all of a program's tokens stay bounded
+            block_r, block_c = matvec_blocks(rows, cols, tokens)
+            assert block_c <= 512 and (cols % block_c == 0 or block_c == 16)
+            assert block_r == 1 or block_r * cols * tokens_at_once(tokens) <= ELEMENTS_PER_THREAD * 128
     # the block-size sweep's best at the decode shapes on an H200: one row a program at >= 2560 inputs, more below
     assert matvec_blocks(12352, 2560) == (1, 512) and matvec_blocks(2560, 4096) == (1, 512)
     assert matvec_blocks(2560, 640) == (4, 128) and matvec_blocks(10240, 320) == (8, 64)

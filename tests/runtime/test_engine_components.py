@@ -19,7 +19,7 @@ def test_ngram_rows_match_transformers_across_eos_and_steps(bench, engine):
     with torch.no_grad():
         expected = theirs(torch.tensor([tokens]), None)[0]
     state = engine.new_state().ple[layer]
-    cuts = [0, 1, 2, 3, 7, 8, len(tokens)]
+    cuts = [0, 1, 2, 3, 7, 8, 24, 41, len(tokens)]  # one token, a few (up to FEW_TOKENS, hashed in Python), a prompt's
     actual = torch.cat([mine.embed(torch.tensor(tokens[a:b]), state) for a, b in zip(cuts, cuts[1:])])
     assert torch.equal(actual, expected)
     assert state.context.tolist() == tokens[-(cfg.ngram_size - 1):]

@@ -9,6 +9,10 @@ H = 2560, I = 640, 512 experts per layer, top-10; FP8 matrix 8192 x 2560.
   decode    1 token, 10 experts: matvec kernels; also 2..32 tokens, matvec vs grouped (crossover)
   prefill   2048 tokens: grouped W4A16 kernels (bf16 tensor cores)
   fp8       8192 x 2560 row-scaled: matvec (1 token), matvec against tile GEMM (3, 5, 8), tile GEMM (2048)
+  fp8-few   a checked step's FP8 projections (DeltaNet's stacked input and its output projection, the
+            attention's query, the shared expert's gate and up) at 1, 3, 5 and 8 tokens: the matvec
+            against the tile kernel's few-token tiles (fp8_linear.tile_blocks), against BF16 cuBLAS;
+            --sweep also times a grid of few-token tiles
   staging   5 and 10 records from pinned host memory into device rows: the stage_records kernel
             (reads over PCIe from the SMs) against the copy engine (one copy_ per record), both
             in a graph, GB/s held against one large pinned host-to-device copy
@@ -17,8 +21,8 @@ H = 2560, I = 640, 512 experts per layer, top-10; FP8 matrix 8192 x 2560.
             and 5: matvec.py's kernels against cuBLAS, each matrix rotated past the L2
   attention one token's masked QSA attention (capacity 600 and 32768): decode_attention's split-K
             kernels against the SDPA call attend_step made before
-  hc-mix    a hyper-connection mix (hc = 4, rank 320, with injection) for 1 token: hc_mix's two
-            kernels against the module's code compiled by torch.compile, 8 mixers rotated (106 MB,
+  hc-mix    a hyper-connection mix (hc = 4, rank 320, with injection) for 1, 3 and 5 tokens: hc_mix's
+            two kernels against the module's code compiled by torch.compile, 8 mixers rotated (106 MB,
             more than the L2), both in a CUDA graph
 
 Bytes moved count what a kernel must read and write: each selected expert's record data
@@ -314,6 +318,7 @@ class _MixerWeights:
 
 
 def bench_hc_mix(report: Report, device, sweep: bool) -> None:
+    from flashpack.runtime.kernels.hc_mix import hc_mix_triton
     from flashpack.runtime.model.hyper_connection import GatedResidual
 
     hc, rank, copies = 4, 320, 8
@@ -321,35 +326,36 @@ def bench_hc_mix(report: Report, device, sweep: bool) -> None:
     for seed in range(copies):
         weights = _MixerWeights(hc, rank, device, seed)
         mixers.append(GatedResidual(weights.config, weights, "", torch.bfloat16, device))
-    xs = [torch.randn(1, hc * H, device=device, dtype=torch.bfloat16) for _ in range(copies)]
-    moved = (rank + hc) * hc * H * 2 + hc * H * rank * 2 + 2 * hc * H * 2 + H * 2
+
+    def fused(x, i, **blocks):
+        mixer = mixers[i % copies]
+        return hc_mix_triton(x, mixer.norm.weight, mixer.norm.eps, mixer.in_proj.weight, mixer.mix_up, hc, True,
+                             **blocks)
+
     compiled = torch.compile(lambda mixer, x: mixer.mix(x))  # one graph for every mixer: weights are inputs
-    report.timing("hc mix T=1", "torch.compile'd module (cuBLAS + Inductor)",
-                  graph_ms(lambda i: compiled(mixers[i % copies], xs[i % copies]), 32), moved)
-    expected = [mixer.mix(x) for mixer, x in zip(mixers[:3], xs)]
-    for mixer in mixers:
-        mixer.fused = True
-    report.timing("hc mix T=1", "triton hc_mix (2 kernels)",
-                  graph_ms(lambda i: mixers[i % copies].mix(xs[i % copies]), 32), moved)
-    for index, (want_input, want_inject) in enumerate(expected):
-        got_input, got_inject = mixers[index].mix(xs[index])
-        report.check(f"hc mix T=1 #{index}", relative_error(got_input, want_input), 2.0**-6, "module, bf16")
-        report.check(f"hc mix T=1 #{index} inject", relative_error(got_inject, want_inject), 2.0**-6, "module, bf16")
+    for tokens in (1, 3, 5):  # a decode's token, a checked step's rows (which the engine gives the module)
+        case = f"hc mix T={tokens}"
+        xs = [torch.randn(tokens, hc * H, device=device, dtype=torch.bfloat16) for _ in range(copies)]
+        moved = (rank + hc) * hc * H * 2 + hc * H * rank * 2 + tokens * (2 * hc * H * 2 + H * 2)
+        report.timing(case, "torch.compile'd module (cuBLAS + Inductor)",
+                      graph_ms(lambda i: compiled(mixers[i % copies], xs[i % copies]), 32), moved)
+        report.timing(case, "triton hc_mix (2 kernels)", graph_ms(lambda i: fused(xs[i % copies], i), 32), moved)
+        for index in range(3):
+            want_input, want_inject = mixers[index].mix(xs[index])
+            got_input, got_inject = fused(xs[index], index)
+            report.check(f"{case} #{index}", relative_error(got_input, want_input), 2.0**-6, "module, bf16")
+            report.check(f"{case} #{index} inject", relative_error(got_inject.to(want_inject.dtype), want_inject),
+                         2.0**-6, "module, bf16")
     if sweep:
-        from flashpack.runtime.kernels.hc_mix import hc_mix_triton
-
-        def fused(i, **blocks):
-            mixer = mixers[i % copies]
-            return hc_mix_triton(xs[i % copies], mixer.norm.weight, mixer.norm.eps, mixer.in_proj.weight,
-                                 mixer.mix_up, hc, True, **blocks)
-
+        xs = [torch.randn(1, hc * H, device=device, dtype=torch.bfloat16) for _ in range(copies)]
+        moved = (rank + hc) * hc * H * 2 + hc * H * rank * 2 + 2 * hc * H * 2 + H * 2
         report.start_sweep()
         for cfg in [dict(block_rows=r, block_h=h, block_j=j, num_warps=w) for j in (4, 8, 16) for r in (1, 2, 4)
                     for h in (512, 1024) for w in (4, 8)]:
             if not report.sweeping():
                 break
             report.timing("sweep hc mix T=1", " ".join(f"{k}={v}" for k, v in cfg.items()),
-                          graph_ms(lambda i: fused(i, **cfg), 32), moved)
+                          graph_ms(lambda i: fused(xs[i % copies], i, **cfg), 32), moved)
 
 
 DENSE_SHAPES = {  # [rows, cols] of the BF16 products a decode layer makes at the real dims
@@ -588,6 +594,53 @@ def bench_fp8(report: Report, device, sweep: bool) -> None:
                     print(f"sweep {cfg}: {error!r}"[:200])
 
 
+FP8_FEW_SHAPES = {  # [rows, cols] of the FP8 projections (`--dense-fp8`) a checked step makes at the real dims
+    "deltanet in_proj qkv + z": (12288, H), "deltanet out_proj": (H, 4096), "qsa q_proj": (6144, H),
+    "shared gate + up": (2 * I, H),
+}
+FP8_FEW_SWEEP = [dict(block_n=n, block_k=k, num_warps=w, num_stages=st) for n in (16, 32, 64) for k in (128, 256)
+                 for w in (4,) for st in (3, 5)] + [dict(block_n=32, block_k=128, num_warps=2, num_stages=4)]
+
+
+def bench_fp8_few(report: Report, device, sweep: bool) -> None:
+    from flashpack.runtime.kernels.fp8_linear import fp8_linear_triton, tile_blocks
+    from flashpack.runtime.kernels.matvec import ROWS_AT_ONCE
+    from flashpack.runtime.kernels.reference import fp8_linear_reference
+
+    for label, (rows, cols) in FP8_FEW_SHAPES.items():
+        copies = max(2, -(-120_000_000 // (rows * cols)))  # rotated past the 60 MB L2
+        mats = []
+        for _ in range(copies):
+            w = torch.randn(rows, cols, device=device) * 0.02
+            scale = w.abs().amax(-1) / 448
+            mats.append(((w / scale[:, None]).to(torch.float8_e4m3fn), scale))
+        dense = [(v.float() * sc[:, None]).to(torch.bfloat16) for v, sc in mats]
+        for tokens in (1, 3, 5, 8):
+            x = torch.randn(tokens, cols, device=device, dtype=torch.bfloat16)
+            moved = rows * cols + rows * 4 + tokens * (cols + rows) * 2
+            case = f"fp8 {label} {rows}x{cols} T={tokens}"
+            run = lambda i, **kw: fp8_linear_triton(x, *mats[i % copies], **kw)  # noqa: E731
+            report.timing(case, "triton matvec", graph_ms(lambda i: run(i, matvec_max_tokens=ROWS_AT_ONCE), 16),
+                          moved)
+            report.timing(case, "triton tile, few-token tiles",
+                          graph_ms(lambda i: run(i, matvec_max_tokens=0), 16), moved)
+            report.timing(case, "cuBLAS bf16 pre-dequantised",
+                          graph_ms(lambda i: torch.nn.functional.linear(x, dense[i % copies]), 16),
+                          rows * cols * 2 + tokens * (cols + rows) * 2)
+            want = fp8_linear_reference(x, *mats[0], act_dtype=torch.bfloat16, out_dtype=torch.float32)
+            got = fp8_linear_triton(x, *mats[0], out=torch.full((tokens, rows), float("nan"), device=device),
+                                    matvec_max_tokens=0)
+            report.check(case + " tile", relative_error(got, want), 1e-5, "reference bf16 acts")
+            if sweep and tokens > 1:
+                report.start_sweep()
+                for cfg in FP8_FEW_SWEEP:
+                    if not report.sweeping():
+                        break
+                    name = " ".join(f"{k}={v}" for k, v in (tile_blocks(tokens) | cfg).items())
+                    report.timing("sweep " + case, name, graph_ms(lambda i: run(i, matvec_max_tokens=0, **cfg), 16),
+                                  moved)
+
+
 def bench_staging(report: Report, geometry, device, sweep: bool) -> None:
     from flashpack.runtime.kernels.reference import stage_records_reference
     from flashpack.runtime.kernels.stage_records import stage_records_triton
@@ -636,7 +689,8 @@ def main() -> None:
     parser.add_argument("--json", type=Path, required=True)
     parser.add_argument("--sweep", action="store_true", help="also time a grid of block sizes")
     parser.add_argument("--sweep-seconds", type=float, default=45.0, help="time limit of each section's sweep")
-    parser.add_argument("--only", default="decode,fp8,prefill,crossover,staging,router,hc-mix,dense,attention")
+    parser.add_argument("--only",
+                        default="decode,fp8,fp8-few,prefill,crossover,staging,router,hc-mix,dense,attention")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench/kernels.py needs a CUDA GPU")
@@ -661,6 +715,8 @@ def main() -> None:
                 bench_prefill(report, bank, geometry, device, args.sweep)
             elif name == "fp8":
                 bench_fp8(report, device, args.sweep)
+            elif name == "fp8-few":
+                bench_fp8_few(report, device, args.sweep)
             elif name == "staging":
                 bench_staging(report, geometry, device, args.sweep)
             elif name == "router":

@@ -25,11 +25,16 @@ from flashpack.runtime.kernels.reference import (
 )
 
 BACKENDS = ("auto", "triton", "reference")
-# FP8 projections of up to this many tokens take matvec.py's kernel (all of a program's tokens
-# against each tile read), more the tile kernel, whose 128-row tiles a checked step's few tokens waste
-# (8192 x 2560 on an H200, bench/kernels.py --only fp8: 20.8 against 40.4 us at 3 tokens, 35.7
-# against 40.9 at 5 and 36.4 against 40.9 at 8).
-FP8_MATVEC_MAX_TOKENS = 8
+# FP8 projections of up to this many tokens take matvec.py's kernel, more the tile kernel on tensor
+# cores: the default of fp8_linear's `matvec_max_tokens` (the engine's
+# EngineConfig.fp8_matvec_max_tokens). One token always; two or three only for matrices of fewer than
+# FP8_SEVERAL_TOKENS_MAX_ROWS rows. The matvec's time grows with the tokens, the few-token tiles'
+# does not (bench/kernels.py --only fp8-few on an H200, us at 1 / 3 / 5 tokens): DeltaNet's stacked
+# input projection 12288 x 2560 matvec 13.2 / 30.4 / 52.6 against tiles 15.6 / 15.3 / 15.3, the
+# attention's query 6144 x 2560 7.8 / 16.3 / 28.0 against 11.6 / 11.4 / 11.4, but DeltaNet's output
+# projection 2560 x 4096 5.7 / 10.5 / 17.9 against 13.1 / 12.1 / 12.1.
+FP8_MATVEC_MAX_TOKENS = 3
+FP8_SEVERAL_TOKENS_MAX_ROWS = 4096
 # BF16 projections of up to this many tokens take matvec.py's kernel, more cuBLAS: the default of
 # dense_linear's `matvec_max_tokens` (the engine's EngineConfig.dense_matvec_max_tokens; 0 puts every
 # projection on cuBLAS). One token always; two or three (a checked step of one or two drafts) only
@@ -138,17 +143,20 @@ def _dense_matvec(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 @torch.compiler.disable
 def fp8_linear(
     x: torch.Tensor, values: torch.Tensor, row_scale: torch.Tensor,
-    out: torch.Tensor | None = None, backend: str = "auto",
+    out: torch.Tensor | None = None, backend: str = "auto", matvec_max_tokens: int = FP8_MATVEC_MAX_TOKENS,
 ) -> torch.Tensor:
     """x [..., C], values float8_e4m3fn [R, C], row_scale float32 [R] -> [..., R] in x.dtype:
-    x @ (values * row_scale[:, None])^T."""
+    x @ (values * row_scale[:, None])^T; on CUDA one token and up to `matvec_max_tokens` tokens of a
+    matrix of fewer than FP8_SEVERAL_TOKENS_MAX_ROWS rows on the matvec kernel, more on the tile kernel."""
     if not use_triton(x.device, backend):
         result = fp8_linear_reference(x, values, row_scale)
         return result if out is None else out.copy_(result)
     from flashpack.runtime.kernels.fp8_linear import fp8_linear_triton
 
+    if values.shape[0] >= FP8_SEVERAL_TOKENS_MAX_ROWS:
+        matvec_max_tokens = min(matvec_max_tokens, 1)
     return fp8_linear_triton(x, values, row_scale, out=out, precision=tile_precision(x.device, x.dtype),
-                             matvec_max_tokens=FP8_MATVEC_MAX_TOKENS)
+                             matvec_max_tokens=matvec_max_tokens)
 
 
 @torch.compiler.disable

@@ -9,7 +9,8 @@ on CUDA, the plain reference elsewhere): x @ (values * row_scale)^T accumulated 
 `StackedLinear` runs several projections of the same input as one: their weights are stacked by
 rows (one stack per storage form), so a decode step reads them in one matrix-vector product
 instead of one small, latency-bound launch each. `DenseLinear` is a stack of one. The model sets
-`matvec_max_tokens` on each (Qwen4ExpModel's `dense_matvec_max_tokens`).
+`matvec_max_tokens` and `fp8_matvec_max_tokens` on each (Qwen4ExpModel's `dense_matvec_max_tokens` and
+`fp8_matvec_max_tokens`).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import torch
 from torch import nn
 
 from flashpack.runtime.kernels import dense_linear, fp8_linear
-from flashpack.runtime.kernels.dispatch import DENSE_MATVEC_MAX_TOKENS
+from flashpack.runtime.kernels.dispatch import DENSE_MATVEC_MAX_TOKENS, FP8_MATVEC_MAX_TOKENS
 from flashpack.runtime.weights import WeightSource, load_dense
 
 
@@ -39,6 +40,7 @@ class StackedLinear(nn.Module):
         self.register_buffer("values", values, persistent=False)  # fp8 [out, in]
         self.register_buffer("row_scale", scales, persistent=False)
         self.matvec_max_tokens = DENSE_MATVEC_MAX_TOKENS  # BF16 rows of up to this many tokens: the matvec kernel
+        self.fp8_matvec_max_tokens = FP8_MATVEC_MAX_TOKENS  # FP8 rows: the matvec kernel, more the tile kernel
 
     def part(self, x: torch.Tensor, index: int) -> torch.Tensor:
         """Projection `index` of `names` alone (its rows of the stack)."""
@@ -47,14 +49,16 @@ class StackedLinear(nn.Module):
         position = sum(1 for earlier in self.is_fp8[:index] if earlier == is_fp8)
         start, count = sum(rows[:position]), rows[position]
         if is_fp8:
-            return fp8_linear(x, self.values[start:start + count], self.row_scale[start:start + count])
+            return fp8_linear(x, self.values[start:start + count], self.row_scale[start:start + count],
+                              matvec_max_tokens=self.fp8_matvec_max_tokens)
         return dense_linear(x, self.weight[start:start + count], matvec_max_tokens=self.matvec_max_tokens)
 
     def forward(self, x: torch.Tensor) -> list[torch.Tensor]:
         """x [..., in] -> each projection's output, in the order of `names`."""
-        plain = iter(dense_linear(x, self.weight, matvec_max_tokens=self.matvec_max_tokens).split(self.plain_rows, -1) if self.weight is not None else ())
-        fp8 = iter(fp8_linear(x, self.values, self.row_scale).split(self.fp8_rows, -1) if self.values is not None
-                   else ())
+        plain = iter(dense_linear(x, self.weight, matvec_max_tokens=self.matvec_max_tokens).split(self.plain_rows, -1)
+                     if self.weight is not None else ())
+        fp8 = iter(fp8_linear(x, self.values, self.row_scale, matvec_max_tokens=self.fp8_matvec_max_tokens)
+                   .split(self.fp8_rows, -1) if self.values is not None else ())
         return [next(fp8) if is_fp8 else next(plain) for is_fp8 in self.is_fp8]
 
 
@@ -65,4 +69,4 @@ class DenseLinear(StackedLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.weight is not None:
             return dense_linear(x, self.weight, matvec_max_tokens=self.matvec_max_tokens)
-        return fp8_linear(x, self.values, self.row_scale)
+        return fp8_linear(x, self.values, self.row_scale, matvec_max_tokens=self.fp8_matvec_max_tokens)

@@ -9,8 +9,9 @@ continue. It also returns the pre-final-mixer streams, which the MTP head consum
 Routed experts come through one injected `RoutedExperts` (runtime/model/routed_experts.py); an
 `ExpertFetcher` given instead runs as the plain `DequantisedExperts`. Two kernel choices are fixed
 at construction: `fused_mix` (one-token hyper-connection mixes as two Triton kernels each, CUDA
-only) and `dense_matvec_max_tokens` (BF16 projections of up to that many tokens take the matvec
-kernel on CUDA, more cuBLAS; dense_linear says which matrices beyond one token).
+only), `dense_matvec_max_tokens` (BF16 projections of up to that many tokens take the matvec
+kernel on CUDA, more cuBLAS; dense_linear says which matrices beyond one token) and
+`fp8_matvec_max_tokens` (FP8 projections: the matvec kernel, more the tile kernel).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from flashpack.runtime.experts import ExpertFetcher
-from flashpack.runtime.kernels.dispatch import DENSE_MATVEC_MAX_TOKENS
+from flashpack.runtime.kernels.dispatch import DENSE_MATVEC_MAX_TOKENS, FP8_MATVEC_MAX_TOKENS
 from flashpack.runtime.model.decoder_layer import DecoderLayer
 from flashpack.runtime.model.hyper_connection import GatedResidual
 from flashpack.runtime.model.linear import StackedLinear
@@ -44,7 +45,7 @@ class Qwen4ExpModel(nn.Module):
     def __init__(
         self, source: WeightSource, experts: RoutedExperts | ExpertFetcher, dtype: torch.dtype = torch.bfloat16,
         device: torch.device | str = "cpu", fused_mix: bool = False,
-        dense_matvec_max_tokens: int = DENSE_MATVEC_MAX_TOKENS,
+        dense_matvec_max_tokens: int = DENSE_MATVEC_MAX_TOKENS, fp8_matvec_max_tokens: int = FP8_MATVEC_MAX_TOKENS,
     ):
         super().__init__()
         cfg = self.config = source.config
@@ -68,7 +69,7 @@ class Qwen4ExpModel(nn.Module):
             if isinstance(module, GatedResidual):
                 module.fused = fused_mix
             if isinstance(module, StackedLinear):
-                module.matvec_max_tokens = dense_matvec_max_tokens
+                module.matvec_max_tokens, module.fp8_matvec_max_tokens = dense_matvec_max_tokens, fp8_matvec_max_tokens
 
     def observe_routing(self, observer: Callable[[int, torch.Tensor], None] | None) -> None:
         """Call `observer(layer, expert ids [T, k])` with every MoE block's routing, as the layers

@@ -114,3 +114,22 @@ def test_dense_linear_takes_the_matvec_where_it_wins(monkeypatch, tokens, rows, 
     assert dispatch.DENSE_MATVEC_MAX_TOKENS == 3
     torch.testing.assert_close(dispatch.dense_linear(x, weight, backend="triton"), torch.nn.functional.linear(x, weight))
     assert bool(calls) == matvec
+
+
+@pytest.mark.parametrize("tokens,rows,given,matvec_max_tokens", [
+    (1, 8192, 3, 1),  # one token: the matvec whatever the rows
+    (3, 4095, 3, 3),  # a few tokens of a matrix under 4,096 rows (DeltaNet's output projection)
+    (3, 4096, 3, 1),  # of a taller one: the few-token tiles
+    (5, 100, 3, 3),  # past the default: the tile kernel decides by the count it is given
+    (3, 100, 0, 0),  # 0: the tile kernel for every count
+])
+def test_fp8_linear_takes_the_matvec_where_it_wins(monkeypatch, tokens, rows, given, matvec_max_tokens):
+    """fp8_linear's choice: the matvec count it hands the kernels, by rows and tokens."""
+    from flashpack.runtime.kernels import dispatch, fp8_linear
+
+    seen = []
+    monkeypatch.setattr(fp8_linear, "fp8_linear_triton", lambda x, v, s, **kw: seen.append(kw["matvec_max_tokens"]))
+    assert dispatch.FP8_MATVEC_MAX_TOKENS == 3
+    values, scale = torch.zeros(rows, 16, dtype=torch.float8_e4m3fn), torch.ones(rows)
+    dispatch.fp8_linear(torch.randn(tokens, 16), values, scale, backend="triton", matvec_max_tokens=given)
+    assert seen == [matvec_max_tokens]

@@ -41,6 +41,20 @@ def test_fp32_matches_reference(triton_device, tokens):
     assert relative_error(out, fp8_linear_reference(x, values, scale)) <= 1e-5
 
 
+@pytest.mark.parametrize("tokens", [3, 16, 17])
+def test_default_tiles_match_reference(triton_device, tokens):
+    """The tile kernel at its own tiles (tile_blocks): 16 tokens by 32 rows up to FEW_TOKENS, then a
+    prompt's 128 by 128 (17 tokens: one partly filled tile)."""
+    from flashpack.runtime.kernels.fp8_linear import FEW_TOKENS, fp8_linear_triton, tile_blocks
+
+    assert tile_blocks(FEW_TOKENS)["block_m"] == 16 and tile_blocks(FEW_TOKENS + 1)["block_m"] == 128
+    values, scale = _matrix(triton_device, seed=6)
+    x = torch.randn(tokens, COLS, generator=torch.Generator().manual_seed(tokens)).to(triton_device)
+    out = fp8_linear_triton(x, values, scale, precision="fp32", matvec_max_tokens=0,
+                            out=nan_like((tokens, ROWS), torch.float32, triton_device))
+    assert relative_error(out, fp8_linear_reference(x, values, scale)) <= 1e-5
+
+
 def test_leading_dims_and_bf16_output(triton_device):
     values, scale = _matrix(triton_device, seed=1)
     x = torch.randn(2, 1, COLS, generator=torch.Generator().manual_seed(2)).to(triton_device, torch.bfloat16)
@@ -57,10 +71,12 @@ def test_row_scale_control(triton_device):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="bf16 tensor-core dots need CUDA")
-@pytest.mark.parametrize("tokens", [9, 300])  # the tile kernel's: fewer take the float32 matvec
+@pytest.mark.parametrize("tokens", [3, 9, 16, 300])  # the tile kernel's, at its own tiles
 def test_bf16_matches_reference(tokens):
+    from flashpack.runtime.kernels.fp8_linear import fp8_linear_triton
+
     values, scale = _matrix("cuda")
     x = torch.randn(tokens, COLS, generator=torch.Generator().manual_seed(5)).cuda()
-    out = _run(x, values, scale, precision="bf16")
+    out = fp8_linear_triton(x, values, scale, precision="bf16", matvec_max_tokens=0)
     assert relative_error(out, fp8_linear_reference(x, values, scale, act_dtype=torch.bfloat16)) <= 1e-5
     assert relative_error(out, fp8_linear_reference(x, values, scale)) <= 1e-2

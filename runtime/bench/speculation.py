@@ -105,6 +105,7 @@ def decode(engine, state, prompt: list[int], gen: int, decoder: SpeculativeDecod
             began = time.perf_counter()
             replay.follow(plain_continuation(step, state, tokens, gen + decoder.draft_tokens))
             untimed += time.perf_counter() - began
+            decoder.exclude(time.perf_counter() - began)  # nor is it the policy's
     synchronize(device)
     return tokens[:gen], time.perf_counter() - start - untimed
 

@@ -65,6 +65,13 @@ class CheckedGraphs:
         self._state: SequenceState | None = None
         self._position: torch.Tensor | None = None  # int64 [1]: the step's first position
         self._pieces: dict[int, list[tuple[DecoderLayer, Callable]]] = {}  # by the step's token count
+        self._runs: dict[int, int] = {}  # runs of each token count since the pieces were made
+
+    def warming(self, tokens: int, state: SequenceState) -> bool:
+        """Whether a run of `tokens` on `state` would still be a warm-up: each piece runs eagerly
+        first (compiling its kernels) and is captured the second time (CapturedCall), seconds more
+        than a replay; a state with other buffers has them made again."""
+        return self.make_call is None and (self._runs.get(tokens, 0) < 2 or not self.bound(state))
 
     def takes(self, tokens: int) -> bool:
         return 1 < tokens <= MAX_CHECKED_TOKENS
@@ -84,6 +91,7 @@ class CheckedGraphs:
         rows = {layer.layer: layer.ple.embed(tokens, state.ple[layer.layer])
                 for layer in self.layers if layer.ple is not None}  # the n-gram context and its history
         table = self.experts.source.slot_table
+        self._runs[count] = self._runs.get(count, 0) + 1
         for layer, call in self._pieces_for(count):
             ple = [rows[layer.layer]] if layer.ple is not None else []
             streams, *tracked = call(table, self._position, streams, *ple)
@@ -140,13 +148,21 @@ class CheckedGraphs:
 
         return piece
 
-    def _bind(self, state: SequenceState, device: torch.device) -> None:
+    def bound(self, state: SequenceState) -> bool:
+        """Whether the graphs are bound to `state`'s buffers (else a run captures them again)."""
+        return self._key(state) == self._bound_to
+
+    def _key(self, state: SequenceState) -> tuple[int, ...]:
         key = tuple(t.data_ptr() for s in state.deltanet.values() for t in (s.conv, s.recurrent))
         key += tuple(s.conv.data_ptr() for s in state.ple.values())
-        key += tuple(state.attention[layer.layer].buffers()[0].data_ptr() for layer in self.layers if not layer.linear)
+        return key + tuple(state.attention[layer.layer].buffers()[0].data_ptr()
+                           for layer in self.layers if not layer.linear)
+
+    def _bind(self, state: SequenceState, device: torch.device) -> None:
+        key = self._key(state)
         if key == self._bound_to:
             return
-        self._bound_to, self._pieces = key, {}
+        self._bound_to, self._pieces, self._runs = key, {}, {}
         if self.make_call is None:
             self._pool = torch.cuda.graph_pool_handle()
         self._position = torch.zeros(1, dtype=torch.int64, device=device)

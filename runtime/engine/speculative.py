@@ -30,7 +30,9 @@ up (the MTP head's layer on every step) is that drafter's cost, not a plain step
 to its next checked step, and a drafter kept up through IDLE_TOKENS steps without drafting, at more
 than TRY_SHARE of their time, rests too. The paces outlive a request (the engine keeps one
 decoder), so what one request learnt the next need not pay for.
-Until a plain step has been timed, none is checked.
+Until a plain step has been timed, none is checked. A checked step that compiles or captures its
+graphs (the first two of each length, Step.warming) costs seconds once, not what such steps cost:
+it is not measured, lest one warm-up rest a drafter for thousands of tokens.
 """
 
 from __future__ import annotations
@@ -126,6 +128,7 @@ class SpeculativeDecoder:
     _upkeep_in_step: float = 0.0  # catching-up seconds within the step under way
     _since: tuple[str, float] | None = None  # the kind of the step under way, and when it was chosen
     _yielded: int = 1  # tokens the step under way yields
+    _measured: bool = True  # False: the step under way warmed graphs up, and its time says nothing
 
     def start(self, prompt_ids: Sequence[int]) -> None:
         """A new sequence, its first token chosen: drafters index its prompt. The prompt's catching
@@ -184,6 +187,8 @@ class SpeculativeDecoder:
         that follows them (chosen by `sampler`'s rule). `state` then holds token + accepted drafts."""
         start = time.perf_counter()
         drafts = draft.tokens
+        warming = getattr(self.step, "warming", None)
+        self._measured = not (warming is not None and warming(1 + len(drafts), state))
         state.track()
         out = self.step.forward(torch.tensor([token, *drafts]), state)
         accepted, following = self._accept(out.logits, drafts, sampler)
@@ -215,6 +220,13 @@ class SpeculativeDecoder:
                 return position, token
         return len(drafts), sampler.draw(sampler.probabilities(logits[len(drafts)]))
 
+    def exclude(self, seconds: float) -> None:
+        """Leave `seconds` the caller spent on other work since the step under way was chosen (a
+        benchmark's untimed reference decode) out of that step's cost."""
+        if self._since is not None:
+            kind, began = self._since
+            self._since = (kind, began + seconds)
+
     def _settle_pace(self, now: float) -> None:
         """Charge the step under way (chosen at `self._since`) with the time until now. Catching a
         drafter up is not a plain step's cost but that drafter's: a drafter's checked step is
@@ -225,6 +237,9 @@ class SpeculativeDecoder:
         kind, began = self._since
         seconds = now - began - self._upkeep_in_step
         self._upkeep_in_step = 0.0
+        if not self._measured:
+            self._measured = True
+            return
         pace = self._paces.setdefault(kind, _Pace())
         if kind != PLAIN:
             seconds += self._upkeep.pop(kind, 0.0)

@@ -65,6 +65,11 @@ class Step:
         state.position += count
         return StepOutput(logits=logits, streams=streams)
 
+    def warming(self, tokens: int, state: SequenceState) -> bool:
+        """Whether a tracked step of `tokens` on `state` would compile or capture its graphs rather
+        than replay them (CheckedGraphs.warming): a cost paid once, not the step's."""
+        return self.checked is not None and self.checked.takes(tokens) and self.checked.warming(tokens, state)
+
     def new_state(self) -> SequenceState:
         return self.model.new_state()
 

@@ -135,6 +135,36 @@ def test_checked_pieces_compute_plain_decoding_on_cpu(tiny_pack):
     assert set(pieces.checked._pieces) == {2, 3, 4, 5}
 
 
+def test_a_step_length_warms_up_over_its_first_two_runs(tiny_pack):
+    """CheckedGraphs.warming: a length's first run compiles, its second captures, and a state with
+    other buffers makes the pieces again; only then does a run replay. On a CPU the pieces run
+    plainly and nothing ever warms up, so the counting is read as a GPU's graphs would read it."""
+    _, pieces = _steps(tiny_pack)
+    checked, state = pieces.checked, pieces.new_state()
+    state.reserve(64)
+    pieces.forward(torch.randint(0, 1000, (20,), generator=torch.Generator().manual_seed(3)), state)
+
+    def warming(tokens, on=state) -> bool:
+        plain, checked.make_call = checked.make_call, None
+        try:
+            return checked.warming(tokens, on)
+        finally:
+            checked.make_call = plain
+
+    assert not checked.warming(3, state) and warming(3)  # plain calls never warm up; graphs would
+    seen = []
+    for run in range(3):
+        state.track()
+        pieces.forward(_tokens(run, 3), state)
+        state.rewind(3)
+        seen.append(warming(3))
+    assert seen == [True, False, False]  # after one run, after two, after three
+    assert warming(4)  # a length not run yet
+    other = pieces.new_state()
+    other.reserve(64)
+    assert warming(3, other)  # other buffers: the pieces are made again
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU test below captures the pieces")
 def test_control_pieces_whose_tracked_states_are_not_handed_back_go_wrong(tiny_pack, monkeypatch):
     plain, pieces = _steps(tiny_pack)

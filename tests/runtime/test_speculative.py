@@ -190,6 +190,27 @@ def test_the_policy_rests_a_drafter_that_loses_to_plain_steps(engine):
     assert pace.resting == 2 * speculative.BACKOFF_TOKENS
 
 
+def test_time_the_caller_excludes_is_not_the_step_s(engine):
+    decoder = SpeculativeDecoder(engine.step, [LookupDrafter()])
+    decoder._paces[speculative.PLAIN] = speculative._Pace(seconds=0.01, tokens=1)
+    decoder._since, decoder._yielded = ("lookup", 0.0), 2
+    decoder.exclude(0.5)  # e.g. a benchmark's untimed reference decode
+    decoder._settle_pace(1.0)
+    assert decoder._paces["lookup"].seconds == pytest.approx(0.5)
+    assert decoder._paces["lookup"].resting == round(0.48 / (speculative.TRY_SHARE * 0.01))
+
+
+@pytest.mark.parametrize("warming", [False, True])
+def test_a_step_that_warms_graphs_up_is_not_measured(engine, monkeypatch, warming):
+    """A checked step that compiles or captures its graphs (Step.warming) costs seconds once: the
+    policy leaves it out. Not warming (the control), the same steps are measured."""
+    monkeypatch.setattr(engine.step, "warming", lambda tokens, state: warming)
+    decoder = SpeculativeDecoder(engine.step, [LookupDrafter()])
+    _generate(engine, decoder)
+    assert decoder.stats.by_drafter["lookup"]["steps"] > 0 and decoder._paces[speculative.PLAIN].seconds
+    assert (decoder._paces["lookup"].seconds is None) == warming
+
+
 def test_a_resting_mtp_head_is_not_kept_caught_up(engine):
     """Catching the MTP head up is a layer's work a step: while the policy rests it, it is skipped,
     and the head drafts nothing for the rest of that sequence (out of line, never wrong)."""

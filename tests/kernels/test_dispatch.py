@@ -125,10 +125,13 @@ def test_dense_linear_takes_the_matvec_where_it_wins(monkeypatch, tokens, rows, 
 ])
 def test_fp8_linear_takes_the_matvec_where_it_wins(monkeypatch, tokens, rows, given, matvec_max_tokens):
     """fp8_linear's choice: the matvec count it hands the kernels, by rows and tokens."""
-    from flashpack.runtime.kernels import dispatch, fp8_linear
+    from importlib import import_module
 
+    from flashpack.runtime.kernels import dispatch
+
+    tiles = import_module("flashpack.runtime.kernels.fp8_linear")  # the package's `fp8_linear` is the function
     seen = []
-    monkeypatch.setattr(fp8_linear, "fp8_linear_triton", lambda x, v, s, **kw: seen.append(kw["matvec_max_tokens"]))
+    monkeypatch.setattr(tiles, "fp8_linear_triton", lambda x, v, s, **kw: seen.append(kw["matvec_max_tokens"]))
     assert dispatch.FP8_MATVEC_MAX_TOKENS == 3
     values, scale = torch.zeros(rows, 16, dtype=torch.float8_e4m3fn), torch.ones(rows)
     dispatch.fp8_linear(torch.randn(tokens, 16), values, scale, backend="triton", matvec_max_tokens=given)

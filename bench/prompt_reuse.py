@@ -68,6 +68,7 @@ from flashpack.runtime.bench.sizes import model_sizes
 from flashpack.runtime.engine.build import load_engine, parse_device, parse_dtype
 from flashpack.runtime.engine.config import EngineConfig
 from flashpack.runtime.engine.prefix_cache import entry_key, prefix_digests
+from flashpack.runtime.engine.settings import with_settings
 from flashpack.runtime.engine.stored_states import SUFFIX
 from flashpack.runtime.sampling import SamplingParams
 from flashpack.runtime.state import SequenceState
@@ -392,6 +393,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="tokens of each greedy reply (default %(default)s)")
     parser.add_argument("--trace", type=Path,
                         help="profile the document's first live hit: its Chrome trace into this folder")
+    parser.add_argument("--set", dest="settings", action="append", default=[], metavar="KEY=VALUE",
+                        help="an engine setting by name, as `flashpack bench --set` takes it")
     parser.add_argument("--json", type=Path, required=True, help="the report")
     parser.add_argument("--table", type=Path, help="the markdown table (default: the JSON's path with .md)")
     return parser.parse_args(argv)
@@ -496,10 +499,10 @@ def main() -> None:
     document = turns = entry = None
     with tempfile.TemporaryDirectory(prefix="prompt-states-", dir=args.states_dir) as folder:
         # speculation off: a follow-up's TTFT is its prefill, and no MTP head takes a share of the budgets
-        config = EngineConfig(device=args.device, prompt_cache_ram=args.prompt_cache_ram, prompt_cache_dir=folder,
-                              speculate="off",
-                              store=StoreConfig(vram_budget=budgets["vram"], ram_budget=budgets["ram"],
-                                                hot_set=args.hot_set))
+        config = with_settings(EngineConfig(device=args.device, prompt_cache_ram=args.prompt_cache_ram,
+                                            prompt_cache_dir=folder, speculate="off",
+                                            store=StoreConfig(vram_budget=budgets["vram"], ram_budget=budgets["ram"],
+                                                              hot_set=args.hot_set)), args.settings)
         report["config"] = asdict(config)
         report["engines"] = {}
         live, report["engines"]["live"] = started(args.pack, config)

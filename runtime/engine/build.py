@@ -122,12 +122,11 @@ def load_engine(
     step = Step(model, graphs, checked)
     tokenizer = PackTokenizer.load(pack.root)
     speculation = _speculation(step, model, PackWeights(pack), config, mtp)
-    # through a tiered store a step fetches every layer's experts: a prompt's checkpoints are worth
-    # taking in one step there, while elsewhere a step a segment keeps a restore bit for bit what
-    # the first request computed
+    one_step = config.checkpoints_in_one_step
+    if one_step is None:  # EngineConfig.checkpoints_in_one_step says why
+        one_step = device.type == "cuda" or isinstance(model.experts, StoreExperts)
     generator = Generator(step, tokenizer, prefix_cache=_prefix_cache(pack, config, device, states_ram),
-                          speculation=speculation,
-                          checkpoints_in_one_step=isinstance(model.experts, StoreExperts))
+                          speculation=speculation, checkpoints_in_one_step=one_step)
     return Engine(pack, config, model, step, tokenizer, generator, store)
 
 

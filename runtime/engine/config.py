@@ -98,6 +98,12 @@ class EngineConfig:
     prompt_cache_dir: str | None = None
     # The stored entries' disk budget, least recently used removed first.
     prompt_cache_disk: str | int = "20GiB"
+    # A prompt's checkpoints taken in one step as the layers pass them (Qwen4ExpModel.forward's
+    # marks), or a step a segment. None: one step on a GPU, where each segment's step costs its
+    # ~150 kernel launches a layer, and through a tiered store, where it fetches every layer's
+    # experts again; a step a segment on a CPU, where a restore then continues bit for bit what the
+    # first request computed (a mark's state is rounded as the whole step sums, not as its segment).
+    checkpoints_in_one_step: bool | None = None
     # Speculative decoding (runtime/engine/speculative.py) of requests without a grammar or
     # log-probabilities: drafts checked in one step, lossless, while measured tokens per second say
     # it pays. "lookup" drafts by prompt lookup, "mtp" with the pack's MTP head, "auto" both

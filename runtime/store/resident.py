@@ -11,6 +11,7 @@ in a CUDA graph). Stats count the load as pre-warming: every request afterwards 
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Iterator
 
 import torch
@@ -48,9 +49,12 @@ class ResidentExperts:
         records = sorted(served_records(pack, layers), key=lambda r: (r.file, r.offset))
         layers = max(r.layer for r in records) + 1
         self.stats = StoreStats()
+        # a prompt's distinct experts a layer, counted on the device: (layer, the count copied to the
+        # host, its event), added to the stats by the engine's thread once the copy has landed
+        self._counting: deque[tuple[int, torch.Tensor, torch.cuda.Event]] = deque()
         self.pool = torch.empty((len(records), stride), dtype=torch.uint8, device=self.device)
         cfg = manifest.config  # parsed from the manifest on every access: read it once
-        self.top_k = cfg.num_experts_per_tok
+        self.top_k, self.num_experts = cfg.num_experts_per_tok, cfg.num_experts
         table = torch.full((layers, cfg.num_experts), -1, dtype=torch.int32)
         self._slots: dict[tuple[int, int], int] = {}
         bar = tqdm(total=len(records) * stride, unit="B", unit_scale=True, desc="loading experts",
@@ -88,16 +92,39 @@ class ResidentExperts:
 
     def record_use(self, layer: int, experts: torch.Tensor) -> None:
         """Count a forward's expert requests (all device hits). One token's top-k are distinct, so
-        decode counts without reading anything back; a prompt counts its unique experts. Nothing
-        is counted while a CUDA graph is captured: the graph runner counts its replays."""
+        decode counts without reading anything back; a prompt counts its distinct experts. On a
+        GPU that count is copied back without waiting (a wait a MoE layer holds the host while the
+        GPU drains, in a prompt whose launches are most of its time) and reaches the stats at the next
+        count after it has landed. Nothing is counted while a CUDA graph is captured: the graph runner counts
+        its replays."""
         if experts.is_cuda and torch.cuda.is_current_stream_capturing():
             return
-        used = experts.shape[1] if experts.shape[0] == 1 else int(torch.unique(experts).numel())
-        self.stats.bump(layer, requests=used, device_hits=used)
+        self._settle()
+        if experts.shape[0] == 1:
+            self.stats.bump(layer, requests=experts.shape[1], device_hits=experts.shape[1])
+        elif not experts.is_cuda:
+            used = int(torch.unique(experts).numel())
+            self.stats.bump(layer, requests=used, device_hits=used)
+        else:
+            seen = torch.zeros(self.num_experts, dtype=torch.bool, device=experts.device)
+            seen[experts.flatten()] = True
+            landed = torch.cuda.Event()
+            count = seen.sum().to("cpu", non_blocking=True)
+            landed.record()
+            self._counting.append((layer, count, landed))
 
     def count_replay(self, layer: int) -> None:
         """One decode token's requests of `layer`, for a MoE block replayed from a CUDA graph."""
+        self._settle()
         self.stats.bump(layer, requests=self.top_k, device_hits=self.top_k)
+
+    def _settle(self) -> None:
+        """The landed counts into the stats: on the engine's thread, between captures (a server's
+        metrics thread reads the stats, a forward late at most, and never touches the device)."""
+        while self._counting and self._counting[0][2].query():
+            layer, count, _ = self._counting.popleft()
+            used = int(count)
+            self.stats.bump(layer, requests=used, device_hits=used)
 
     def stream(self, layer: int, experts: list[int], prefetch_after=None,
                read_ahead=None) -> Iterator[list[ResidentHandle]]:

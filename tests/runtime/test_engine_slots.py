@@ -117,6 +117,23 @@ def test_resident_counts_requests_as_device_hits(pack):
     assert resident.stats.total().device_hits == resident.stats.total().requests
 
 
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_resident_counts_a_prompts_distinct_experts(pack, device):
+    """A prompt's requests are its distinct experts a layer; on a GPU the count is copied back
+    without a wait and reaches the stats at the next count once it has landed."""
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("no GPU")
+    resident = ResidentExperts(pack, device, progress=False)
+    top_k = pack.manifest.config.num_experts_per_tok
+    picks = torch.tensor([[1, 2], [2, 3], [1, 4]], device=device)  # 4 distinct of 6
+    resident.record_use(0, picks)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    resident.count_replay(1)
+    assert resident.stats.layer(0).requests == 4 and resident.stats.layer(0).device_hits == 4
+    assert resident.stats.layer(1).requests == top_k
+
+
 def test_build_store_goes_resident_only_when_allowed_and_everything_fits(tiny_pack):
     from flashpack.runtime.store import TieredStore, build_store
     from flashpack.runtime.store.config import StoreConfig

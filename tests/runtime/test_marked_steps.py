@@ -15,6 +15,7 @@ from flashpack.runtime.engine.build import load_engine
 from flashpack.runtime.engine.config import EngineConfig
 from flashpack.runtime.engine.prefix_cache import PrefixCache
 from flashpack.runtime.sampling import SamplingParams
+from flashpack.runtime.store.config import StoreConfig
 
 TOLERANCE = dict(rtol=1e-4, atol=1e-5)  # float32: the whole step and its segments sum in other orders
 
@@ -129,6 +130,21 @@ def test_without_one_step_checkpoints_a_prompt_is_prefilled_a_step_a_segment(eng
         assert steps == [40, 30, 20]
     finally:
         generator.prefix_cache = None
+
+
+@pytest.mark.parametrize("setting, store, expected", [
+    (None, False, False),  # a CPU engine without a store: a step a segment, a restore bit for bit
+    (None, True, True),  # through a tiered store: each layer's experts fetched once
+    (True, False, True),
+    (False, True, False),
+])
+def test_checkpoints_in_one_step_follows_the_engine_config(tiny_pack, setting, store, expected):
+    """EngineConfig.checkpoints_in_one_step reaches the generator; unset, the engine decides (a GPU
+    engine takes one step too: tests/runtime/test_prefix_cache.py's GPU cases)."""
+    store_config = StoreConfig(ram_budget="64MiB") if store else StoreConfig()
+    engine = load_engine(tiny_pack, EngineConfig(dtype="float32", prompt_cache_ram=0, speculate="off",
+                                                 checkpoints_in_one_step=setting, store=store_config))
+    assert engine.generator.checkpoints_in_one_step is expected
 
 
 def test_checkpoints_saved_while_the_mtp_head_runs_carry_its_part(tiny_pack):

@@ -71,7 +71,8 @@ def test_score_equals_the_prompt_part_of_a_stream_and_slices_change_nothing(tiny
     (sliced,) = list(tiny_engine.generator.score(ids, top_n=2))
     assert [e.token_id for e in sliced.prompt_logprobs] == ids[1:]
     for a, b in zip(sliced.prompt_logprobs, scored.prompt_logprobs):
-        assert abs(a.logprob - b.logprob) <= 1e-6 and [t for t, _ in a.top] == [t for t, _ in b.top]
+        # float32 log-softmax rows computed in other batches: a few ulps apart (2 ulps at -13.4 is 1.9e-6)
+        assert abs(a.logprob - b.logprob) <= 1e-6 * (1 + abs(b.logprob)) and [t for t, _ in a.top] == [t for t, _ in b.top]
 
 
 def test_score_takes_a_prompt_that_fills_the_context_which_generation_refuses(tiny_engine):

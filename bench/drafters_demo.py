@@ -79,6 +79,14 @@ def run(engine, prompts, tokens: int, decoder) -> tuple[list[list[int]], float, 
     return outputs, seconds, None if decoder is None else decoder.stats.to_dict()
 
 
+def _chosen(text: str, known, option: str) -> list[str]:
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    unknown = [name for name in names if name not in known]
+    if unknown or not names:
+        raise SystemExit(f"{option}: choose from {', '.join(known)}; got {text!r}")
+    return names
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--pack", help="the demo model's pack (default: converted into a temporary folder)")
@@ -87,6 +95,8 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=96, help="tokens decoded a prompt at most")
     parser.add_argument("--repeats", type=int, default=2, help="alternated plain and speculative runs of each "
                         "(medians; the decoder and its policy carry over between them)")
+    parser.add_argument("--tasks", default="code,prose,edit", help="which tasks, comma-separated (default %(default)s)")
+    parser.add_argument("--drafters", default="lookup,mtp,auto", help="which drafters, comma-separated (default %(default)s)")
     parser.add_argument("--set", dest="settings", action="append", default=[], metavar="KEY=VALUE",
                         help="an engine setting by name, as `flashpack bench --set` takes it")
     parser.add_argument("--json", type=Path, required=True)
@@ -98,12 +108,16 @@ def main() -> None:
         lookup, mtp = engine.generator.speculation.drafters
         text = TextModel.load(demo_model.snapshot_path())
         tasks = task_prompts(text, load_corpus(max_train_files=0), args.prompts)
-        run(engine, tasks["code"][:1], 16, None)  # warm-up
+        tasks = {task: tasks[task] for task in _chosen(args.tasks, tasks, "--tasks")}
+        wanted = _chosen(args.drafters, ("lookup", "mtp", "auto"), "--drafters")
+        run(engine, next(iter(tasks.values()))[:1], 16, None)  # warm-up
         rows = []
         for task, prompts in tasks.items():
             for name, drafters, policy in (("lookup", [LookupDrafter()], False), ("mtp", [mtp], False),
                                            ("auto", [LookupDrafter(), mtp], True)):
-                decoder = SpeculativeDecoder(engine.step, drafters, policy=policy)
+                if name not in wanted:
+                    continue
+                decoder = SpeculativeDecoder(engine.step, drafters, engine.config.draft_tokens, policy=policy)
                 plain_times, times, lossless = [], [], True
                 for _ in range(args.repeats):  # alternated: plain, speculative, plain, ...
                     plain, plain_seconds, _ = run(engine, prompts, args.tokens, None)

@@ -47,7 +47,11 @@ def gated_delta_rule_for(device: torch.device | str, backend: str = "auto") -> C
 def delta_rule_positions(rule: Callable, q, k, v, g, beta, state: torch.Tensor):
     """`rule` one token at a time: (out [T, Hv, Dv], the state after each token [T, Hv, Dk, Dv]).
     For the few tokens of a speculative step, whose rollback needs the state after each; they are
-    the one-token computations plain decoding would have done."""
+    the one-token computations plain decoding would have done. The plain rule runs them in one
+    pass of its own loop (its inputs prepared once, not once a token: on a CPU that preparation was
+    most of a token's cost), every token's arithmetic as a one-token call does it."""
+    if rule is plain_gated_delta_rule:
+        return plain_gated_delta_rule(q, k, v, g, beta, state, each=True)
     outs, states = [], []
     for t in range(q.shape[0]):
         out, state = rule(q[t:t + 1], k[t:t + 1], v[t:t + 1], g[t:t + 1], beta[t:t + 1], state)
@@ -56,10 +60,14 @@ def delta_rule_positions(rule: Callable, q, k, v, g, beta, state: torch.Tensor):
     return torch.cat(outs), torch.stack(states)
 
 
-def plain_gated_delta_rule(q, k, v, g, beta, state: torch.Tensor):
+def plain_gated_delta_rule(q, k, v, g, beta, state: torch.Tensor, each: bool = False):
+    """The plain forms: a token alone by the recurrence, a prompt by chunks; `each`: every token by
+    the recurrence, returning the state after each (delta_rule_positions)."""
     groups = v.shape[1] // q.shape[1]
     if groups > 1:
         q, k = q.repeat_interleave(groups, dim=1), k.repeat_interleave(groups, dim=1)
+    if each:
+        return recurrent_gated_delta_rule(q, k, v, g, beta, state, each=True)
     rule = recurrent_gated_delta_rule if q.shape[0] == 1 else chunk_gated_delta_rule
     return rule(q, k, v, g, beta, state)
 
@@ -88,19 +96,22 @@ def _prepare(q, k, v, g, beta):
     return q * q.shape[-1] ** -0.5, k, v, g, beta
 
 
-def recurrent_gated_delta_rule(q, k, v, g, beta, state: torch.Tensor):
+def recurrent_gated_delta_rule(q, k, v, g, beta, state: torch.Tensor, each: bool = False):
     """q, k [T, Hv, Dk]; v [T, Hv, Dv]; g, beta [T, Hv]; state [Hv, Dk, Dv] fp32.
 
-    Returns (out [T, Hv, Dv] fp32, new state)."""
+    Returns (out [T, Hv, Dv] fp32, new state), or with `each` (out, the state after each token
+    [T, Hv, Dk, Dv])."""
     q, k, v, g, beta = _prepare(q, k, v, g, beta)
     out = torch.empty_like(v)
+    states = []
     for t in range(q.shape[1]):
         state = state * g[:, t].exp()[:, None, None]
         predicted = (state * k[:, t, :, None]).sum(dim=-2)  # S^T k  [Hv, Dv]
         delta = (v[:, t] - predicted) * beta[:, t, None]
         state = state + k[:, t, :, None] * delta[:, None, :]
         out[:, t] = (state * q[:, t, :, None]).sum(dim=-2)
-    return out.transpose(0, 1), state
+        states.append(state)
+    return out.transpose(0, 1), torch.stack(states) if each else state
 
 
 def chunk_gated_delta_rule(q, k, v, g, beta, state: torch.Tensor, chunk: int = 64):

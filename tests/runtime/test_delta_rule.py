@@ -12,7 +12,8 @@ from reference_model import rel_err
 from transformers.models.qwen4_exp import modeling_qwen4_exp as hf
 
 from flashpack.runtime.model.delta_rule import (
-    chunk_gated_delta_rule, fla_available, gated_delta_rule, recurrent_gated_delta_rule,
+    chunk_gated_delta_rule, delta_rule_positions, fla_available, gated_delta_rule, plain_gated_delta_rule,
+    recurrent_gated_delta_rule,
 )
 
 cuda_fla = pytest.mark.skipif(
@@ -61,6 +62,19 @@ def test_each_key_head_serves_consecutive_value_heads(length):
         step_out = step_state
         outs.append(o)
     assert rel_err(out, torch.cat(outs)) <= 1e-5 and rel_err(final, step_state) <= 1e-5
+
+
+@pytest.mark.parametrize("length, key_heads, value_heads", [(1, 2, 6), (2, 4, 8), (5, 2, 6), (17, 3, 3)])
+def test_a_checked_steps_positions_are_the_one_token_steps_bit_for_bit(length, key_heads, value_heads):
+    """delta_rule_positions runs the plain rule's tokens in one pass; each output and each state after
+    a token is exactly what that token's one-token call computes (a speculative step must round as
+    plain decoding does)."""
+    q, k, v, g, beta, state = _inputs(length, key_heads, value_heads, dk=16, dv=8, seed=length)
+    out, states = delta_rule_positions(plain_gated_delta_rule, q, k, v, g, beta, state)
+    assert states.shape == (length, value_heads, 16, 8)
+    for t in range(length):
+        step_out, state = plain_gated_delta_rule(q[t:t + 1], k[t:t + 1], v[t:t + 1], g[t:t + 1], beta[t:t + 1], state)
+        assert torch.equal(out[t:t + 1], step_out) and torch.equal(states[t], state), t
 
 
 @cuda_fla

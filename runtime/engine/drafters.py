@@ -35,6 +35,7 @@ from flashpack.runtime.state import SequenceState
 
 class Drafter(Protocol):
     name: str
+    cheap: bool  # proposing costs next to nothing: the policy scores its proposals while it rests
 
     def start(self, prompt_ids: Sequence[int]) -> None: ...
 
@@ -48,6 +49,7 @@ class Drafter(Protocol):
 
 class LookupDrafter:
     name = "lookup"
+    cheap = True  # a proposal is a few dictionary lookups
 
     def __init__(self, ngram: int = 3):
         self.ngram = ngram  # the longest context suffix matched (down to one token)
@@ -69,6 +71,7 @@ class LookupDrafter:
 
 class MTPDrafter:
     name = "mtp"
+    cheap = False  # a proposal runs the head's layer k times
 
     def __init__(self, head: MTPHead):
         self.head = head

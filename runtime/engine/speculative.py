@@ -30,6 +30,11 @@ up (the MTP head's layer on every step) is that drafter's cost, not a plain step
 to its next checked step, and a drafter kept up through IDLE_TOKENS steps without drafting, at more
 than TRY_SHARE of their time, rests too. The paces outlive a request (the engine keeps one
 decoder), so what one request learnt the next need not pay for.
+A drafter whose proposals cost next to nothing (`cheap`: prompt lookup) is still asked while it
+rests, and each proposal is scored in hindsight against the tokens then chosen (the tokens a checked
+step would have yielded): those scores move its mean yield as checked steps do, and its rest ends
+once the mean says it pays again. Resting then costs it no lost chances, and a drafter judged on a
+burst of misses (an edit's renamed names) comes back when its drafts match again.
 Until a plain step has been timed, none is checked. A checked step that compiles or captures its
 graphs (the first two of each length, Step.warming) costs seconds once, not what such steps cost:
 it is not measured, lest one warm-up rest a drafter for thousands of tokens.
@@ -129,13 +134,15 @@ class SpeculativeDecoder:
     _since: tuple[str, float] | None = None  # the kind of the step under way, and when it was chosen
     _yielded: int = 1  # tokens the step under way yields
     _measured: bool = True  # False: the step under way warmed graphs up, and its time says nothing
+    _hindsight: dict[str, tuple[list[int], list[int]]] = field(default_factory=dict)  # resting cheap drafter -> (its
+    # proposal, the tokens chosen since)
 
     def start(self, prompt_ids: Sequence[int]) -> None:
         """A new sequence, its first token chosen: drafters index its prompt. The prompt's catching
         up is a part of its prefill, not charged to any drafter."""
         for drafter in self.drafters:
             drafter.start(prompt_ids)
-        self._since, self._upkeep, self._upkeep_in_step = None, {}, 0.0
+        self._since, self._upkeep, self._upkeep_in_step, self._hindsight = None, {}, 0.0, {}
 
     def observe(self, tokens: Sequence[int], streams: torch.Tensor, state: SequenceState,
                 marked: Sequence[tuple[int, SequenceState]] = ()) -> None:
@@ -163,14 +170,17 @@ class SpeculativeDecoder:
         or None (a plain step) where nothing is proposed or the policy says it does not pay."""
         now = time.perf_counter()
         self._settle_pace(now)
-        for drafter in self.drafters:
-            drafter.extend([token])
+        self._extend([token])
         kind, found = PLAIN, None
         if room >= 1 and (not self.policy or PLAIN in self._paces):  # a plain step is timed first
             for drafter in self.drafters:
                 pace = self._paces.setdefault(drafter.name, _Pace())
                 if self.policy and pace.resting > 0:
                     pace.resting -= 1
+                    if getattr(drafter, "cheap", False) and drafter.name not in self._hindsight:
+                        proposal = drafter.propose(token, state, min(self.draft_tokens, room))
+                        if proposal:
+                            self._hindsight[drafter.name] = (proposal, [])
                     continue
                 tokens = drafter.propose(token, state, min(self.draft_tokens, room))
                 if tokens:
@@ -200,8 +210,7 @@ class SpeculativeDecoder:
         self.stats.count(draft.drafter, len(drafts), accepted)
         for drafter in self._awake():
             self._kept_up(drafter, [token, *drafts[:accepted]], out.streams[:kept], state)
-        for drafter in self.drafters:
-            drafter.extend(drafts[:accepted])
+        self._extend(drafts[:accepted])
         self._yielded = kept
         return drafts[:accepted], following
 
@@ -219,6 +228,27 @@ class SpeculativeDecoder:
             if not ok:
                 return position, token
         return len(drafts), sampler.draw(sampler.probabilities(logits[len(drafts)]))
+
+    def _extend(self, tokens: Sequence[int]) -> None:
+        """Tokens chosen for the sequence, in order: the drafters' context grows, and the proposals
+        held for hindsight are scored as far as the tokens reach."""
+        for drafter in self.drafters:
+            drafter.extend(tokens)
+        for token in tokens:
+            for name, (proposal, chosen) in list(self._hindsight.items()):
+                matched = token == proposal[len(chosen)]
+                chosen.append(token)
+                if not matched or len(chosen) == len(proposal):
+                    del self._hindsight[name]
+                    self._score_in_hindsight(name, len(chosen) - (not matched))
+
+    def _score_in_hindsight(self, name: str, accepted: int) -> None:
+        """A resting drafter's proposal would have had `accepted` drafts accepted: its mean yield
+        moves as a checked step's would, and it rests no longer once that says it pays."""
+        pace, plain = self._paces[name], self._paces.get(PLAIN)
+        pace.tokens = _mean(pace.tokens, 1 + accepted)
+        if plain is not None and pace.seconds is not None and pace.rate() > plain.rate():
+            pace.resting = 0
 
     def exclude(self, seconds: float) -> None:
         """Leave `seconds` the caller spent on other work since the step under way was chosen (a

@@ -190,6 +190,77 @@ def test_the_policy_rests_a_drafter_that_loses_to_plain_steps(engine):
     assert pace.resting == 2 * speculative.BACKOFF_TOKENS
 
 
+class Known:
+    """A drafter proposing `truth`'s next tokens with the first `right` of each proposal right."""
+    name = "known"
+
+    def __init__(self, truth: list[int], cheap: bool, right: int = 4):
+        self.truth, self.cheap, self.right, self.context, self.asked = truth, cheap, right, 0, 0
+
+    def start(self, prompt_ids):
+        self.context = 0
+
+    def extend(self, tokens):
+        self.context += len(tokens)
+
+    def observe(self, tokens, streams, state, marked=()):
+        pass
+
+    def propose(self, token, state, k):
+        self.asked += 1
+        ahead = self.truth[self.context:self.context + k]
+        return [t if i < self.right else t + 1 for i, t in enumerate(ahead)]
+
+
+def _resting_behind_plain(engine, drafter) -> SpeculativeDecoder:
+    """A policy decoder whose `drafter` lost (50 tokens a second against plain's 100) and rests."""
+    decoder = SpeculativeDecoder(engine.step, [drafter])
+    decoder.start([1, 2, 3])
+    decoder._paces[speculative.PLAIN] = speculative._Pace(seconds=0.01, tokens=1)
+    decoder._paces[drafter.name] = speculative._Pace(seconds=0.02, tokens=1, resting=1000)
+    return decoder
+
+
+def _choose(decoder, engine, tokens: list[int]) -> list:
+    """Each of `tokens` chosen in turn by a plain step (no time passing between them)."""
+    state, drafts = engine.step.new_state(), []
+    for token in tokens:
+        decoder._since = None
+        drafts.append(decoder.draft(token, state, 4))
+    return drafts
+
+
+@pytest.mark.parametrize("cheap", [True, False])
+def test_a_resting_cheap_drafter_is_scored_in_hindsight_and_returns_once_it_would_pay(engine, cheap):
+    """Prompt lookup's proposals cost nothing: while the policy rests it, they are still made and
+    scored against the tokens then chosen; right ones lift its mean yield, and once that beats
+    plain steps it rests no longer. A drafter that is not cheap (the control) is not asked while
+    it rests, and rests on."""
+    truth = list(range(100, 160))
+    drafter = Known(truth, cheap)
+    decoder = _resting_behind_plain(engine, drafter)
+    pace = decoder._paces["known"]
+    drafts = _choose(decoder, engine, truth[:16])
+    if cheap:
+        # the proposals made at tokens 0 and 4 are scored as tokens 4 and 8 are chosen, each 5 tokens
+        # in hindsight: 1 -> 1.8 -> 2.44 tokens in 0.02 s, past plain's 100 a second at the second,
+        # so token 8 is drafted for at once
+        assert pace.tokens == pytest.approx(2.44) and pace.resting == 0
+        assert all(d is None for d in drafts[:8]) and drafts[8] is not None and drafts[8].drafter == "known"
+        assert decoder.stats.steps == 0  # nothing was checked to learn it
+    else:
+        assert drafter.asked == 0 and pace.tokens == 1 and pace.resting == 1000 - 16
+        assert all(d is None for d in drafts)
+
+
+def test_a_proposal_in_hindsight_counts_its_right_drafts_up_to_the_first_wrong_one(engine):
+    truth = list(range(100, 160))
+    decoder = _resting_behind_plain(engine, Known(truth, cheap=True, right=2))
+    _choose(decoder, engine, truth[:4])  # the proposal at token 0 is [101, 102, 104, 105]: 2 right, 103 next
+    assert decoder._paces["known"].tokens == pytest.approx(0.8 * 1 + 0.2 * 3)
+    assert decoder._paces["known"].resting == 1000 - 4  # 1.4 tokens in 0.02 s: still losing
+
+
 def test_time_the_caller_excludes_is_not_the_step_s(engine):
     decoder = SpeculativeDecoder(engine.step, [LookupDrafter()])
     decoder._paces[speculative.PLAIN] = speculative._Pace(seconds=0.01, tokens=1)

@@ -49,6 +49,7 @@ class ReplayDrafter:
     """Proposes the known greedy continuation `truth`, each position right with probability
     `alpha` (seeded), else a token that is certainly wrong."""
     name = "replay"
+    cheap = False  # it stands in for the MTP head, whose proposals cost a layer's work each
 
     def __init__(self, truth: list[int], prompt_length: int, alpha: float, vocab: int, seed: int = 0):
         self.truth, self.prompt_length, self.alpha, self.vocab = truth, prompt_length, alpha, vocab

@@ -177,7 +177,7 @@ class SpeculativeDecoder:
                 pace = self._paces.setdefault(drafter.name, _Pace())
                 if self.policy and pace.resting > 0:
                     pace.resting -= 1
-                    if getattr(drafter, "cheap", False) and drafter.name not in self._hindsight:
+                    if drafter.cheap and drafter.name not in self._hindsight:
                         proposal = drafter.propose(token, state, min(self.draft_tokens, room))
                         if proposal:
                             self._hindsight[drafter.name] = (proposal, [])

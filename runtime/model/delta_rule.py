@@ -48,8 +48,8 @@ def delta_rule_positions(rule: Callable, q, k, v, g, beta, state: torch.Tensor):
     """`rule` one token at a time: (out [T, Hv, Dv], the state after each token [T, Hv, Dk, Dv]).
     For the few tokens of a speculative step, whose rollback needs the state after each; they are
     the one-token computations plain decoding would have done. The plain rule runs them in one
-    pass of its own loop (its inputs prepared once, not once a token: on a CPU that preparation was
-    most of a token's cost), every token's arithmetic as a one-token call does it."""
+    pass of its own loop, its inputs prepared once rather than once a token (on a CPU preparing
+    them costs more than a token's recurrence), every token's arithmetic as a one-token call does it."""
     if rule is plain_gated_delta_rule:
         return plain_gated_delta_rule(q, k, v, g, beta, state, each=True)
     outs, states = [], []
@@ -110,7 +110,8 @@ def recurrent_gated_delta_rule(q, k, v, g, beta, state: torch.Tensor, each: bool
         delta = (v[:, t] - predicted) * beta[:, t, None]
         state = state + k[:, t, :, None] * delta[:, None, :]
         out[:, t] = (state * q[:, t, :, None]).sum(dim=-2)
-        states.append(state)
+        if each:
+            states.append(state)
     return out.transpose(0, 1), torch.stack(states) if each else state
 
 

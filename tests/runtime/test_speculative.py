@@ -43,6 +43,7 @@ def _generate(engine, decoder: SpeculativeDecoder | None, params=SamplingParams(
 class Scripted:
     """A drafter proposing the plain output's continuation, each token shifted by `shift` (0: right)."""
     name = "scripted"
+    cheap = False
 
     def __init__(self, plain: list[int], shift: int):
         self.plain, self.shift, self.context = plain, shift, 0

@@ -1,10 +1,15 @@
 """A SequenceState as bytes and back: what a stored prompt state holds (stored_states.py).
 
-The tensors go through safetensors (no pickle: a file from elsewhere cannot run code), named by
-part and layer (`deltanet.3.conv`, `attention.7.keys`, `ple.0.context`, ...), with the position and
-each attention cache's length and blocks in its metadata, and the MTP head's pending input where the
-state has one. Only filled parts are written (a snapshot
-is compact already). Decoding checks every tensor against a fresh state of the same model: a
+The bytes are safetensors' format (no pickle: a file from elsewhere cannot run code), the tensors
+named by part and layer (`deltanet.3.conv`, `attention.7.keys`, `ple.0.context`, ...), with the
+position and each attention cache's length and blocks in its metadata, and the MTP head's pending
+input where the state has one. Only filled parts are written (a snapshot is compact already).
+
+Encoding lays the format out here rather than calling safetensors' `save`, which builds the whole
+file as one bytes object while holding the GIL: hundreds of milliseconds for a 32k-token state on
+the stored states' writer thread, through which the request thread that saved the checkpoint could
+not run a line (its time to first token grew by that much). `encode_state` returns the header and
+views of the tensors' own bytes, copying nothing; safetensors reads the result (tested). Decoding checks every tensor against a fresh state of the same model: a
 missing or extra part, a shape or dtype that differs, is a StateFormatError, never a state that
 would compute something else.
 """
@@ -15,7 +20,6 @@ import json
 
 import numpy as np
 import torch
-from safetensors.torch import save
 
 from flashpack.runtime.state import AttentionCache, DeltaNetState, PLEState, SequenceState
 
@@ -24,7 +28,9 @@ class StateFormatError(ValueError):
     """Bytes that are not a state of this model."""
 
 
-def encode_state(state: SequenceState) -> bytes:
+def encode_state(state: SequenceState) -> list[memoryview]:
+    """The state's safetensors bytes in pieces: the header, then each tensor's bytes (views of the
+    state's host tensors where they are contiguous, which a live entry's are)."""
     tensors: dict[str, torch.Tensor] = {}
     for layer, part in state.deltanet.items():
         tensors[f"deltanet.{layer}.conv"], tensors[f"deltanet.{layer}.recurrent"] = part.conv, part.recurrent
@@ -39,7 +45,16 @@ def encode_state(state: SequenceState) -> bytes:
     if state.mtp_input is not None:
         tensors["mtp_input"] = state.mtp_input
     tensors = {name: _contiguous_on_host(tensor) for name, tensor in tensors.items()}
-    return save(tensors, metadata={"position": str(state.position), "attention": json.dumps(lengths)})
+    header: dict[str, object] = {"__metadata__": {"position": str(state.position), "attention": json.dumps(lengths)}}
+    offset = 0
+    for name, tensor in tensors.items():
+        nbytes = tensor.numel() * tensor.element_size()
+        header[name] = {"dtype": _NAMES[tensor.dtype], "shape": list(tensor.shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)  # the format aligns the tensors' bytes to 8
+    return [memoryview(len(text).to_bytes(8, "little") + text)] + [
+        memoryview(tensor.reshape(-1).view(torch.uint8).numpy()) for tensor in tensors.values() if tensor.numel()]
 
 
 def _contiguous_on_host(tensor: torch.Tensor) -> torch.Tensor:
@@ -109,6 +124,7 @@ def _like(tensors: dict[str, torch.Tensor], name: str, like: torch.Tensor, on_ho
 
 
 _DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "I64": torch.int64, "I32": torch.int32}
+_NAMES = {dtype: name for name, dtype in _DTYPES.items()}
 
 
 def _views(data) -> dict[str, torch.Tensor]:

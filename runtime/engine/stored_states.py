@@ -13,7 +13,8 @@ One file an entry, `<key>.fpstate`:
 
 The header names the format, the pack's fingerprint (its manifest's xxh64), the entry's key and
 token count, and each frame's length, decompressed length and xxh64; the frames are state_codec's
-bytes cut every `frame_bytes` (16 MiB) and compressed with zstandard each on its own. A read
+bytes, its header and each tensor cut every `frame_bytes` (16 MiB), compressed with zstandard each
+on its own. A read
 decompresses each frame on a thread pool as soon as it is read and its checksum holds, so the
 decompression (a single zstd stream decodes about 1 GB/s, slower than a fast disk reads a 1 GB
 state) runs beside the disk and on several cores. A file is written under a temporary name and
@@ -179,8 +180,10 @@ class StoredStates:
         self._queue.task_done()
 
     def _write(self, compressor, key: str, tokens: int, state: SequenceState) -> None:
-        encoded = memoryview(encode_state(state))
-        chunks = [encoded[start:start + self.frame_bytes] for start in range(0, len(encoded), self.frame_bytes)]
+        # frames within each piece (the header, a tensor): a frame across pieces would need them
+        # joined, a copy made holding the GIL; zstandard releases it while it compresses
+        chunks = [piece[start:start + self.frame_bytes] for piece in encode_state(state)
+                  for start in range(0, len(piece), self.frame_bytes)]
         frames = [compressor.compress(chunk) for chunk in chunks]
         header = json.dumps({"format": FORMAT, "fingerprint": self.fingerprint, "key": key, "tokens": tokens,
                              "frames": [[len(frame), len(chunk), xxhash.xxh64(frame).hexdigest()]

@@ -44,16 +44,38 @@ def _equal(a: SequenceState, b: SequenceState) -> bool:
     return bool(same)
 
 
+def _encoded(state: SequenceState) -> bytearray:
+    return bytearray(b"".join(encode_state(state)))
+
+
 def test_a_state_round_trips_exactly(engine):
     state = _state(engine, 70)
-    assert _equal(decode_state(bytearray(encode_state(state)), engine.step.new_state()), state)
+    assert _equal(decode_state(_encoded(state), engine.step.new_state()), state)
+
+
+def test_the_encoding_is_safetensors_and_copies_no_tensor(engine):
+    """safetensors' own reader (the library, not ours) finds every tensor and the metadata; the pieces
+    after the header are the snapshot's tensors' own bytes, not copies (a copy would be made holding
+    the GIL, stalling the request thread while the writer encodes)."""
+    from safetensors.torch import load
+
+    state = _state(engine, 70).snapshot()
+    pieces = encode_state(state)
+    loaded = load(bytes(b"".join(pieces)))
+    assert torch.equal(loaded["deltanet.0.recurrent"], state.deltanet[0].recurrent)
+    layer = next(iter(state.attention))
+    assert torch.equal(loaded[f"attention.{layer}.keys"], state.attention[layer].keys)
+    assert sum(t.numel() > 0 for t in loaded.values()) == len(pieces) - 1  # an empty tensor has no bytes
+    own = {t.data_ptr() for t in loaded.values()}  # load copies: none of these is a piece
+    pointers = {torch.frombuffer(piece, dtype=torch.uint8).data_ptr() for piece in pieces[1:]}
+    assert state.deltanet[0].recurrent.data_ptr() in pointers and not pointers & own
 
 
 def test_a_tensor_whose_shape_does_not_fit_its_bytes_is_refused(engine):
     """The tensors are read as views of the decompressed bytes, each checked against its bytes."""
     import json
 
-    data = bytearray(encode_state(_state(engine, 70)))
+    data = _encoded(_state(engine, 70))
     header_bytes = int.from_bytes(data[:8], "little")
     header = json.loads(bytes(data[8:8 + header_bytes]))
     name = next(key for key in header if key.startswith("attention."))
@@ -69,7 +91,7 @@ def test_a_state_missing_a_part_is_refused(engine):
     state = _state(engine, 70)
     state.ple = {}
     with pytest.raises(StateFormatError, match="parts differ"):
-        decode_state(bytearray(encode_state(state)), engine.step.new_state())
+        decode_state(_encoded(state), engine.step.new_state())
     with pytest.raises(StateFormatError, match="not a stored state"):
         decode_state(bytearray(b"not safetensors at all"), engine.step.new_state())
 

@@ -1,0 +1,176 @@
+"""What a warmed-up engine's first requests of each kind still pay: each request's time to first
+token (TTFT) against a request of the same shape sent next, with the host's time in compiling and
+tuning (Triton builds, TorchInductor, Triton's autotuning) counted from a cProfile of each request.
+
+    python bench/first_requests.py PACK [--device cuda] [--vram-budget 24GiB --ram-budget 64GiB
+        --emulate-layers 48 --hot-set '*'] [--document-tokens 32768] --json OUT
+
+The requests, each with the prompt cache on and checkpoints at its message boundaries, as the server
+sends them:
+  chat          a system message and ~--turn-tokens tokens of Python source (nothing to restore)
+  chat again    the same shape, other text and another system message
+  follow-up     the chat, its reply and ~--turn-tokens more: a live hit and an extension prefill
+  follow-up again  the same on "chat again"
+  document      a --document-tokens document (skipped at 0), then another, then a follow-up on each
+
+Engine.warm_up is meant to build what a first request would: a first request far slower than its
+repeat, with its time in builds, is what it missed. A cProfile summary of every request goes to
+`--profiles` (default: beside the JSON), the 40 functions of most cumulative time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import pstats
+import shlex
+import sys
+import tempfile
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+from flashpack.layout.pack import Pack
+from flashpack.runtime.bench.emulate import check_layers, scaled_budgets
+from flashpack.runtime.bench.machine import machine_info
+from flashpack.runtime.bench.sizes import model_sizes
+from flashpack.runtime.engine.build import load_engine, parse_device, parse_dtype
+from flashpack.runtime.engine.config import EngineConfig
+from flashpack.runtime.engine.settings import with_settings
+from flashpack.runtime.sampling import SamplingParams
+from flashpack.runtime.store.budget import parse_budget
+from flashpack.runtime.store.config import StoreConfig
+
+sys.path.insert(0, str(Path(__file__).parent))
+from prompt_reuse import document_text, source_text, source_turns  # noqa: E402  (the same texts)
+
+# where builds happen, by (file suffix, function): what a profile's time in them counts as
+BUILDS = {
+    "triton": (("triton/compiler/compiler.py", "compile"),),
+    "autotune": (("triton/runtime/autotuner.py", "_bench"),),
+    "inductor": (("torch/_inductor/compile_fx.py", "compile_fx"), ("torch/_dynamo/convert_frame.py", "_compile")),
+}
+
+
+def build_seconds(stats: pstats.Stats) -> dict[str, float]:
+    """The cumulative seconds a profile spent in each kind of build (outermost calls only: a
+    function's cumulative time already holds its recursive calls)."""
+    found = dict.fromkeys(BUILDS, 0.0)
+    for (path, _, name), (_, _, _, cumulative, _) in stats.stats.items():
+        for kind, places in BUILDS.items():
+            if any(path.endswith(suffix) and name == function for suffix, function in places):
+                found[kind] = max(found[kind], cumulative)
+    return found
+
+
+def _device_segments() -> int:
+    """Memory segments torch's CUDA allocator has taken from the driver so far (cudaMalloc calls)."""
+    return torch.cuda.memory_stats().get("segment.all.allocated", 0) if torch.cuda.is_available() else 0
+
+
+def request(engine, ids: list[int], reply_tokens: int, profiles: Path, name: str) -> dict:
+    profiler = cProfile.Profile()
+    pieces, last = [], None
+    segments = _device_segments()
+    profiler.enable()
+    for event in engine.generator.stream(ids, SamplingParams(max_tokens=reply_tokens),
+                                         checkpoints=engine.tokenizer.message_starts(ids)):
+        pieces.append(event.text)
+        last = event
+    profiler.disable()
+    text = io.StringIO()
+    stats = pstats.Stats(profiler, stream=text)
+    stats.sort_stats("cumulative").print_stats(40)
+    stats.sort_stats("tottime").print_stats(25)
+    (profiles / f"profile-{name.replace(' ', '-')}.txt").write_text(text.getvalue())
+    return {"request": name, "prompt_tokens": len(ids), "cached_tokens": last.timings["cached_tokens"],
+            "ttft_s": last.timings["first_token_seconds"], "builds_s": build_seconds(stats),
+            "device_segments_allocated": _device_segments() - segments, "text": "".join(pieces)}
+
+
+def chat_pair(engine, system: str, turns: list[str], reply_tokens: int, profiles: Path, name: str) -> list[dict]:
+    """A chat of one turn, then its follow-up (the reply and the next turn appended)."""
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": turns[0]}]
+    first = request(engine, engine.tokenizer.encode_chat(messages), reply_tokens, profiles, name)
+    messages += [{"role": "assistant", "content": first["text"]}, {"role": "user", "content": turns[1]}]
+    follow = request(engine, engine.tokenizer.encode_chat(messages), 1, profiles, f"{name} follow-up")
+    return [first, follow]
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("pack")
+    parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default %(default)s)")
+    parser.add_argument("--vram-budget", help="the full model's VRAM budget, e.g. 24GiB (default: the engine's)")
+    parser.add_argument("--ram-budget", help="the full model's RAM budget, e.g. 64GiB (default: the engine's)")
+    parser.add_argument("--emulate-layers", type=int, help="the full model's layer count the budgets are typed for")
+    parser.add_argument("--hot-set", default=StoreConfig.hot_set, help="the store's hot set (default %(default)s)")
+    parser.add_argument("--turn-tokens", type=int, default=500, help="tokens a chat turn adds (default %(default)s)")
+    parser.add_argument("--document-tokens", type=int, default=0, help="the documents' tokens (default: none)")
+    parser.add_argument("--reply-tokens", type=int, default=16, help="tokens a chat is answered with (default %(default)s)")
+    parser.add_argument("--set", dest="settings", action="append", default=[], metavar="KEY=VALUE",
+                        help="an EngineConfig setting (repeatable)")
+    parser.add_argument("--json", type=Path, required=True, help="the report")
+    parser.add_argument("--profiles", type=Path, help="where the cProfile summaries go (default: beside the JSON)")
+    return parser.parse_args(argv)
+
+
+def main() -> None:
+    args = parse_args()
+    device = parse_device(args.device)
+    manifest = Pack.open(args.pack).manifest
+    layers = manifest.config.num_hidden_layers
+    target = check_layers(layers, args.emulate_layers)
+    sizes = model_sizes(manifest, parse_dtype(EngineConfig.dtype, device), device)
+    typed = {"vram": parse_budget(args.vram_budget, "--vram-budget"), "ram": parse_budget(args.ram_budget, "--ram-budget")}
+    _, budgets = scaled_budgets(typed, sizes.device_fixed, layers, target)
+    profiles = args.profiles or args.json.parent / f"{args.json.stem}-profiles"
+    profiles.mkdir(parents=True, exist_ok=True)
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="prompt-states-") as folder:
+        config = with_settings(EngineConfig(device=args.device, prompt_cache_dir=folder, speculate="off",
+                                            store=StoreConfig(vram_budget=budgets["vram"], ram_budget=budgets["ram"],
+                                                              hot_set=args.hot_set)), args.settings)
+        start = time.perf_counter()
+        engine = load_engine(args.pack, config)
+        loaded = time.perf_counter() - start
+        warm = engine.warm_up()
+        turns = source_turns(engine.tokenizer, 4, args.turn_tokens)
+        rows += chat_pair(engine, "You complete Python code.", turns[:2], args.reply_tokens, profiles, "chat")
+        rows += chat_pair(engine, "You write Python.", turns[2:], args.reply_tokens, profiles, "chat again")
+        if args.document_tokens:
+            text = document_text(engine.tokenizer, source_text(), 2 * args.document_tokens)
+            ids = engine.tokenizer.encode(text)
+            halves = [engine.tokenizer.tokenizer.decode(ids[:args.document_tokens]),
+                      engine.tokenizer.tokenizer.decode(ids[args.document_tokens:])]
+            for index, half in enumerate(halves):
+                name = "document" if index == 0 else "document again"
+                rows += chat_pair(engine, f"Answer questions about document {index + 1}.",
+                                  [half, "Which functions decide when generation stops?"], args.reply_tokens,
+                                  profiles, name)
+        engine.close()
+    for row in rows:
+        row.pop("text")
+    report = {"machine": machine_info(device), "command": shlex.join(["python", "bench/first_requests.py", *sys.argv[1:]]),
+              "config": asdict(config), "load_s": loaded, "warm_up": warm, "warm_up_s": sum(warm.values()),
+              "requests": rows}
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(report, indent=1, default=str) + "\n")
+    lines = [f"# First requests after warm-up: {Path(args.pack).name} on {report['machine'].get('device', args.device)}",
+             "", f"`{report['command']}`", "", f"load {loaded:.1f} s, warm-up {report['warm_up_s']:.1f} s", "",
+             "| request | prompt tokens | restored | TTFT s | Triton builds s | autotuning s | TorchInductor s | device allocations |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines += [f"| {r['request']} | {r['prompt_tokens']} | {r['cached_tokens']} | {r['ttft_s']:.3f} | "
+              f"{r['builds_s']['triton']:.2f} | {r['builds_s']['autotune']:.2f} | {r['builds_s']['inductor']:.2f} | {r['device_segments_allocated']} |"
+              for r in rows]
+    table = "\n".join(lines) + "\n"
+    args.json.with_suffix(".md").write_text(table)
+    print(table, end="")
+
+
+if __name__ == "__main__":
+    main()

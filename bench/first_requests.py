@@ -67,6 +67,34 @@ def build_seconds(stats: pstats.Stats) -> dict[str, float]:
     return found
 
 
+def compile_caches() -> list[Path]:
+    """Where Triton and TorchInductor keep what they build (a build writes its files there: counted
+    by the files' times, since Inductor builds in worker processes that a profile does not see)."""
+    import os
+
+    found = [Path(os.environ.get("TRITON_CACHE_DIR", Path.home() / ".triton" / "cache"))]
+    try:
+        from torch._inductor.runtime.cache_dir_utils import cache_dir
+        found.append(Path(cache_dir()))
+    except ImportError:
+        pass
+    return found
+
+
+def built_between(caches: list[Path], start: float, end: float) -> list[str]:
+    """The names of the files the compile caches gained between two times (time.time())."""
+    names = []
+    for cache in caches:
+        for path in cache.rglob("*") if cache.is_dir() else []:
+            try:
+                made = path.stat().st_mtime
+            except OSError:
+                continue
+            if path.is_file() and start <= made <= end:
+                names.append(path.name)
+    return sorted(names)
+
+
 def _device_segments() -> int:
     """Memory segments torch's CUDA allocator has taken from the driver so far (cudaMalloc calls)."""
     return torch.cuda.memory_stats().get("segment.all.allocated", 0) if torch.cuda.is_available() else 0
@@ -75,13 +103,14 @@ def _device_segments() -> int:
 def request(engine, ids: list[int], reply_tokens: int, profiles: Path, name: str) -> dict:
     profiler = cProfile.Profile()
     pieces, last = [], None
-    segments = _device_segments()
+    segments, began = _device_segments(), time.time()
     profiler.enable()
     for event in engine.generator.stream(ids, SamplingParams(max_tokens=reply_tokens),
                                          checkpoints=engine.tokenizer.message_starts(ids)):
         pieces.append(event.text)
         last = event
     profiler.disable()
+    ended = time.time()
     text = io.StringIO()
     stats = pstats.Stats(profiler, stream=text)
     stats.sort_stats("cumulative").print_stats(40)
@@ -89,7 +118,8 @@ def request(engine, ids: list[int], reply_tokens: int, profiles: Path, name: str
     (profiles / f"profile-{name.replace(' ', '-')}.txt").write_text(text.getvalue())
     return {"request": name, "prompt_tokens": len(ids), "cached_tokens": last.timings["cached_tokens"],
             "ttft_s": last.timings["first_token_seconds"], "builds_s": build_seconds(stats),
-            "device_segments_allocated": _device_segments() - segments, "text": "".join(pieces)}
+            "device_segments_allocated": _device_segments() - segments,
+            "window": [began, ended], "text": "".join(pieces)}
 
 
 def chat_pair(engine, system: str, turns: list[str], reply_tokens: int, profiles: Path, name: str) -> list[dict]:
@@ -153,8 +183,13 @@ def main() -> None:
                                   [half, "Which functions decide when generation stops?"], args.reply_tokens,
                                   profiles, name)
         engine.close()
+    caches = compile_caches()
     for row in rows:
         row.pop("text")
+        built = built_between(caches, *row.pop("window"))
+        row["cache_files_built"] = len(built)
+        # a Triton kernel's metadata file is named for the kernel
+        row["kernels_built"] = sorted({name[:-5] for name in built if name.endswith(".json") and not name.startswith("__")})
     report = {"machine": machine_info(device), "command": shlex.join(["python", "bench/first_requests.py", *sys.argv[1:]]),
               "config": asdict(config), "load_s": loaded, "warm_up": warm, "warm_up_s": sum(warm.values()),
               "requests": rows}
@@ -162,11 +197,13 @@ def main() -> None:
     args.json.write_text(json.dumps(report, indent=1, default=str) + "\n")
     lines = [f"# First requests after warm-up: {Path(args.pack).name} on {report['machine'].get('device', args.device)}",
              "", f"`{report['command']}`", "", f"load {loaded:.1f} s, warm-up {report['warm_up_s']:.1f} s", "",
-             "| request | prompt tokens | restored | TTFT s | Triton builds s | autotuning s | TorchInductor s | device allocations |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "| request | prompt tokens | restored | TTFT s | Triton builds s | autotuning s | TorchInductor s | device allocations | compile-cache files built |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     lines += [f"| {r['request']} | {r['prompt_tokens']} | {r['cached_tokens']} | {r['ttft_s']:.3f} | "
-              f"{r['builds_s']['triton']:.2f} | {r['builds_s']['autotune']:.2f} | {r['builds_s']['inductor']:.2f} | {r['device_segments_allocated']} |"
+              f"{r['builds_s']['triton']:.2f} | {r['builds_s']['autotune']:.2f} | {r['builds_s']['inductor']:.2f} | {r['device_segments_allocated']} | {r['cache_files_built']} |"
               for r in rows]
+    lines += ["", "Kernels built during each request (from the compile caches' new files):", ""]
+    lines += [f"- {r['request']}: {', '.join(r['kernels_built']) or 'none'}" for r in rows]
     table = "\n".join(lines) + "\n"
     args.json.with_suffix(".md").write_text(table)
     print(table, end="")

@@ -77,15 +77,28 @@ def fla_gated_delta_rule(q, k, v, g, beta, state: torch.Tensor):
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_chunk
     from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule as fla_recurrent
 
-    # One-token steps go to the recurrent kernel (one launch); prompts to the chunked one.
-    rule = fla_recurrent if q.shape[0] == 1 else fla_chunk
+    # One-token steps go to the recurrent kernel (one launch), which normalises q and k itself;
+    # prompts to the chunked one, given them normalised (l2_normalised says why).
+    one_token = q.shape[0] == 1
+    if not one_token:
+        q, k = l2_normalised(q), l2_normalised(k)
     # By keyword: the two entry points order their optional arguments differently (the recurrent
     # one takes per-key and per-value decays between g and beta).
-    out, final = rule(
+    out, final = (fla_recurrent if one_token else fla_chunk)(
         q[None], k[None], v[None], g=g[None].float(), beta=beta[None].to(v.dtype), scale=q.shape[-1] ** -0.5,
-        initial_state=state[None], output_final_state=True, use_qk_l2norm_in_kernel=True,
+        initial_state=state[None], output_final_state=True, use_qk_l2norm_in_kernel=one_token,
     )
     return out[0], final[0]
+
+
+def l2_normalised(x: torch.Tensor) -> torch.Tensor:
+    """x / sqrt(sum(x^2) + 1e-6) over the last dimension, in float32, back in x's dtype: what fla's
+    chunked rule does with `use_qk_l2norm_in_kernel` (its l2norm_fwd), as torch ops. That kernel is
+    autotuned once for every 65,536 rows, 4,096 prompt tokens at 16 key heads: 25 configurations
+    built and timed the first time a prompt reaches each such length, 10-14 s on the H200 with
+    empty compile caches (bench/first_requests.py), which no warm-up short of every length avoids."""
+    wide = x.float()
+    return (wide / torch.sqrt((wide * wide).sum(-1, keepdim=True) + 1e-6)).to(x.dtype)
 
 
 def _prepare(q, k, v, g, beta):

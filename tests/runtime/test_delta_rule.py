@@ -12,8 +12,8 @@ from reference_model import rel_err
 from transformers.models.qwen4_exp import modeling_qwen4_exp as hf
 
 from flashpack.runtime.model.delta_rule import (
-    chunk_gated_delta_rule, delta_rule_positions, fla_available, gated_delta_rule, plain_gated_delta_rule,
-    recurrent_gated_delta_rule,
+    chunk_gated_delta_rule, delta_rule_positions, fla_available, gated_delta_rule, l2_normalised,
+    plain_gated_delta_rule, recurrent_gated_delta_rule,
 )
 
 cuda_fla = pytest.mark.skipif(
@@ -46,6 +46,18 @@ def test_delta_rule_chunked_equals_recurrent_and_transformers(length):
         output_final_state=True, use_qk_l2norm_in_kernel=True,
     )
     assert rel_err(out_r, ref_out[0]) <= 1e-5 and rel_err(state_r, ref_state[0]) <= 1e-5
+
+
+def test_l2_normalised_is_transformers_l2norm_rounded_once():
+    """The prompts' q and k normalised before fla's chunked rule (in place of its in-kernel l2norm):
+    transformers' l2norm in float32, rounded to the input's dtype once; a control that skips the
+    normalisation is far off."""
+    x = torch.randn(37, 4, 128, generator=torch.Generator().manual_seed(3)) * 3
+    expected = hf.l2norm(x.float(), dim=-1, eps=1e-6)
+    for dtype, tolerance in ((torch.float32, 1e-6), (torch.bfloat16, 4e-3)):
+        found = l2_normalised(x.to(dtype))
+        assert found.dtype == dtype and rel_err(found.float(), expected) <= tolerance
+    assert rel_err(x, expected) > 0.5
 
 
 @pytest.mark.parametrize("length", [1, 70])

@@ -273,25 +273,36 @@ class Generator:
         each length through the first `prompt_depth` layers (on a GPU the prompt kernels are built
         per shape class, and layers of a kind share them), then a short prompt and `decode_steps`
         one-token steps through every layer (a decode graph runs eagerly, is captured, then
-        replayed). On the generator's own state, which the next request resets. Returns the
-        seconds each part took."""
+        replayed), twice: first on a state of its own whose attention caches have twice the room
+        of the generator's, then on the generator's (the graphs are left bound to it; the next
+        request resets it). TorchInductor builds a decode graph for the caches' size it first
+        sees and again, for every size, at the second; without that second size here, the first
+        request whose context outgrows the caches would pay for the build after its first token.
+        Returns the seconds each part took."""
         seconds: dict[str, float] = {}
         vocab = self.step.config.vocab_size
 
-        def prompt(length: int, depth: int | None) -> int:
-            state = self._fresh_state(length + decode_steps + 1)
+        def prompt(length: int, depth: int | None, state) -> int:
             ids = torch.arange(length, dtype=torch.int64).mul_(7919).remainder_(vocab)  # any ids will do
             return int(self.step.forward(ids, state, last_only=True, depth=depth).logits[-1].argmax())  # waits
 
+        def decode(name: str, state) -> None:
+            start = time.perf_counter()
+            token = prompt(16, None, state)
+            for _ in range(decode_steps):
+                token = int(self.step.forward(torch.tensor([token]), state, last_only=True).logits[-1].argmax())
+            seconds[name] = time.perf_counter() - start
+
         for length in prompt_lengths:
             start = time.perf_counter()
-            prompt(length, prompt_depth)
+            prompt(length, prompt_depth, self._fresh_state(length + decode_steps + 1))
             seconds[f"prompt_{length}"] = time.perf_counter() - start
-        start = time.perf_counter()
-        token = prompt(16, None)
-        for _ in range(decode_steps):
-            token = int(self.step.forward(torch.tensor([token]), self._state, last_only=True).logits[-1].argmax())
-        seconds["decode"] = time.perf_counter() - start
+        own = self._fresh_state(16 + decode_steps + 1)
+        larger = self.step.new_state()
+        larger.reserve(2 * max((cache.capacity for cache in own.attention.values()), default=0))
+        decode("decode_larger_context", larger)
+        del larger
+        decode("decode", self._fresh_state(16 + decode_steps + 1))
         return seconds
 
     def generate(self, prompt_ids: list[int], params: SamplingParams, **kwargs) -> GenerationResult:

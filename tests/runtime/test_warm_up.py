@@ -16,9 +16,21 @@ def test_a_warmed_engine_answers_exactly_as_a_cold_one(tiny_pack):
     engine = load_engine(tiny_pack)
     assert engine.warm_up() == {}  # on a CPU nothing is compiled per shape: nothing to do
     lengths, depth = engine.warm_up_plan()  # what a GPU engine runs, run here through the same path
+    forward, sizes = engine.step.forward, []
+
+    def seen(tokens, state, *args, **kwargs):  # the attention caches' sizes decode steps ran with
+        if tokens.shape[0] == 1:
+            sizes.append({cache.capacity for cache in state.attention.values()})
+        return forward(tokens, state, *args, **kwargs)
+
+    engine.step.forward = seen
     seconds = engine.generator.warm_up(lengths, prompt_depth=depth)
+    engine.step.forward = forward
     cfg = engine.model.config
-    assert "decode" in seconds and len(seconds) >= 4  # a few prompt classes, then decode
+    assert "decode" in seconds and "decode_larger_context" in seconds and len(seconds) >= 5
+    # two sizes, the generator's own last: a decode graph is built for a second size once
+    assert len(sizes) == 6 and len({frozenset(s) for s in sizes}) == 2
+    assert sizes[-1] == {cache.capacity for cache in engine.generator._state.attention.values()}
     assert f"prompt_{cfg.indexer_budget + 2 * cfg.indexer_compress_ratio + 1}" in seconds  # past the QSA budget
     warmed = engine.generator.generate(prompt, params)
     assert warmed.token_ids == cold.token_ids

@@ -46,13 +46,9 @@ class Engine:
 
     def warm_up_plan(self) -> tuple[list[int], int]:
         """(prompt lengths, layers they run through): a prompt of each shape class a first request
-        may bring (short, a few hundred tokens, past the QSA indexer's budget, several query chunks
-        past it), through one layer of each kind and the PLE layers."""
+        may bring (`warm_up_lengths`), through one layer of each kind and the PLE layers."""
         cfg = self.model.config
-        limit = (self.generator.max_context or cfg.max_position_embeddings) - 8
-        past_budget = cfg.indexer_budget + 2 * cfg.indexer_compress_ratio + 1
-        candidates = [16, 300, past_budget, max(2 * past_budget, 4 * QUERY_CHUNK) + 37]
-        lengths = sorted({min(length, limit) for length in candidates})
+        lengths = warm_up_lengths(cfg, (self.generator.max_context or cfg.max_position_embeddings) - 8)
         first_attention = next((i for i in range(cfg.num_hidden_layers) if not cfg.is_linear(i)), 0)
         depth = max(first_attention + 1, *cfg.ple_layer_ids, 1)
         return lengths, min(depth, cfg.num_hidden_layers)
@@ -74,3 +70,15 @@ class Engine:
             self.store.close()
         if self.generator.prefix_cache is not None:
             self.generator.prefix_cache.close()
+
+
+def warm_up_lengths(cfg: TextConfig, limit: int) -> list[int]:
+    """Prompt lengths of every shape class a first request may bring, none over `limit`: every power
+    of two from 16 up to the QSA indexer's budget (the prompt attention kernel is built once for
+    each power of two of the key blocks its queries read, key_block_steps, and a chat turn's few
+    hundred tokens would otherwise build one on its first request), just past the budget, and
+    several query chunks past it."""
+    past_budget = cfg.indexer_budget + 2 * cfg.indexer_compress_ratio + 1
+    powers = [16 << shift for shift in range(max(past_budget.bit_length() - 4, 0)) if 16 << shift < past_budget]
+    candidates = [*powers, past_budget, max(2 * past_budget, 4 * QUERY_CHUNK) + 37]
+    return sorted({min(length, limit) for length in candidates})

@@ -82,6 +82,13 @@ def _prompt_attention_kernel(
              out.to(out_ptr.dtype.element_ty), mask=g_mask[:, None] & d_mask[None, :])
 
 
+def key_block_steps(blocks: int, ratio: int, block_n: int = BLOCK_N) -> int:
+    """The steps a program takes over a row of `blocks` key blocks: a constexpr of the kernel,
+    rounded up to a power of two, so the kernel is built once for each (Engine.warm_up_plan runs a
+    prompt of each)."""
+    return triton.next_power_of_2(triton.cdiv(blocks, block_n // ratio))
+
+
 def prompt_attention(
     q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, blocks: torch.Tensor, first: int, ratio: int,
     scale: float, block_n: int = BLOCK_N, precision: str = "auto", num_warps: int = 4,
@@ -109,7 +116,7 @@ def prompt_attention(
     if tokens == 0:
         return out
     per_step = block_n // ratio
-    steps = triton.next_power_of_2(triton.cdiv(blocks.shape[1], per_step))
+    steps = key_block_steps(blocks.shape[1], ratio, block_n)
     padded = F.pad(blocks.to(torch.int32), (0, steps * per_step - blocks.shape[1]), value=-1).contiguous()
     fp32 = precision == "fp32" or q.dtype == torch.float32 or q.device.type != "cuda"
     dot = tl.float32 if fp32 else (tl.bfloat16 if q.dtype == torch.bfloat16 else tl.float16)

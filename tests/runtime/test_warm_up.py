@@ -3,9 +3,13 @@ and leaves nothing behind that changes what the next request computes."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
+from flashpack.convert.synth.presets import SynthOptions, resolve_plan
 from flashpack.runtime.engine.build import load_engine
+from flashpack.runtime.engine.engine import warm_up_lengths
+from flashpack.runtime.kernels.prompt_attention import key_block_steps
 from flashpack.runtime.sampling import SamplingParams
 
 
@@ -46,3 +50,19 @@ def test_a_shallow_forward_runs_only_its_layers(tiny_pack):
     assert state.attention[first_attention].length == 20
     later = [i for i in range(first_attention + 1, cfg.num_hidden_layers) if not cfg.is_linear(i)]
     assert later and all(state.attention[i].length == 0 for i in later), "layers past the depth must not run"
+
+
+@pytest.mark.parametrize("preset", ["tiny", "full"])
+def test_the_warm_up_prompts_reach_every_build_of_the_prompt_attention_kernel(preset):
+    """A query chunk ending at position L reads min(budget blocks, L // ratio) + 1 key blocks, and the
+    kernel is built once for each power of two of its steps over them: every prompt length up to
+    twice the longest warm-up prompt falls in a class a warm-up prompt built (a chat turn of 528
+    tokens built one on its first request on the H200 while the warm-up ran 16, 300, ... tokens)."""
+    cfg = resolve_plan(SynthOptions(preset, format="nvfp4", layers=4, text_only=True)).cfg
+    lengths = warm_up_lengths(cfg, 10**9)
+    ratio, budget_blocks = cfg.indexer_compress_ratio, cfg.indexer_budget // cfg.indexer_compress_ratio
+    built = lambda length: key_block_steps(min(budget_blocks, length // ratio) + 1, ratio)  # noqa: E731
+    warmed = {built(length) for length in lengths}
+    assert {built(length) for length in range(1, 2 * max(lengths))} == warmed
+    if preset == "full":  # the real dimensions' budget spans classes the earlier lengths missed
+        assert {built(length) for length in (16, 300, lengths[-2], lengths[-1])} < warmed

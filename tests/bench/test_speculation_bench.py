@@ -45,3 +45,27 @@ def test_a_truth_the_output_leaves_is_decoded_again(tiny_pack):
     assert tokens == plain and drafter.divergences == 1 and seconds > 0
     assert decoder.stats.to_dict()["tokens_per_step"] > 2  # right drafts from the truth decoded again
     engine.close()
+
+
+def test_through_a_tiered_store_each_timed_decode_follows_the_same_plain_one(tiny_pack, tmp_path, monkeypatch):
+    """What the tiers hold depends on what ran before: each timed decode (plain or speculative) comes
+    right after an untimed plain decode of the same tokens, so neither is timed on a store the other
+    left otherwise (at 24/64 a policy decode that checked nothing once ran 1.5x the plain one)."""
+    calls = []
+    decode = speculation.decode
+
+    def recorded(engine, state, prompt, gen, decoder, replay=None):
+        calls.append("plain" if decoder is None else "speculative")
+        return decode(engine, state, prompt, gen, decoder, replay=replay)
+
+    monkeypatch.setattr(speculation, "decode", recorded)
+    monkeypatch.setattr(speculation, "union_experts", lambda *args: None)
+    out = tmp_path / "spec.json"
+    speculation.main([str(tiny_pack), "--prompt-len", "30", "--gen", "8", "--alphas", "0.9", "--draft-tokens", "2",
+                      "--repeats", "1", "--vram-budget", "1GiB", "--set", "compile_checked=false", "--json", str(out)])
+    report = json.loads(out.read_text())
+    assert report["settings"]["expert_source"] == "TieredStore" and report["settings"]["settled"]
+    # the truth and the warm-up (k 1 and 2), then for each setting and repeat (every draft checked once,
+    # the policy twice) an untimed plain decode before the timed plain one and before the speculative one
+    assert calls == ["plain", "speculative", "speculative"] + ["plain", "plain", "plain", "speculative"] * 3
+    assert all(report["runs"][i]["lossless"] for i in range(2))

@@ -116,7 +116,7 @@ def load_engine(
     slots = isinstance(model.experts, (BankExperts, StoreExperts))
     if config.cuda_graphs and graphs_pay and device.type == "cuda" and slots:
         graphs = engine_graphs(model, config)
-        if config.checked_graphs and isinstance(model.experts, BankExperts):
+        if config.checked_graphs:
             checked = CheckedGraphs(model.layers, model.experts, compiled=config.compile_checked,
                                     compile_mixers=config.compile_checked_mixers)
     step = Step(model, graphs, checked)

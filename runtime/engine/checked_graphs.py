@@ -19,8 +19,15 @@ rewind reads (DeltaNet's per-token states and conv window, PLE's conv window) ar
 handed back to the state after every replay. The PLE rows are gathered on the host before the
 layers, as for decode, and the logits of all T rows are computed after them.
 
-Every expert must be resident (a bank and its slot table, `BankExperts`): a tiered store's step
-may meet a record on disk, and a checked step then runs eagerly through the store. With
+With every expert resident (a bank and its slot table, `BankExperts`) a layer is one graph. Through
+a tiered store (`StoreExperts`) a step may meet a record on disk, which no graph can wait for, so
+each layer's graph stops at its router, and the routed experts of its T rows run eagerly between
+the graphs, as a decode step redone through the store runs (decode_graphs.py):
+
+    graph(combine layer L - 1's experts, [PLE addend,] mix, sequence mixer, combine, mix, router,
+          shared expert) -> eager(expert ids to the host, the store, the experts' kernels) -> ...
+
+With
 `compiled`, the parts without a per-token loop (the hyper-connection mixes, the router and shared
 expert, the experts' combine) are compiled by torch.compile with the step length dynamic, once for
 every T, fused as the decode graphs' pieces are; the mixers' per-token loops run as they are, or,
@@ -38,7 +45,7 @@ from torch import nn
 
 from flashpack.runtime.engine import graph_pieces as pieces
 from flashpack.runtime.engine.captured_call import CapturedCall
-from flashpack.runtime.engine.expert_paths import BankExperts, fused_experts
+from flashpack.runtime.engine.expert_paths import BankExperts, StoreExperts, fused_experts
 from flashpack.runtime.kernels.dispatch import DECODE_MAX_TOKENS
 from flashpack.runtime.model.decoder_layer import DecoderLayer
 from flashpack.runtime.state import SequenceState
@@ -47,12 +54,13 @@ MAX_CHECKED_TOKENS = DECODE_MAX_TOKENS  # more rows would leave the decode kerne
 
 
 class CheckedGraphs:
-    def __init__(self, layers: nn.ModuleList, experts: BankExperts,
+    def __init__(self, layers: nn.ModuleList, experts: BankExperts | StoreExperts,
                  make_call: Callable[..., CapturedCall] | None = None, compiled: bool = False,
                  compile_mixers: bool = False):
         """`make_call(fn, kept)` wraps each piece (default: a CapturedCall in one graph pool); the
         CPU tests pass a plain call to check how the layers are cut into pieces."""
         self.layers = list(layers)
+        self.through_store = isinstance(experts, StoreExperts)
         compile_ = (lambda fn: torch.compile(fn, dynamic=True)) if compiled else (lambda fn: fn)
         self.mix, self.route = compile_(pieces.attention_mix), compile_(pieces.mixed_route)
         self.combine = compile_(pieces.expert_combine)
@@ -90,18 +98,33 @@ class CheckedGraphs:
         self._position.fill_(state.position)
         rows = {layer.layer: layer.ple.embed(tokens, state.ple[layer.layer])
                 for layer in self.layers if layer.ple is not None}  # the n-gram context and its history
-        table = self.experts.source.slot_table
         self._runs[count] = self._runs.get(count, 0) + 1
-        for layer, call in self._pieces_for(count):
-            ple = [rows[layer.layer]] if layer.ple is not None else []
-            streams, *tracked = call(table, self._position, streams, *ple)
-            self._hand_back(layer, state, tracked)
-            for _ in range(count):
-                self.experts.source.count_replay(layer.layer)
+        if self.through_store:
+            streams = self._through_store(count, streams, rows, state)
+        else:
+            table = self.experts.source.slot_table
+            for layer, call in self._pieces_for(count):
+                ple = [rows[layer.layer]] if layer.ple is not None else []
+                streams, *tracked = call(table, self._position, streams, *ple)
+                self._hand_back(layer, state, tracked)
+                for _ in range(count):
+                    self.experts.source.count_replay(layer.layer)
         for layer in self.layers:
             if not layer.linear:
                 state.attention[layer.layer].advance(count)
         return streams
+
+    def _through_store(self, count: int, streams, rows, state: SequenceState) -> torch.Tensor:
+        """Each layer's graph up to its router, then its T rows' experts through the store (decode's
+        kernels, as a resident checked step runs them); the next layer's graph combines them."""
+        carried = ()  # the layer before's (routed experts' output, shared expert's output, inject)
+        for layer, call in self._pieces_for(count):
+            ple = [rows[layer.layer]] if layer.ple is not None else []
+            streams, x, inject, weights, experts, shared, *tracked = call(self._position, streams, *carried, *ple)
+            self._hand_back(layer, state, tracked)
+            routed = self.experts.from_store(layer.layer, x, weights, experts, None, prompt=False)
+            carried = (routed, shared, inject)
+        return self.combine(self.layers[-1], streams, *carried)
 
     @staticmethod
     def _hand_back(layer: DecoderLayer, state: SequenceState, tracked: list[torch.Tensor]) -> None:
@@ -114,11 +137,17 @@ class CheckedGraphs:
     def _pieces_for(self, count: int) -> list[tuple[DecoderLayer, Callable]]:
         if count not in self._pieces:
             first = self.layers[0]
-            # (table, position, streams, [PLE rows]): all but the first layer's streams and the
-            # PLE rows are the same tensors every step
-            self._pieces[count] = [
-                (layer, self._make(self._piece(layer, count), kept={0, 1} if layer is first else {0, 1, 2}))
-                for layer in self.layers]
+            if self.through_store:
+                # (position, streams, [the layer before's experts: routed, shared, inject,] [PLE
+                # rows]): the position is the same tensor every step
+                self._pieces[count] = [(layer, self._make(self._store_piece(layer, before), kept={0}))
+                                       for layer, before in zip(self.layers, [None, *self.layers[:-1]])]
+            else:
+                # (table, position, streams, [PLE rows]): all but the first layer's streams and the
+                # PLE rows are the same tensors every step
+                self._pieces[count] = [
+                    (layer, self._make(self._piece(layer), kept={0, 1} if layer is first else {0, 1, 2}))
+                    for layer in self.layers]
         return self._pieces[count]
 
     def _make(self, fn: Callable, kept: set[int]) -> Callable:
@@ -126,27 +155,46 @@ class CheckedGraphs:
             return self.make_call(fn, kept=kept)
         return CapturedCall(fn, self._pool, kept)
 
-    def _piece(self, layer: DecoderLayer, count: int) -> Callable:
-        """One layer of a checked step: (streams, [PLE conv window,] [DeltaNet states, conv window])."""
+    def _piece(self, layer: DecoderLayer) -> Callable:
+        """One layer of a checked step, every expert resident: (streams, [PLE conv window,]
+        [DeltaNet states, conv window])."""
         bank = self.experts.source.bank
 
         def piece(table, position, streams, *ple_rows):
-            state = self._state
-            ple_state = state.ple[layer.layer] if layer.ple is not None else None
-            mixer_state = state.deltanet[layer.layer] if layer.linear else state.attention[layer.layer]
-            if ple_state is not None:
-                streams = streams + layer.ple.addend(streams, ple_rows[0], ple_state)  # tracked: its conv window
-            block_input, inject = self.mix(layer, streams)
-            mixed = self.mixer(layer, block_input, position, mixer_state)
-            streams, x, inject, weights, experts, shared = self.route(layer, streams, mixed, inject)
+            streams, x, inject, weights, experts, shared, tracked = self._front(layer, position, streams, ple_rows)
             routed = fused_experts(x, bank, table[layer.layer][experts], weights, prompt=False)  # decode's kernels
-            streams = self.combine(layer, streams, routed, shared, inject)
-            tracked = [ple_state.window] if ple_state is not None else []
-            if layer.linear:
-                tracked += [mixer_state.positions, mixer_state.window]
-            return (streams, *tracked)
+            return (self.combine(layer, streams, routed, shared, inject), *tracked)
 
         return piece
+
+    def _store_piece(self, layer: DecoderLayer, before: DecoderLayer | None) -> Callable:
+        """One layer of a checked step through a store, up to its routed experts: the layer
+        before's combined first; (streams, MoE input, its inject, routing weights, expert ids,
+        shared expert output, [PLE conv window,] [DeltaNet states, conv window])."""
+        def piece(position, streams, *rest):
+            if before is not None:
+                routed, shared, inject, *rest = rest
+                streams = self.combine(before, streams, routed, shared, inject)
+            streams, x, inject, weights, experts, shared, tracked = self._front(layer, position, streams, rest)
+            return (streams, x, inject, weights, experts, shared, *tracked)
+
+        return piece
+
+    def _front(self, layer: DecoderLayer, position, streams, ple_rows):
+        """A layer up to its routed experts: (streams, MoE input, its inject, routing weights, expert
+        ids, shared expert output, the tracked parts a rewind reads)."""
+        state = self._state
+        ple_state = state.ple[layer.layer] if layer.ple is not None else None
+        mixer_state = state.deltanet[layer.layer] if layer.linear else state.attention[layer.layer]
+        if ple_state is not None:
+            streams = streams + layer.ple.addend(streams, ple_rows[0], ple_state)  # tracked: its conv window
+        block_input, inject = self.mix(layer, streams)
+        mixed = self.mixer(layer, block_input, position, mixer_state)
+        streams, x, inject, weights, experts, shared = self.route(layer, streams, mixed, inject)
+        tracked = [ple_state.window] if ple_state is not None else []
+        if layer.linear:
+            tracked += [mixer_state.positions, mixer_state.window]
+        return streams, x, inject, weights, experts, shared, tracked
 
     def bound(self, state: SequenceState) -> bool:
         """Whether the graphs are bound to `state`'s buffers (else a run captures them again)."""

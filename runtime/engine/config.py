@@ -40,8 +40,9 @@ class EngineConfig:
     decoded_experts_ram: str | int = "1GiB"
     # On a GPU, replay decode steps' fixed-shape work from CUDA graphs (runtime/engine/decode_graphs.py).
     cuda_graphs: bool = True
-    # With every expert resident, speculative decoding's checked steps (a token and its drafts) from
-    # CUDA graphs too, captured for each step length (runtime/engine/checked_graphs.py).
+    # Speculative decoding's checked steps (a token and its drafts) from CUDA graphs too, captured for
+    # each step length (runtime/engine/checked_graphs.py); through a tiered store each layer's graph
+    # stops at its router and the routed experts come through the store between the graphs.
     checked_graphs: bool = True
     # Fuse the checked steps' pieces without a per-token loop with torch.compile (one compile for
     # every step length).

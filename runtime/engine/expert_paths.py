@@ -161,12 +161,16 @@ class StoreExperts:
 
     def from_store(
         self, layer: int, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
-        predicted: torch.Tensor | None, far: torch.Tensor | None = None,
+        predicted: torch.Tensor | None, far: torch.Tensor | None = None, prompt: bool | None = None,
     ) -> torch.Tensor:
         """Read the ids back in one transfer, start the loads, prefetch the predicted next-layer
         experts behind them (and read the `far` experts of the layer after from disk), and run the
-        kernels as the store lands the records (the decode graphs replay everything around this)."""
-        if x.shape[0] > PREDICT_MAX_TOKENS:  # a prompt (no prediction): its pair counts, read back once
+        kernels as the store lands the records (the decode graphs replay everything around this).
+        `prompt`: a prompt's kernels or decode's (None: a prompt past PREDICT_MAX_TOKENS rows; a
+        checked step's rows take decode's, whatever their number, as one-token steps would)."""
+        if prompt is None:
+            prompt = x.shape[0] > PREDICT_MAX_TOKENS
+        if prompt:  # no prediction: its pair counts, read back once
             counts = torch.bincount(experts.flatten(), minlength=self.num_experts).tolist()
             return self._prompt(layer, x, weights, experts, counts)
         # a few ids: one read-back, deduplicated on the host

@@ -9,8 +9,8 @@ Today a step takes one sequence; the list form is the interface batching fills i
 
 A one-token step replays the decoder layers from CUDA graphs when the engine has them
 (decode_graphs.py), and so does a tracked step of a few tokens, speculative decoding's checked
-step, with every expert resident (checked_graphs.py); everything else runs the model's layers
-eagerly.
+step (checked_graphs.py; through a tiered store its routed experts run eagerly between the
+graphs); everything else runs the model's layers eagerly.
 """
 
 from __future__ import annotations
@@ -60,6 +60,8 @@ class Step:
         if one_token:
             streams, logits = self.graphs.run(streams, host_tokens, state, head=self.model.logits)
         else:
+            if self.graphs is not None:
+                self.graphs.settle()  # the store sees the decode steps before it, in order
             streams = self.checked.run(streams, host_tokens, state)
             logits = self.model.logits(streams[-1:] if last_only else streams)
         state.position += count

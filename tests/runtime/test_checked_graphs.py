@@ -1,6 +1,7 @@
 """Checked steps from graph pieces (runtime/engine/checked_graphs.py) against plain decoding.
 
-A checked step of T tokens cut into one piece a layer, with every expert resident, must compute
+A checked step of T tokens cut into one piece a layer (through a tiered store, a piece up to each
+layer's router with its experts from the store between the pieces) must compute
 for each row what one-token decode steps of those tokens compute from the decode graphs' pieces
 (rel 1e-5 on a CPU in float32), and rewound to any of its tokens must leave the state that
 decoding the kept tokens leaves. The reference is the decode pieces, not the eager layers: both
@@ -77,6 +78,31 @@ def _steps(tiny_pack, device: str = "cpu", compiled: bool = False, compile_mixer
                 lambda fn, kept: ReplayLikeCall(fn, lambda: checked._state)))
         steps.append(Step(model, graphs, checked))
     return steps
+
+
+def _tiered_steps(tiny_pack, device_slots: int, host_slots: int):
+    """(plain, checked) as `_steps`, each over a tiered store of its own: `device_slots` device and
+    `host_slots` host slots (the tiny model's 256 records; 40 leave most of a step's experts on disk)."""
+    from flashpack.runtime.store import build_store
+    from flashpack.runtime.store.budget import STAGING_ROW_SETS
+    from flashpack.runtime.store.config import StoreConfig
+
+    pack = Pack.open(tiny_pack)
+    stride = pack.manifest.document["experts"]["record_stride"]
+    config = EngineConfig(dtype="float32", compile_layers=False, read_ahead=False)
+    steps, stores = [], []
+    for with_checked in (False, True):
+        rows = device_slots + STAGING_ROW_SETS * pack.manifest.config.num_experts_per_tok
+        store = build_store(tiny_pack, StoreConfig(vram_budget=rows * stride, ram_budget=host_slots * stride),
+                            device_reserved=0, staging=True)
+        stores.append(store)
+        model = engine_model(PackWeights(pack), store, config, torch.float32, torch.device("cpu"))
+        checked = None
+        if with_checked:
+            checked = CheckedGraphs(model.layers, model.experts,
+                                    make_call=lambda fn, kept: ReplayLikeCall(fn, lambda: checked._state))
+        steps.append(Step(model, engine_graphs(model, config, make_call=PlainCall), checked))
+    return steps, stores
 
 
 def _tokens(index: int, count: int) -> torch.Tensor:
@@ -174,6 +200,34 @@ def test_control_pieces_whose_tracked_states_are_not_handed_back_go_wrong(tiny_p
     assert _worst(got, expected) > 1e-3
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU tests capture the pieces")
+@pytest.mark.parametrize("host_slots", [40, 300], ids=["disk-misses", "every-record-in-ram"])
+def test_checked_pieces_through_a_tiered_store_compute_plain_decoding_on_cpu(tiny_pack, host_slots):
+    """Through a tiered store each layer's piece stops at its router and the T rows' experts come
+    through the store between the pieces (from disk where the tiers miss them): the same logits as
+    one-token decode steps and the same rewinds; a control whose pieces keep the tracked states
+    to themselves goes wrong here too."""
+    (plain, pieces), stores = _tiered_steps(tiny_pack, 60, host_slots)
+    assert pieces.checked.through_store
+    prompt = torch.randint(0, 1000, (20,), generator=torch.Generator().manual_seed(2))
+    expected, got = _decoded_run(plain, prompt, CHECKED_STEPS), _checked_run(pieces, prompt, CHECKED_STEPS)
+    assert _worst(got, expected) < TOLERANCE
+    assert set(pieces.checked._pieces) == {2, 3, 4, 5}
+    assert stores[1].stats.total().requests > 0
+    for store in stores:
+        store.close()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU tests capture the pieces")
+def test_control_store_pieces_whose_tracked_states_are_not_handed_back_go_wrong(tiny_pack, monkeypatch):
+    (plain, pieces), stores = _tiered_steps(tiny_pack, 60, 300)
+    monkeypatch.setattr(CheckedGraphs, "_hand_back", staticmethod(lambda layer, state, tracked: None))
+    prompt = torch.randint(0, 1000, (20,), generator=torch.Generator().manual_seed(2))
+    assert _worst(_checked_run(pieces, prompt, CHECKED_STEPS), _decoded_run(plain, prompt, CHECKED_STEPS)) > 1e-3
+    for store in stores:
+        store.close()
+
+
 def test_checked_pieces_refuse_what_they_do_not_take(tiny_pack):
     _, pieces = _steps(tiny_pack)
     state = pieces.new_state()
@@ -220,3 +274,27 @@ def test_graphed_speculation_on_the_gpu_gives_the_plain_greedy_output(tiny_pack,
     engine.generator.speculation = None
     assert spoken == engine.generator.generate(phrase * 4, params).token_ids
     assert decoder.stats.steps > 0 and engine.step.checked._pieces
+
+
+@needs_gpu
+def test_graphed_speculation_through_a_tiered_store_gives_the_plain_greedy_output(tiny_pack):
+    """A device pool of 60 slots in front of the host cache: checked steps from store pieces, their
+    experts through the store between the graphs, lookup drafts; the output is plain decoding's."""
+    from flashpack.runtime.store.build import resident_device_bytes
+    from flashpack.runtime.store.config import StoreConfig
+
+    manifest = Pack.open(tiny_pack).manifest
+    budget = resident_device_bytes(manifest, "float32", device="cuda") + 60 * manifest.document["experts"]["record_stride"]
+    engine = load_engine(tiny_pack, EngineConfig(device="cuda", dtype="float32", prompt_cache_ram=0, speculate="lookup",
+                                                 draft_tokens=4, store=StoreConfig(vram_budget=budget)))
+    assert engine.step.checked is not None and engine.step.checked.through_store
+    phrase = torch.randint(5, 1000, (12,), generator=torch.Generator().manual_seed(0)).tolist()
+    params = SamplingParams(max_tokens=48)
+    decoder: SpeculativeDecoder = engine.generator.speculation
+    decoder.policy = False
+    spoken = engine.generator.generate(phrase * 4, params).token_ids
+    engine.generator.speculation = None
+    assert spoken == engine.generator.generate(phrase * 4, params).token_ids
+    captured = [call.graph is not None for calls in engine.step.checked._pieces.values() for _, call in calls]
+    assert decoder.stats.steps > 0 and any(captured)
+    engine.close()

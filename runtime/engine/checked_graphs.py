@@ -25,7 +25,8 @@ each layer's graph stops at its router, and the routed experts of its T rows run
 the graphs, as a decode step redone through the store runs (decode_graphs.py):
 
     graph(combine layer L - 1's experts, [PLE addend,] mix, sequence mixer, combine, mix, router,
-          shared expert) -> eager(expert ids to the host, the store, the experts' kernels) -> ...
+          shared expert, the next two layers' predictions) ->
+    eager(expert ids to the host, the store, the experts' kernels, the predicted prefetched) -> ...
 
 With
 `compiled`, the parts without a per-token loop (the hyper-connection mixes, the router and shared
@@ -51,6 +52,10 @@ from flashpack.runtime.model.decoder_layer import DecoderLayer
 from flashpack.runtime.state import SequenceState
 
 MAX_CHECKED_TOKENS = DECODE_MAX_TOKENS  # more rows would leave the decode kernels: such a step runs eagerly
+
+
+def _ids(predicted: torch.Tensor) -> torch.Tensor | None:
+    return predicted if predicted.numel() else None
 
 
 class CheckedGraphs:
@@ -120,9 +125,10 @@ class CheckedGraphs:
         carried = ()  # the layer before's (routed experts' output, shared expert's output, inject)
         for layer, call in self._pieces_for(count):
             ple = [rows[layer.layer]] if layer.ple is not None else []
-            streams, x, inject, weights, experts, shared, *tracked = call(self._position, streams, *carried, *ple)
+            streams, x, inject, weights, experts, shared, predicted, far, *tracked = call(
+                self._position, streams, *carried, *ple)
             self._hand_back(layer, state, tracked)
-            routed = self.experts.from_store(layer.layer, x, weights, experts, None, prompt=False)
+            routed = self.experts.from_store(layer.layer, x, weights, experts, _ids(predicted), _ids(far), prompt=False)
             carried = (routed, shared, inject)
         return self.combine(self.layers[-1], streams, *carried)
 
@@ -170,13 +176,18 @@ class CheckedGraphs:
     def _store_piece(self, layer: DecoderLayer, before: DecoderLayer | None) -> Callable:
         """One layer of a checked step through a store, up to its routed experts: the layer
         before's combined first; (streams, MoE input, its inject, routing weights, expert ids,
-        shared expert output, [PLE conv window,] [DeltaNet states, conv window])."""
+        shared expert output, the next layer's predicted ids, the layer after's, [PLE conv
+        window,] [DeltaNet states, conv window]). A prediction the store does not make is an empty
+        tensor (a graph's outputs are tensors)."""
         def piece(position, streams, *rest):
             if before is not None:
                 routed, shared, inject, *rest = rest
                 streams = self.combine(before, streams, routed, shared, inject)
             streams, x, inject, weights, experts, shared, tracked = self._front(layer, position, streams, rest)
-            return (streams, x, inject, weights, experts, shared, *tracked)
+            # the next layers' experts the store fetches behind this one's, as decode's prediction does
+            predicted = [self.experts.predicted(layer.layer, x, ahead) for ahead in (1, 2)]
+            predicted = [experts[:0] if ids is None else ids for ids in predicted]
+            return (streams, x, inject, weights, experts, shared, *predicted, *tracked)
 
         return piece
 

@@ -144,17 +144,22 @@ class StoreExperts:
 
     def predict_next(self, layer: int, x: torch.Tensor) -> torch.Tensor | None:
         """In decode, the experts layer + 1's router picks from layer's input x [T, H]: ids [T, k]."""
-        following = self.routers.get(layer + 1)
-        if following is None or x.shape[0] > PREDICT_MAX_TOKENS:
-            return None
-        return following(x)[1]
+        return None if x.shape[0] > PREDICT_MAX_TOKENS else self.predicted(layer, x, 1)
 
     def predict_far(self, layer: int, x: torch.Tensor) -> torch.Tensor | None:
         """In decode, the experts layer + 2 picks from layer's input: whose records to start
         reading from disk now."""
-        if not self.prediction.read_ahead or layer + 1 not in self.routers:
+        return None if x.shape[0] > PREDICT_MAX_TOKENS else self.predicted(layer, x, 2)
+
+    def predicted(self, layer: int, x: torch.Tensor, ahead: int) -> torch.Tensor | None:
+        """The experts layer + `ahead`'s router picks from layer's input x [T, H] (ids [T, k]), for
+        a step of decode's kind whatever its rows (a checked step's): the next layer's to prefetch,
+        the one after's (with `read_ahead`) to read from disk into the host cache. None: no router
+        (the last layers, prefetch off), or read-ahead off."""
+        following = self.routers.get(layer + ahead)
+        if following is None or (ahead > 1 and not self.prediction.read_ahead):
             return None
-        return self.predict_next(layer + 1, x)
+        return following(x)[1]
 
     def __call__(self, layer: int, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         return self.from_store(layer, x, weights, experts, self.predict_next(layer, x), self.predict_far(layer, x))

@@ -209,9 +209,22 @@ def test_checked_pieces_through_a_tiered_store_compute_plain_decoding_on_cpu(tin
     to themselves goes wrong here too."""
     (plain, pieces), stores = _tiered_steps(tiny_pack, 60, host_slots)
     assert pieces.checked.through_store
+    store_experts, asked = pieces.checked.experts, []
+    from_store = store_experts.from_store
+
+    def recorded(layer, x, weights, experts, predicted, far=None, prompt=None):
+        asked.append((layer, x.shape[0], predicted is not None, prompt))
+        return from_store(layer, x, weights, experts, predicted, far, prompt=prompt)
+
+    store_experts.from_store = recorded
     prompt = torch.randint(0, 1000, (20,), generator=torch.Generator().manual_seed(2))
     expected, got = _decoded_run(plain, prompt, CHECKED_STEPS), _checked_run(pieces, prompt, CHECKED_STEPS)
     assert _worst(got, expected) < TOLERANCE
+    # the checked steps' experts by decode's kernels, each layer but the last naming the next one's
+    last = pieces.model.config.num_hidden_layers - 1
+    checked = [(layer, predicted) for layer, rows, predicted, prompt in asked if rows > 1 and prompt is False]
+    assert len(checked) == pieces.model.config.num_hidden_layers * len(CHECKED_STEPS)
+    assert all(predicted == (layer != last) for layer, predicted in checked)
     assert set(pieces.checked._pieces) == {2, 3, 4, 5}
     assert stores[1].stats.total().requests > 0
     for store in stores:

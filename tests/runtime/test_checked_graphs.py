@@ -273,34 +273,23 @@ def test_control_captured_pieces_whose_tracked_states_are_not_handed_back_go_wro
 
 
 @needs_gpu
-@pytest.mark.parametrize("draft_tokens", [2, 4])
-def test_graphed_speculation_on_the_gpu_gives_the_plain_greedy_output(tiny_pack, draft_tokens):
-    """Every expert resident: plain steps and checked steps both from graphs, lookup drafts."""
-    engine = load_engine(tiny_pack, EngineConfig(device="cuda", dtype="float32", prompt_cache_ram=0,
-                                                 speculate="lookup", draft_tokens=draft_tokens))
-    assert engine.step.checked is not None
-    phrase = torch.randint(5, 1000, (12,), generator=torch.Generator().manual_seed(0)).tolist()
-    params = SamplingParams(max_tokens=48)
-    decoder: SpeculativeDecoder = engine.generator.speculation
-    decoder.policy = False
-    spoken = engine.generator.generate(phrase * 4, params).token_ids
-    engine.generator.speculation = None
-    assert spoken == engine.generator.generate(phrase * 4, params).token_ids
-    assert decoder.stats.steps > 0 and engine.step.checked._pieces
-
-
-@needs_gpu
-def test_graphed_speculation_through_a_tiered_store_gives_the_plain_greedy_output(tiny_pack):
-    """A device pool of 60 slots in front of the host cache: checked steps from store pieces, their
-    experts through the store between the graphs, lookup drafts; the output is plain decoding's."""
+@pytest.mark.parametrize("draft_tokens,device_slots", [(2, None), (4, None), (4, 60)],
+                         ids=["k2-resident", "k4-resident", "k4-tiered"])
+def test_graphed_speculation_on_the_gpu_gives_the_plain_greedy_output(tiny_pack, draft_tokens, device_slots):
+    """Plain steps and checked steps both from graphs, lookup drafts; every expert resident, or a
+    device pool of 60 slots in front of the host cache (checked steps from store pieces, their
+    experts through the store between the graphs)."""
     from flashpack.runtime.store.build import resident_device_bytes
     from flashpack.runtime.store.config import StoreConfig
 
-    manifest = Pack.open(tiny_pack).manifest
-    budget = resident_device_bytes(manifest, "float32", device="cuda") + 60 * manifest.document["experts"]["record_stride"]
-    engine = load_engine(tiny_pack, EngineConfig(device="cuda", dtype="float32", prompt_cache_ram=0, speculate="lookup",
-                                                 draft_tokens=4, store=StoreConfig(vram_budget=budget)))
-    assert engine.step.checked is not None and engine.step.checked.through_store
+    store = StoreConfig()
+    if device_slots is not None:
+        manifest = Pack.open(tiny_pack).manifest
+        store = StoreConfig(vram_budget=resident_device_bytes(manifest, "float32", device="cuda")
+                            + device_slots * manifest.document["experts"]["record_stride"])
+    engine = load_engine(tiny_pack, EngineConfig(device="cuda", dtype="float32", prompt_cache_ram=0,
+                                                 speculate="lookup", draft_tokens=draft_tokens, store=store))
+    assert engine.step.checked is not None and engine.step.checked.through_store == (device_slots is not None)
     phrase = torch.randint(5, 1000, (12,), generator=torch.Generator().manual_seed(0)).tolist()
     params = SamplingParams(max_tokens=48)
     decoder: SpeculativeDecoder = engine.generator.speculation

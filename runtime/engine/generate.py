@@ -273,11 +273,11 @@ class Generator:
         each length through the first `prompt_depth` layers (on a GPU the prompt kernels are built
         per shape class, and layers of a kind share them), then a short prompt and `decode_steps`
         one-token steps through every layer (a decode graph runs eagerly, is captured, then
-        replayed), twice: first on a state of its own whose attention caches have twice the room
-        of the generator's, then on the generator's (the graphs are left bound to it; the next
-        request resets it). TorchInductor builds a decode graph for the caches' size it first
-        sees and again, for every size, at the second; without that second size here, the first
-        request whose context outgrows the caches would pay for the build after its first token.
+        replayed), twice: first on a state of its own whose attention caches have another size than
+        the generator's, then on the generator's (the graphs are left bound to it; the next request
+        resets it). TorchInductor builds a decode graph for the caches' size it first sees and
+        again, for every size, at the second; without that second size here, the first request
+        whose context outgrows the caches would pay for the build after its first token.
         Returns the seconds each part took."""
         seconds: dict[str, float] = {}
         vocab = self.step.config.vocab_size
@@ -297,11 +297,13 @@ class Generator:
             start = time.perf_counter()
             prompt(length, prompt_depth, self._fresh_state(length + decode_steps + 1))
             seconds[f"prompt_{length}"] = time.perf_counter() - start
-        own = self._fresh_state(16 + decode_steps + 1)
-        larger = self.step.new_state()
-        larger.reserve(2 * max((cache.capacity for cache in own.attention.values()), default=0))
-        decode("decode_larger_context", larger)
-        del larger
+        own = max((cache.capacity for cache in self._fresh_state(16).attention.values()), default=0)
+        # the other size: half, where decode still scores the indexer's blocks there (the branch a
+        # long context takes), else twice (room for tokens costs device memory: half costs less)
+        other = self.step.new_state()
+        other.reserve(own // 2 if own // 2 > self.step.config.indexer_budget else 2 * own)
+        decode("decode_other_size", other)
+        del other
         decode("decode", self._fresh_state(16 + decode_steps + 1))
         return seconds
 

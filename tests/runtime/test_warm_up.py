@@ -31,9 +31,10 @@ def test_a_warmed_engine_answers_exactly_as_a_cold_one(tiny_pack):
     seconds = engine.generator.warm_up(lengths, prompt_depth=depth)
     engine.step.forward = forward
     cfg = engine.model.config
-    assert "decode" in seconds and "decode_larger_context" in seconds and len(seconds) >= 5
+    assert "decode" in seconds and "decode_other_size" in seconds and len(seconds) >= 5
     # two sizes, the generator's own last: a decode graph is built for a second size once
     assert len(sizes) == 6 and len({frozenset(s) for s in sizes}) == 2
+    assert min(min(s) for s in sizes) > cfg.indexer_budget  # both where decode scores the blocks
     assert sizes[-1] == {cache.capacity for cache in engine.generator._state.attention.values()}
     assert f"prompt_{cfg.indexer_budget + 2 * cfg.indexer_compress_ratio + 1}" in seconds  # past the QSA budget
     warmed = engine.generator.generate(prompt, params)

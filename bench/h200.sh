@@ -20,6 +20,9 @@
 #                       suffix for the results' names). SPEC_VARIANTS="NAME=ARGS;NAME=ARGS" instead runs
 #                       each variant (its ARGS after SPEC_ARGS) in turn, SPEC_REPEATS (default 1) times
 #                       (A/B/A/B), as speculation-BUDGET-NAME.json (a repeat: -again)
+#              first    a warmed engine's first requests of each kind against the next (bench/first_requests.py,
+#                       every record resident, a 32,768-token document): on a fresh machine the compile caches are
+#                       empty, so it shows what the warm-up leaves to a first start's requests; first-requests.{json,md}
 #              reuse    prompt-state reuse at each of REUSE_BUDGETS (default 24-64; bench/prompt_reuse.py): a
 #                       follow-up on a 32,768-token document with no reuse, a live hit and a stored hit after
 #                       a restart, and a 10-turn conversation; the stored states on the pack's disk;
@@ -109,6 +112,12 @@ for stage in $STAGES; do
       bench 8-32-control 8GiB 32GiB
       for p in $PRESETS; do bench 8-32-$p 8GiB 32GiB --preset $p; done
       bench 8-32-control 8GiB 32GiB ;;
+    first)
+      echo "== first requests at $(( $(date +%s) - start )) s"
+      timeout ${FIRST_TIMEOUT:-300} python3 bench/first_requests.py $W/full.pack --device cuda --emulate-layers 48 \
+        --hot-set '*' --document-tokens 32768 --json $R/first-requests.json --profiles /tmp/first-profiles > $OUT/first.log 2>&1
+      echo "first rc=$? $(( $(date +%s) - start )) s" >> $OUT/first.log
+      tr '\r' '\n' < $OUT/first.log | grep -v "loading experts" | tail -24 ;;
     reuse)
       for b in ${REUSE_BUDGETS:-24-64}; do
         eval "set -- $(budget $b)"

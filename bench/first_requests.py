@@ -180,7 +180,9 @@ def main() -> None:
               "requests": rows}
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(report, indent=1, default=str) + "\n")
-    lines = [f"# First requests after warm-up: {Path(args.pack).name} on {report['machine'].get('device', args.device)}",
+    machine = report["machine"]
+    where = (machine.get("gpu") or {}).get("name") or f"{machine.get('cpu')}, {machine.get('cpu_count')} cores"
+    lines = [f"# First requests after warm-up: {Path(args.pack).name} on {where}",
              "", f"`{report['command']}`", "", f"load {loaded:.1f} s, warm-up {report['warm_up_s']:.1f} s", "",
              "| request | prompt tokens | restored | TTFT s | total s | device allocations | compile-cache files built |",
              "| --- | --- | --- | --- | --- | --- | --- |"]

@@ -50,7 +50,7 @@ from flashpack.runtime.store.budget import parse_budget
 from flashpack.runtime.store.config import StoreConfig
 
 sys.path.insert(0, str(Path(__file__).parent))
-from prompt_reuse import document_text, source_text, source_turns  # noqa: E402  (the same texts)
+from prompt_reuse import document_text, engine_arguments, source_text, source_turns  # noqa: E402  (the same texts)
 
 def compile_caches() -> list[Path]:
     """Where Triton and TorchInductor keep what they build (a build writes its files there: counted
@@ -117,13 +117,7 @@ def chat_pair(engine, system: str, turns: list[str], reply_tokens: int, profiles
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("pack")
-    parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default %(default)s)")
-    parser.add_argument("--vram-budget", help="the full model's VRAM budget, e.g. 24GiB (default: the engine's)")
-    parser.add_argument("--ram-budget", help="the full model's RAM budget, e.g. 64GiB (default: the engine's)")
-    parser.add_argument("--emulate-layers", type=int, help="the full model's layer count the budgets are typed for")
-    parser.add_argument("--hot-set", default=StoreConfig.hot_set, help="the store's hot set (default %(default)s)")
+    parser = engine_arguments(__doc__.split("\n\n")[0])
     parser.add_argument("--turn-tokens", type=int, default=500, help="tokens a chat turn adds (default %(default)s)")
     parser.add_argument("--document-tokens", type=int, default=0, help="the documents' tokens (default: none)")
     parser.add_argument("--reply-tokens", type=int, default=16, help="tokens a chat is answered with (default %(default)s)")

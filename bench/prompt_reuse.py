@@ -366,17 +366,23 @@ def started(pack: str, config: EngineConfig) -> tuple[object, dict]:
     return engine, {"load_s": loaded, "warm_up_s": sum(warm.values()), "warm_up": warm}
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def engine_arguments(description: str) -> argparse.ArgumentParser:
+    """A parser with the pack and the engine's device, budgets and hot set (bench/first_requests.py's too)."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("pack")
     parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default %(default)s)")
     parser.add_argument("--vram-budget", help="the full model's VRAM budget, e.g. 24GiB (default: the engine's)")
     parser.add_argument("--ram-budget", help="the full model's RAM budget, e.g. 64GiB (default: the engine's)")
     parser.add_argument("--emulate-layers", type=int,
                         help="the full model's decoder layers: budgets are scaled from it to the pack's and "
-                             "TTFTs reported at it too (default: the pack's own, nothing scaled)")
+                             "times reported at it too (default: the pack's own, nothing scaled)")
     parser.add_argument("--hot-set",
                         help="pre-warm the tiers from this manifest profile, '*' for every record (default: none)")
+    return parser
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = engine_arguments(__doc__.split("\n\n")[0])
     parser.add_argument("--prompt-cache-ram",
                         help="live states' host memory (default: the engine's: on a GPU a tenth of the RAM "
                              "budget, taken from it; on a CPU 1 GiB)")

@@ -62,6 +62,11 @@ class PLEState:
     def copy(self) -> "PLEState":
         return PLEState(self.context.clone(), self.conv.clone())
 
+    def after(self, history: torch.Tensor, consumed: int) -> "PLEState":
+        """A copy whose n-gram context is the one after the first `consumed` tokens of `history`
+        (the context before a step, then the step's tokens), its conv state as it is now."""
+        return PLEState(history[consumed:consumed + self.context.shape[0]].clone(), self.conv.clone())
+
     def rewind(self, kept: int) -> None:
         if self.history is not None:
             self.context = self.history[kept:kept + self.context.shape[0]].clone()

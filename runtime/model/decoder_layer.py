@@ -62,15 +62,23 @@ class DecoderLayer(nn.Module):
     def _marked(self, streams, tokens, state: SequenceState, marks: Sequence[int], marked: Sequence[SequenceState]
                 ) -> torch.Tensor:
         """Up to the MoE block segment by segment (a separate step's work), copying this layer's
-        recurrent parts into `marked` after each mark; the MoE block once over all T."""
+        recurrent parts into `marked` after each mark; the MoE block once over all T. The PLE rows,
+        which depend on the tokens alone, are gathered once for all T (a gather and a copy to the
+        device each, on the host's time); their gated sum and conv run segment by segment."""
+        ple = state.ple[self.layer] if self.ple is not None else None
+        if ple is not None:
+            history = torch.cat([ple.context, tokens.cpu()])  # each mark's n-gram context is in it
+            rows = self.ple.embed(tokens, ple)
         pieces = []
         for index, (start, end) in enumerate(zip([0, *marks], [*marks, streams.shape[0]])):
-            segment = self.add_inputs(streams[start:end], tokens[start:end], state)
+            segment = streams[start:end]
+            if ple is not None:
+                segment = segment + self.ple.addend(segment, rows[start:end], ple)
             block_input, inject = self.attn_hc.mix(segment)
             pieces.append((segment, self.sequence_mixer(block_input, state), inject))
             if index < len(marks):
-                if self.ple is not None:
-                    marked[index].ple[self.layer] = state.ple[self.layer].copy()
+                if ple is not None:
+                    marked[index].ple[self.layer] = ple.after(history, end)
                 if self.linear:
                     marked[index].deltanet[self.layer] = state.deltanet[self.layer].copy()
         streams, block_output, inject = (torch.cat(parts) for parts in zip(*pieces))

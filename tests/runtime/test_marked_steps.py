@@ -4,7 +4,8 @@ within a summation order); a follow-up continuing from one computes what the who
 checkpoints_in_one_step (an engine through a tiered store) a prompt with checkpoints is prefilled in
 one step, each checkpoint saved from its mark, the MTP head's part included; without, a step a
 segment. Controls: a mark state taken one token late differs; one whose DeltaNet part
-is left at the step's end does not continue correctly."""
+is left at the step's end does not continue correctly; one whose PLE context is the step end's
+differs."""
 
 from __future__ import annotations
 
@@ -86,6 +87,21 @@ def test_control_a_mark_whose_deltanet_part_is_the_step_end_does_not_continue(en
         broken.deltanet[layer] = part.copy()
     rest = step.forward(torch.tensor(tokens[mark:]), broken)
     assert float((rest.logits[-1] - whole.logits[-1]).norm() / whole.logits[-1].norm()) > 1e-3
+
+
+def test_control_a_mark_whose_ple_context_is_the_step_end_differs(engine, monkeypatch):
+    """The PLE rows are gathered once for the whole step, which leaves the n-gram context at its end:
+    a mark must take the context of its own position."""
+    from flashpack.runtime.state import PLEState
+
+    step, tokens, mark = engine.step, _ids(60, 5), 25
+    expected = _after(step, step.new_state(), tokens[:mark])
+    layer = next(iter(expected.ple))
+    found = step.forward(torch.tensor(tokens), step.new_state(), marks=[mark]).marked[0]
+    assert found.ple[layer].context.tolist() == expected.ple[layer].context.tolist()
+    monkeypatch.setattr(PLEState, "after", lambda self, history, consumed: self.copy())
+    late = step.forward(torch.tensor(tokens), step.new_state(), marks=[mark]).marked[0]
+    assert late.ple[layer].context.tolist() != expected.ple[layer].context.tolist()
 
 
 @pytest.mark.parametrize("marks", [[0], [5, 5], [7, 3], [60], [61]])

@@ -73,6 +73,11 @@ class EngineConfig:
     # beyond one token only matrices of under 4,096 rows (DeltaNet's output projection, the shared
     # expert's), where the matvec still wins (runtime/kernels/dispatch.py says where it was measured).
     fp8_matvec_max_tokens: int = FP8_MATVEC_MAX_TOKENS
+    # DeltaNet steps of up to this many tokens take the recurrent kernel (one launch, each token's
+    # arithmetic as decode does it), longer ones the chunked rule (several kernels, more host time a
+    # call: a short segment of a prompt with checkpoints pays it in every DeltaNet layer). 1: decode
+    # alone; a bench option until measured on the GPU (`--set delta_rule_recurrent_max_tokens=16`).
+    delta_rule_recurrent_max_tokens: int = 1
     # Decode through a store: the next layer's router, applied to this layer's input, names experts
     # to load ahead.
     prefetch: bool = True
@@ -124,7 +129,7 @@ class EngineConfig:
             raise FlashpackError(f"unknown expert source {self.experts!r}: use one of {', '.join(EXPERT_SOURCES)}")
         minimums = {"layers_per_graph": 1, "staging_programs": 1, "graphs_min_layer_tokens": 0,
                     "dense_matvec_max_tokens": 0, "fp8_matvec_max_tokens": 0, "staged_beside_experts": 0,
-                    "draft_tokens": 1}
+                    "draft_tokens": 1, "delta_rule_recurrent_max_tokens": 1}
         for name, least in minimums.items():
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < least:

@@ -30,11 +30,12 @@ def fla_available() -> bool:
     return importlib.util.find_spec("fla") is not None
 
 
-def gated_delta_rule(q, k, v, g, beta, state: torch.Tensor, backend: str = "auto"):
+def gated_delta_rule(q, k, v, g, beta, state: torch.Tensor, backend: str = "auto", recurrent_max_tokens: int = 1):
     """q, k [T, Hk, Dk], each head serving Hv / Hk consecutive value heads; v [T, Hv, Dv]; g, beta
     [T, Hv] fp32; state [Hv, Dk, Dv] fp32. Returns (out [T, Hv, Dv], new state fp32); `state` itself
-    is left as it was. backend: "auto" (fla on CUDA when installed), "triton" (fla), "reference"."""
-    return gated_delta_rule_for(q.device, backend)(q, k, v, g, beta, state)
+    is left as it was. backend: "auto" (fla on CUDA when installed), "triton" (fla), "reference".
+    Steps of up to `recurrent_max_tokens` tokens run the recurrence, longer ones the chunked form."""
+    return gated_delta_rule_for(q.device, backend)(q, k, v, g, beta, state, recurrent_max_tokens)
 
 
 def gated_delta_rule_for(device: torch.device | str, backend: str = "auto") -> Callable:
@@ -60,33 +61,34 @@ def delta_rule_positions(rule: Callable, q, k, v, g, beta, state: torch.Tensor):
     return torch.cat(outs), torch.stack(states)
 
 
-def plain_gated_delta_rule(q, k, v, g, beta, state: torch.Tensor, each: bool = False):
-    """The plain forms: a token alone by the recurrence, a prompt by chunks; `each`: every token by
-    the recurrence, returning the state after each (delta_rule_positions)."""
+def plain_gated_delta_rule(q, k, v, g, beta, state: torch.Tensor, recurrent_max_tokens: int = 1, each: bool = False):
+    """The plain forms: up to `recurrent_max_tokens` tokens by the recurrence, more by chunks;
+    `each`: every token by the recurrence, returning the state after each (delta_rule_positions)."""
     groups = v.shape[1] // q.shape[1]
     if groups > 1:
         q, k = q.repeat_interleave(groups, dim=1), k.repeat_interleave(groups, dim=1)
     if each:
         return recurrent_gated_delta_rule(q, k, v, g, beta, state, each=True)
-    rule = recurrent_gated_delta_rule if q.shape[0] == 1 else chunk_gated_delta_rule
+    rule = recurrent_gated_delta_rule if q.shape[0] <= recurrent_max_tokens else chunk_gated_delta_rule
     return rule(q, k, v, g, beta, state)
 
 
 @torch.compiler.disable  # Triton kernels of their own: compiled decode steps call them as they are
-def fla_gated_delta_rule(q, k, v, g, beta, state: torch.Tensor):
+def fla_gated_delta_rule(q, k, v, g, beta, state: torch.Tensor, recurrent_max_tokens: int = 1):
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_chunk
     from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule as fla_recurrent
 
-    # One-token steps go to the recurrent kernel (one launch), which normalises q and k itself;
-    # prompts to the chunked one, given them normalised (l2_normalised says why).
-    one_token = q.shape[0] == 1
-    if not one_token:
+    # Steps of up to recurrent_max_tokens tokens go to the recurrent kernel (one launch), which
+    # normalises q and k itself; longer ones to the chunked one, given them normalised
+    # (l2_normalised says why).
+    recurrent = q.shape[0] <= recurrent_max_tokens
+    if not recurrent:
         q, k = l2_normalised(q), l2_normalised(k)
     # By keyword: the two entry points order their optional arguments differently (the recurrent
     # one takes per-key and per-value decays between g and beta).
-    out, final = (fla_recurrent if one_token else fla_chunk)(
+    out, final = (fla_recurrent if recurrent else fla_chunk)(
         q[None], k[None], v[None], g=g[None].float(), beta=beta[None].to(v.dtype), scale=q.shape[-1] ** -0.5,
-        initial_state=state[None], output_final_state=True, use_qk_l2norm_in_kernel=one_token,
+        initial_state=state[None], output_final_state=True, use_qk_l2norm_in_kernel=recurrent,
     )
     return out[0], final[0]
 

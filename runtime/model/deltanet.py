@@ -28,6 +28,7 @@ class GatedDeltaNet(nn.Module):
         self.key_head_dim, self.value_head_dim = cfg.linear_key_head_dim, cfg.linear_value_head_dim
         self.act = activation(cfg.hidden_act)
         self.delta_rule = gated_delta_rule_for(device)
+        self.recurrent_max_tokens = 1  # steps of up to this many tokens by the recurrence (Qwen4ExpModel sets it)
         load = lambda name: load_dense(source, prefix + name, dtype, device)  # noqa: E731
         # qkv [2Kd + Vd, H], z [Vd, H], b and a [Hv, H]: one stacked projection of x
         projections = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")
@@ -54,7 +55,7 @@ class GatedDeltaNet(nn.Module):
             out, state.positions = delta_rule_positions(self.delta_rule, q, k, v, g, beta, state.recurrent)
             recurrent = state.positions[-1]
         else:
-            out, recurrent = self.delta_rule(q, k, v, g, beta, state.recurrent)
+            out, recurrent = self.delta_rule(q, k, v, g, beta, state.recurrent, self.recurrent_max_tokens)
         state.recurrent.copy_(recurrent)  # in place: a captured CUDA graph keeps reading this buffer
         z = z.reshape(length, self.value_heads, self.value_head_dim)
         out = self.norm(out.to(x.dtype), z).reshape(length, self.value_dim)

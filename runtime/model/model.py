@@ -10,8 +10,9 @@ Routed experts come through one injected `RoutedExperts` (runtime/model/routed_e
 `ExpertFetcher` given instead runs as the plain `DequantisedExperts`. Two kernel choices are fixed
 at construction: `fused_mix` (one-token hyper-connection mixes as two Triton kernels each, CUDA
 only), `dense_matvec_max_tokens` (BF16 projections of up to that many tokens take the matvec
-kernel on CUDA, more cuBLAS; dense_linear says which matrices beyond one token) and
-`fp8_matvec_max_tokens` (FP8 projections: the matvec kernel, more the tile kernel).
+kernel on CUDA, more cuBLAS; dense_linear says which matrices beyond one token),
+`fp8_matvec_max_tokens` (FP8 projections: the matvec kernel, more the tile kernel) and
+`delta_rule_recurrent_max_tokens` (DeltaNet steps of up to that many tokens by the recurrence).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from torch import nn
 from flashpack.runtime.experts import ExpertFetcher
 from flashpack.runtime.kernels.dispatch import DENSE_MATVEC_MAX_TOKENS, FP8_MATVEC_MAX_TOKENS
 from flashpack.runtime.model.decoder_layer import DecoderLayer
+from flashpack.runtime.model.deltanet import GatedDeltaNet
 from flashpack.runtime.model.hyper_connection import GatedResidual
 from flashpack.runtime.model.linear import StackedLinear
 from flashpack.runtime.model.routed_experts import RoutedExperts, as_routed_experts
@@ -46,6 +48,7 @@ class Qwen4ExpModel(nn.Module):
         self, source: WeightSource, experts: RoutedExperts | ExpertFetcher, dtype: torch.dtype = torch.bfloat16,
         device: torch.device | str = "cpu", fused_mix: bool = False,
         dense_matvec_max_tokens: int = DENSE_MATVEC_MAX_TOKENS, fp8_matvec_max_tokens: int = FP8_MATVEC_MAX_TOKENS,
+        delta_rule_recurrent_max_tokens: int = 1,
     ):
         super().__init__()
         cfg = self.config = source.config
@@ -70,6 +73,8 @@ class Qwen4ExpModel(nn.Module):
                 module.fused = fused_mix
             if isinstance(module, StackedLinear):
                 module.matvec_max_tokens, module.fp8_matvec_max_tokens = dense_matvec_max_tokens, fp8_matvec_max_tokens
+            if isinstance(module, GatedDeltaNet):
+                module.recurrent_max_tokens = delta_rule_recurrent_max_tokens
 
     def observe_routing(self, observer: Callable[[int, torch.Tensor], None] | None) -> None:
         """Call `observer(layer, expert ids [T, k])` with every MoE block's routing, as the layers

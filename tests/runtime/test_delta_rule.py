@@ -89,16 +89,30 @@ def test_a_checked_steps_positions_are_the_one_token_steps_bit_for_bit(length, k
         assert torch.equal(out[t:t + 1], step_out) and torch.equal(states[t], state), t
 
 
+def test_steps_up_to_recurrent_max_tokens_take_the_recurrence():
+    """A short step by the recurrence (each token's arithmetic as decode does it) where asked, by
+    chunks otherwise: each bit for bit the form it names."""
+    q, k, v, g, beta, state = _inputs(5, key_heads=2, value_heads=4, dk=16, dv=8)
+    expanded = (q.repeat_interleave(2, dim=1), k.repeat_interleave(2, dim=1))
+    recurrent = recurrent_gated_delta_rule(*expanded, v, g, beta, state)
+    chunked = chunk_gated_delta_rule(*expanded, v, g, beta, state)
+    for limit, expected in ((1, chunked), (4, chunked), (5, recurrent), (16, recurrent)):
+        found = gated_delta_rule(q, k, v, g, beta, state, backend="reference", recurrent_max_tokens=limit)
+        assert all(torch.equal(a, b) for a, b in zip(found, expected)), limit
+    assert not torch.equal(recurrent[0], chunked[0])  # the two forms round differently: the check can fail
+
+
 @cuda_fla
-@pytest.mark.parametrize("length", [1, 5, 200])
-def test_fla_kernels_match_the_plain_rule(length):
+@pytest.mark.parametrize("length,recurrent_max_tokens", [(1, 1), (5, 1), (200, 1), (5, 16), (16, 16)])
+def test_fla_kernels_match_the_plain_rule(length, recurrent_max_tokens):
     """Real head shapes (16 key heads of 128, 32 value heads of 128), bf16 projections as the
-    engine feeds them; tolerance 2e-2 relative: bf16 inputs and output, fp32 state both ways."""
+    engine feeds them; tolerance 2e-2 relative: bf16 inputs and output, fp32 state both ways. Short
+    steps by fla's recurrent kernel too, where asked."""
     q, k, v, g, beta, state = _inputs(length, key_heads=16, value_heads=32, dk=128, dv=128, device="cuda")
     q, k, v = (x.bfloat16() for x in (q, k, v))
     expected_out, expected_state = gated_delta_rule(q, k, v, g, beta, state, backend="reference")
     kept = state.clone()
-    out, final = gated_delta_rule(q, k, v, g, beta, state, backend="triton")
+    out, final = gated_delta_rule(q, k, v, g, beta, state, backend="triton", recurrent_max_tokens=recurrent_max_tokens)
     assert torch.equal(state, kept)
     assert rel_err(out, expected_out) <= 2e-2 and rel_err(final, expected_state) <= 2e-2
     # Control: value heads grouped the other way round (interleaved) must not pass.

@@ -49,8 +49,7 @@ from flashpack.runtime.sampling import SamplingParams
 from flashpack.runtime.store.budget import parse_budget
 from flashpack.runtime.store.config import StoreConfig
 
-sys.path.insert(0, str(Path(__file__).parent))
-from prompt_reuse import document_text, engine_arguments, source_text, source_turns  # noqa: E402  (the same texts)
+from flashpack.bench.prompt_reuse import document_text, engine_arguments, source_text, source_turns  # the same texts
 
 def compile_caches() -> list[Path]:
     """Where Triton and TorchInductor keep what they build (a build writes its files there: counted

@@ -79,6 +79,9 @@ def warm_up_lengths(cfg: TextConfig, limit: int) -> list[int]:
     hundred tokens would otherwise build one on its first request), just past the budget, and
     several query chunks past it."""
     past_budget = cfg.indexer_budget + 2 * cfg.indexer_compress_ratio + 1
-    powers = [16 << shift for shift in range(max(past_budget.bit_length() - 4, 0)) if 16 << shift < past_budget]
-    candidates = [*powers, past_budget, max(2 * past_budget, 4 * QUERY_CHUNK) + 37]
+    candidates = [past_budget, max(2 * past_budget, 4 * QUERY_CHUNK) + 37]
+    power = 16
+    while power < past_budget:
+        candidates.append(power)
+        power *= 2
     return sorted({min(length, limit) for length in candidates})

@@ -297,14 +297,15 @@ class Generator:
             start = time.perf_counter()
             prompt(length, prompt_depth, self._fresh_state(length + decode_steps + 1))
             seconds[f"prompt_{length}"] = time.perf_counter() - start
-        own = max((cache.capacity for cache in self._fresh_state(16).attention.values()), default=0)
+        own = self._fresh_state(16 + decode_steps + 1)
+        room = max((cache.capacity for cache in own.attention.values()), default=0)
         # the other size: half, where decode still scores the indexer's blocks there (the branch a
         # long context takes), else twice (room for tokens costs device memory: half costs less)
         other = self.step.new_state()
-        other.reserve(own // 2 if own // 2 > self.step.config.indexer_budget else 2 * own)
+        other.reserve(room // 2 if room // 2 > self.step.config.indexer_budget else 2 * room)
         decode("decode_other_size", other)
         del other
-        decode("decode", self._fresh_state(16 + decode_steps + 1))
+        decode("decode", own)
         return seconds
 
     def generate(self, prompt_ids: list[int], params: SamplingParams, **kwargs) -> GenerationResult:

@@ -186,23 +186,28 @@ def reuse_off(engine):
 
 def request(engine, ids: list[int], max_tokens: int, saves: SaveClock | None) -> dict:
     """Answer `ids` (checkpoints at its message boundaries, as the server does); its TTFT, tokens
-    restored, the seconds of that restore and of the checkpoints saved before the first token."""
+    restored, the seconds of that restore, of the checkpoints saved and of the garbage collector's
+    pauses (all of them, and the longest) before the first token."""
     cache = engine.generator.prefix_cache
     restored_before = cache.stats.restore_seconds if cache is not None else 0.0
     saved_before = saves.seconds if saves is not None else 0.0
-    saved = None
+    collected_before, mark = engine.collector.pauses(), engine.collector.mark()
+    saved = collected = longest = None
     pieces, last = [], None
     for event in engine.generator.stream(ids, SamplingParams(max_tokens=max_tokens),
                                          checkpoints=engine.tokenizer.message_starts(ids)):
         if saved is None:  # the first event comes once the first token is chosen
             saved = saves.seconds - saved_before if saves is not None and cache is not None else 0.0
+            collected = engine.collector.pauses().since(collected_before)
+            longest = engine.collector.longest_since(mark)
         pieces.append(event.text)
         last = event
     cached = last.timings["cached_tokens"]
     return {"prompt_tokens": len(ids), "cached_tokens": cached, "new_tokens": len(ids) - cached,
             "ttft_s": last.timings["first_token_seconds"],
             "restore_s": cache.stats.restore_seconds - restored_before if cache is not None else 0.0,
-            "saves_s": saved, "text": "".join(pieces)}
+            "saves_s": saved, "gc_s": sum(collected.seconds), "gc_full_collections": collected.counts[2],
+            "gc_longest_s": longest, "text": "".join(pieces)}
 
 
 def conversation(engine, messages: list[dict], turns: list[str], reply_tokens: int, saves: SaveClock) -> list[dict]:
@@ -342,9 +347,10 @@ def state_bytes(engine) -> StateBytes:
 
 def at_layers(row: dict, layer_scale: float, bytes_scale: float) -> float:
     """A TTFT at the full model's layer count: restoring and saving states move state bytes
-    (scaled by `bytes_scale`), everything else is the layers' work (scaled by `layer_scale`)."""
+    (scaled by `bytes_scale`), the garbage collector's pauses walk the process's heap (as they are),
+    everything else is the layers' work (scaled by `layer_scale`)."""
     moved = row["restore_s"] + row["saves_s"]
-    return moved * bytes_scale + (row["ttft_s"] - moved) * layer_scale
+    return moved * bytes_scale + row["gc_s"] + (row["ttft_s"] - moved - row["gc_s"]) * layer_scale
 
 
 def free_memory() -> None:
@@ -362,7 +368,7 @@ def started(pack: str, config: EngineConfig) -> tuple[object, dict]:
     # Engine.warm_up's own work, on a CPU too (where it skips it: nothing is compiled there), so that
     # no first request pays for first use (the pack's pages mapped, the linear algebra set up).
     lengths, depth = engine.warm_up_plan()
-    warm = engine.generator.warm_up(lengths, prompt_depth=depth)
+    warm = engine.generator.warm_up(lengths, prompt_depth=depth) | engine.freeze_heap()
     return engine, {"load_s": loaded, "warm_up_s": sum(warm.values()), "warm_up": warm}
 
 
@@ -603,7 +609,9 @@ def notes(layers: int, target: int) -> dict[str, str]:
         "ttft": "TTFT is the generator's first_token_seconds: from the request to its first token chosen, the "
                 "restore, the prefill of what was not restored and the checkpoints saved before the first token "
                 "(a host copy of the state at each message boundary) included. restore_s and saves_s are those two "
-                "parts.",
+                "parts; gc_s the garbage collector's pauses before the first token (gc_longest_s the longest, "
+                "gc_full_collections the full ones), whatever thread they stopped: the heap is frozen after each "
+                "warm-up unless --set freeze_heap=false (runtime/engine/collector.py).",
         "document": "The follow-up (first turn, its reply, then the question) is the same prompt each way. The first "
                     "turn's stored writes are flushed before it (the user reads the reply first). Before the "
                     "restart the entries the live follow-up saved of itself are removed, so the restarted engine "
@@ -618,8 +626,8 @@ def notes(layers: int, target: int) -> dict[str, str]:
                 "the stored tier does), read_decode_s StoredStates.get of the dropped file (read, checksum, "
                 "decompress, decode onto the device).",
         "scaling": (f"TTFTs at {target} layers (ttft_at_layers_s): the time outside restore_s and saves_s is the "
-                    f"layers' work, scaled by {target} / {layers} (a prefill is nearly all layer time); restore_s and "
-                    "saves_s move state bytes and are scaled by the state's bytes at the full layer count over its "
+                    f"layers' work, scaled by {target} / {layers} (a prefill is nearly all layer time); gc_s is "
+                    "added as it is (a walk of the heap, whatever the layers); restore_s and saves_s move state bytes and are scaled by the state's bytes at the full layer count over its "
                     "bytes in the pack (at the row's prompt length): DeltaNet and attention layers' parts each by "
                     "their layer counts (layer_counts, the pack's attention pattern continued), PLE and MTP parts "
                     "as they are. The stored entry's file scales by the same ratio; its target is max(1.0 s, its "
@@ -658,15 +666,16 @@ def markdown(report: dict) -> str:
     if document:
         lines += [f"## A follow-up on a {document['document_tokens']}-token document "
                   f"({document['question_tokens']}-token question)", "",
-                  f"| request | prompt tokens | restored | new tokens | TTFT s | restore s | saves s |{head}",
-                  f"| --- | --- | --- | --- | --- | --- | --- |{rule}"]
+                  f"| request | prompt tokens | restored | new tokens | TTFT s | restore s | saves s | GC s (longest) |{head}",
+                  f"| --- | --- | --- | --- | --- | --- | --- | --- |{rule}"]
         for name, key in (("first turn (document)", "first_turn"), ("follow-up, no reuse", "no_reuse"),
                           ("follow-up, live hit", "live_hit"),
                           ("another question, live hit", "live_hit_again"),
                           ("follow-up, stored hit after a restart", "stored_hit")):
             row = document[key]
             lines.append(f"| {name} | {row['prompt_tokens']} | {row['cached_tokens']} | {row['new_tokens']} | "
-                         f"{_seconds(row['ttft_s'])} | {_seconds(row['restore_s'])} | {_seconds(row['saves_s'])} |"
+                         f"{_seconds(row['ttft_s'])} | {_seconds(row['restore_s'])} | {_seconds(row['saves_s'])} | "
+                         f"{_seconds(row['gc_s'])} ({_seconds(row['gc_longest_s'])}) |"
                          + (f" {_seconds(row['ttft_at_layers_s'])} |" if scaled else ""))
         entry, goals = document.get("stored_entry"), document["targets"]
         lines.append("")

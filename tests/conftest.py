@@ -8,6 +8,7 @@ as soon as torch.compile's machinery loads (the engine's `torch.compiler.disable
 
 from __future__ import annotations
 
+import gc
 import os
 from pathlib import Path
 
@@ -26,6 +27,14 @@ def _one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture(autouse=True)
+def _heap_unfrozen():
+    """An engine's warm-up freezes Python's heap (runtime/engine/collector.py), right for a server's
+    one engine; in the suite's one process it would keep every earlier test's garbage cycles."""
+    yield
+    gc.unfreeze()
 
 
 @pytest.fixture(scope="session")

@@ -118,6 +118,11 @@ class EngineConfig:
     speculate: str = "auto"
     # Drafts a speculative step checks at most.
     draft_tokens: int = 4
+    # Freeze Python's heap at the end of the warm-up (runtime/engine/collector.py): the process's
+    # long-lived objects (modules, compiled graphs' guards) are then skipped by every later garbage
+    # collection, whose full walk of them would otherwise stall a request's thread, GIL held, for as
+    # long as the walk takes (~0.13 s for the demo engine on a 2-core VM, more with compiled graphs).
+    freeze_heap: bool = True
     store: StoreConfig = field(default_factory=StoreConfig)
 
     def __post_init__(self) -> None:

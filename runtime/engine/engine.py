@@ -2,17 +2,20 @@
 
     engine.generator.stream(prompt_ids, params)   generation (runtime/engine/generate.py)
     engine.step([StepInput(tokens, state)])       one step of the model (runtime/engine/step.py)
-    engine.warm_up()                              compile, tune and capture before the first request
+    engine.warm_up()                              compile, tune and capture before the first request,
+                                                  then freeze Python's heap (runtime/engine/collector.py)
     engine.stats()                                the expert store's counters (None without a store)
+    engine.collector                              the garbage collector's pauses, timed from the start
     engine.close()                                stop the store's and the stored states' threads
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from flashpack.layout.model_config import TextConfig
 from flashpack.layout.pack import Pack
+from flashpack.runtime.engine.collector import CollectorPauses, freeze_heap
 from flashpack.runtime.engine.config import EngineConfig
 from flashpack.runtime.engine.generate import Generator
 from flashpack.runtime.engine.step import Step
@@ -30,6 +33,7 @@ class Engine:
     tokenizer: PackTokenizer
     generator: Generator
     store: object | None = None  # runtime.store.TieredStore (or ResidentExperts) when experts come through one
+    collector: CollectorPauses = field(default_factory=lambda: CollectorPauses().start())
 
     @property
     def model_config(self) -> TextConfig:
@@ -37,12 +41,19 @@ class Engine:
 
     def warm_up(self) -> dict[str, float]:
         """Compile, tune and capture at start what the first requests need (`warm_up_plan`,
-        Generator.warm_up). Returns the seconds each part took; on a CPU, where nothing is
-        compiled or tuned per shape, it does nothing."""
-        if self.model.device.type != "cuda":
-            return {}
-        lengths, depth = self.warm_up_plan()
-        return self.generator.warm_up(lengths, prompt_depth=depth)
+        Generator.warm_up; on a CPU, where nothing is compiled or tuned per shape, nothing), then
+        freeze the heap. Returns the seconds each part took."""
+        parts = {}
+        if self.model.device.type == "cuda":
+            lengths, depth = self.warm_up_plan()
+            parts = self.generator.warm_up(lengths, prompt_depth=depth)
+        return parts | self.freeze_heap()
+
+    def freeze_heap(self) -> dict[str, float]:
+        """Everything alive now out of later garbage collections' walks (`EngineConfig.freeze_heap`;
+        collector.freeze_heap): the warm-up's end, when the process's long-lived objects exist.
+        Returns {"freeze_heap": seconds}, or nothing where the setting is off."""
+        return {"freeze_heap": freeze_heap()} if self.config.freeze_heap else {}
 
     def warm_up_plan(self) -> tuple[list[int], int]:
         """(prompt lengths, layers they run through): a prompt of each shape class a first request
@@ -65,7 +76,9 @@ class Engine:
             self.step.graphs.layer_clock = clock
 
     def close(self) -> None:
-        """Stop the store's threads and the prompt states' copier and writer (after their pending work)."""
+        """Stop the store's threads, the prompt states' copier and writer (after their pending work)
+        and the collector's timing."""
+        self.collector.stop()
         if self.store is not None:
             self.store.close()
         if self.generator.prefix_cache is not None:

@@ -38,8 +38,10 @@ class ServerContext:
         stats = settings.stats or _engine_stats(engine)
         prefix_cache = getattr(engine.generator, "prefix_cache", None)
         speculation = getattr(engine.generator, "speculation", None)
+        collector = getattr(engine, "collector", None)
         metrics = Metrics(stats=stats, prompt_cache=prefix_cache.to_dict if prefix_cache is not None else None,
-                          speculation=speculation.stats.to_dict if speculation is not None else None)
+                          speculation=speculation.stats.to_dict if speculation is not None else None,
+                          collector=collector.to_dict if collector is not None else None)
         health = Health()
         scheduler = Scheduler(engine.generator, settings.max_queue, metrics,
                               on_pack_damage=lambda reason: health.failed(f"the pack is damaged: {reason}"))

@@ -17,7 +17,9 @@ gauges: hits, misses, stored_hits, tokens_reused, live_entries, live_bytes, rest
 its stored tier's as flashpack_prompt_cache_stored_* (entries, bytes, writes, dropped, ...). A
 `speculation()` provider (SpeculationStats.to_dict) gives flashpack_speculation_*: steps, drafted,
 accepted, rollbacks, tokens_per_step, acceptance, seconds in draft, verify and rollback, and
-flashpack_speculation_accepted_at{position="i"} per draft position.
+flashpack_speculation_accepted_at{position="i"} per draft position. A `collector()` provider (the
+engine's CollectorPauses.to_dict) gives flashpack_gc_*: collections, full_collections, seconds,
+full_seconds and longest_seconds, the garbage collector's pauses since the engine was built.
 """
 
 from __future__ import annotations
@@ -61,12 +63,14 @@ class Metrics:
     def __init__(self, queue_depth: Callable[[], int] = lambda: 0,
                  stats: Callable[[], Mapping[str, Any]] | None = None,
                  prompt_cache: Callable[[], Mapping[str, Any]] | None = None,
-                 speculation: Callable[[], Mapping[str, Any]] | None = None):
+                 speculation: Callable[[], Mapping[str, Any]] | None = None,
+                 collector: Callable[[], Mapping[str, Any]] | None = None):
         self._lock = threading.Lock()
         self._queue_depth = queue_depth
         self._stats = stats
         self._prompt_cache = prompt_cache
         self._speculation = speculation
+        self._collector = collector
         self.requests: dict[tuple[str, int], int] = defaultdict(int)  # (route, status) -> count
         self.finishes: dict[str, int] = defaultdict(int)  # generator finish reason -> count
         self.running = 0
@@ -128,6 +132,7 @@ class Metrics:
             lines += _typed("flashpack_queue_wait_seconds", "histogram", "time a request waited for the engine")
             lines += self.queue_wait.lines("flashpack_queue_wait_seconds")
         lines += self._store_lines() + self._prompt_cache_lines() + self._speculation_lines()
+        lines += _provided_gauges("flashpack_gc", self._collector)
         return "\n".join(lines) + "\n"
 
     def _speculation_lines(self) -> list[str]:

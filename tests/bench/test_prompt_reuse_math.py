@@ -59,5 +59,10 @@ def test_state_bytes_at_the_full_layer_count():
 
 
 def test_ttft_at_layers_scales_state_moves_by_bytes_and_the_rest_by_layers():
-    row = {"ttft_s": 1.0, "restore_s": 0.1, "saves_s": 0.15}
+    row = {"ttft_s": 1.0, "restore_s": 0.1, "saves_s": 0.15, "gc_s": 0.0}
     assert at_layers(row, layer_scale=3.0, bytes_scale=2.5) == pytest.approx(0.25 * 2.5 + 0.75 * 3.0)
+
+
+def test_ttft_at_layers_keeps_collector_pauses_as_they_are():
+    row = {"ttft_s": 1.0, "restore_s": 0.1, "saves_s": 0.15, "gc_s": 0.3}  # a walk of the heap, not the layers'
+    assert at_layers(row, layer_scale=3.0, bytes_scale=2.5) == pytest.approx(0.25 * 2.5 + 0.3 + 0.45 * 3.0)

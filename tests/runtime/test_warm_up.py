@@ -8,6 +8,7 @@ import torch
 
 from flashpack.convert.synth.presets import SynthOptions, resolve_plan
 from flashpack.runtime.engine.build import load_engine
+from flashpack.runtime.engine.config import EngineConfig
 from flashpack.runtime.engine.engine import warm_up_lengths
 from flashpack.runtime.kernels.prompt_attention import key_block_steps
 from flashpack.runtime.sampling import SamplingParams
@@ -18,7 +19,9 @@ def test_a_warmed_engine_answers_exactly_as_a_cold_one(tiny_pack):
     params = SamplingParams(max_tokens=6, stop_token_ids=())
     cold = load_engine(tiny_pack).generator.generate(prompt, params)
     engine = load_engine(tiny_pack)
-    assert engine.warm_up() == {}  # on a CPU nothing is compiled per shape: nothing to do
+    # on a CPU nothing is compiled per shape: only the heap is frozen (tests/runtime/test_collector.py)
+    assert set(engine.warm_up()) == {"freeze_heap"}
+    assert load_engine(tiny_pack, EngineConfig(freeze_heap=False)).warm_up() == {}
     lengths, depth = engine.warm_up_plan()  # what a GPU engine runs, run here through the same path
     forward, sizes = engine.step.forward, []
 

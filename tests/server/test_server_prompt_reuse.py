@@ -60,6 +60,7 @@ def test_an_openai_follow_up_reports_the_tokens_it_restored(served, tiny_pack):
     assert re.search(r"^flashpack_prompt_cache_live_bytes \d+", metrics, re.MULTILINE)
     assert re.search(r"^flashpack_prompt_cache_stored_entries \d+", metrics, re.MULTILINE)
     assert re.search(r"^flashpack_speculation_steps \d+", metrics, re.MULTILINE)
+    assert re.search(r"^flashpack_gc_full_collections \d+", metrics, re.MULTILINE)  # the engine's collector
 
 
 def test_an_anthropic_follow_up_reports_cache_reads(served):

@@ -23,6 +23,9 @@
 #              first    a warmed engine's first requests of each kind against the next (bench/first_requests.py,
 #                       every record resident, a 32,768-token document): on a fresh machine the compile caches are
 #                       empty, so it shows what the warm-up leaves to a first start's requests; first-requests.{json,md}
+#              collector  bench/collector_pauses.py on a tiny synthetic pack: a warmed GPU engine's full garbage
+#                       collection, unfrozen and frozen, and the collections twenty requests of mixed lengths met
+#                       (their checked steps captured as the attention caches grow); collector-pauses.json
 #              reuse    prompt-state reuse at each of REUSE_BUDGETS (default 24-64; bench/prompt_reuse.py): a
 #                       follow-up on a 32,768-token document with no reuse, a live hit and a stored hit after
 #                       a restart, and a 10-turn conversation; the stored states on the pack's disk;
@@ -119,6 +122,12 @@ for stage in $STAGES; do
         --hot-set '*' --document-tokens 32768 --json $R/first-requests.json --profiles /tmp/first-profiles > $OUT/first.log 2>&1
       echo "first rc=$? $(( $(date +%s) - start )) s" >> $OUT/first.log
       tr '\r' '\n' < $OUT/first.log | grep -v "loading experts" | tail -24 ;;
+    collector)
+      echo "== collector at $(( $(date +%s) - start )) s"
+      timeout ${COLLECTOR_TIMEOUT:-240} python3 bench/collector_pauses.py --device cuda --json $R/collector-pauses.json \
+        > $OUT/collector.log 2>&1
+      echo "collector rc=$? $(( $(date +%s) - start )) s" >> $OUT/collector.log
+      tail -30 $OUT/collector.log ;;
     reuse)
       for b in ${REUSE_BUDGETS:-24-64}; do
         eval "set -- $(budget $b)"

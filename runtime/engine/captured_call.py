@@ -1,5 +1,10 @@
 """One piece of a decode step as a CUDA graph: run eagerly once (compiling and warming its kernels),
-captured the second time, replayed from then on with its inputs copied into the captured ones."""
+captured the second time, replayed from then on with its inputs copied into the captured ones.
+
+The eager run already takes the tensors the capture will (the kept inputs, clones of the others), so
+a compiled piece meets at its capture exactly the strides and aliasing it was compiled for: a guard
+that failed there would compile again inside the capture, and TorchInductor's tuning of a new kernel
+synchronises the device, which a capture forbids."""
 
 from __future__ import annotations
 
@@ -26,18 +31,17 @@ class CapturedCall:
     def __call__(self, *inputs: torch.Tensor):
         self.calls += 1
         if self.calls == 1:
-            return self.fn(*inputs)
-        if self.graph is None:
             self.inputs = [x if i in self.kept else x.clone() for i, x in enumerate(inputs)]
+            return self.fn(*self.inputs)
+        for static, x in zip(self.inputs, inputs):
+            if x is not static:
+                static.copy_(x)
+        if self.graph is None:
             self.graph = torch.cuda.CUDAGraph()
             # thread_local: the store's copy and reader threads keep landing records on their own
             # streams while a layer is captured; in the default (global) mode any CUDA call of
             # theirs invalidates the capture (seen on the H200 with a tiered store).
             with torch.cuda.graph(self.graph, pool=self.pool, capture_error_mode="thread_local"):
                 self.outputs = self.fn(*self.inputs)
-        else:
-            for static, x in zip(self.inputs, inputs):
-                if x is not static:
-                    static.copy_(x)
         self.graph.replay()
         return self.outputs

@@ -28,3 +28,22 @@ def test_a_chain_of_calls_hands_its_outputs_on_in_place():
     (z,) = second(moved, scale)
     assert torch.equal(z, torch.full((4,), 3.0, device="cuda"))
 
+
+
+def test_the_capture_meets_the_inputs_its_eager_run_compiled_for():
+    """An input with gaps is cloned (contiguous: clone keeps only dense strides) for the capture; the eager run takes that clone
+    too, so a compiled piece is not compiled again inside the capture (where TorchInductor's tuning
+    would synchronise). Control: the piece compiled for the original strides would count two frames."""
+    from torch._dynamo.testing import CompileCounter
+
+    torch._dynamo.reset()
+    counter = CompileCounter()
+    piece = torch.compile(lambda x: (x * 2 + 1,), backend=counter, dynamic=False)
+    call = CapturedCall(piece, torch.cuda.graph_pool_handle())
+    for step in range(4):
+        x = (torch.arange(24, dtype=torch.float32, device="cuda").view(3, 8) + step)[:, ::2]  # strides (8, 2)
+        (y,) = call(x)
+        assert torch.equal(y, x * 2 + 1), step
+    assert call.graph is not None and counter.frame_count == 1
+    piece(torch.zeros(3, 8, device="cuda")[:, ::2])  # control: the original strides are another frame
+    assert counter.frame_count == 2

@@ -1,6 +1,6 @@
 """Python's garbage collector in a serving process: the heap frozen after the warm-up, every pause timed.
 
-A warmed engine's process holds a few million objects that live as long as it does: torch's and
+A warmed engine's process holds hundreds of thousands of objects that live as long as it does: torch's and
 transformers' modules, the tokenizer, the compiled graphs' guards and code. CPython's full (generation
 2) collection walks every one of them, on whichever thread allocated last, holding the GIL: on the
 GPU that thread is usually a request's, and a prompt's kernel launches stop for the whole walk. The

@@ -13,7 +13,9 @@ Objects frozen are still freed by reference counting; only cycles among them sta
 for what lives through the warm-up is the process's life anyway.
 
 `CollectorPauses` times every collection through `gc.callbacks` (each generation's count and seconds,
-and the longest pause), for `/metrics` and the benches' per-request figures.
+and the longest pause), for `/metrics` and the benches' per-request figures. Collections are the
+process's, not an engine's: every engine holds the one `process_pauses()`, started once, so a
+process that builds many engines (the tests) calls one callback a collection, not one an engine.
 """
 
 from __future__ import annotations
@@ -107,3 +109,11 @@ class CollectorPauses:
             self._longest = max(self._longest, took)
             for mark, longest in self._marks.items():
                 self._marks[mark] = max(longest, took)
+
+
+_PROCESS_PAUSES = CollectorPauses()
+
+
+def process_pauses() -> CollectorPauses:
+    """The process's one CollectorPauses, timing from its first use."""
+    return _PROCESS_PAUSES.start()

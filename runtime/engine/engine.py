@@ -5,7 +5,7 @@
     engine.warm_up()                              compile, tune and capture before the first request,
                                                   then freeze Python's heap (runtime/engine/collector.py)
     engine.stats()                                the expert store's counters (None without a store)
-    engine.collector                              the garbage collector's pauses, timed from the start
+    engine.collector                              the process's garbage collections, timed
     engine.close()                                stop the store's and the stored states' threads
 """
 
@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from flashpack.layout.model_config import TextConfig
 from flashpack.layout.pack import Pack
-from flashpack.runtime.engine.collector import CollectorPauses, freeze_heap
+from flashpack.runtime.engine.collector import CollectorPauses, freeze_heap, process_pauses
 from flashpack.runtime.engine.config import EngineConfig
 from flashpack.runtime.engine.generate import Generator
 from flashpack.runtime.engine.step import Step
@@ -33,7 +33,7 @@ class Engine:
     tokenizer: PackTokenizer
     generator: Generator
     store: object | None = None  # runtime.store.TieredStore (or ResidentExperts) when experts come through one
-    collector: CollectorPauses = field(default_factory=lambda: CollectorPauses().start())
+    collector: CollectorPauses = field(default_factory=process_pauses)  # the process's collections
 
     @property
     def model_config(self) -> TextConfig:
@@ -76,9 +76,7 @@ class Engine:
             self.step.graphs.layer_clock = clock
 
     def close(self) -> None:
-        """Stop the store's threads, the prompt states' copier and writer (after their pending work)
-        and the collector's timing."""
-        self.collector.stop()
+        """Stop the store's threads and the prompt states' copier and writer (after their pending work)."""
         if self.store is not None:
             self.store.close()
         if self.generator.prefix_cache is not None:

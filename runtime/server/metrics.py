@@ -19,7 +19,7 @@ its stored tier's as flashpack_prompt_cache_stored_* (entries, bytes, writes, dr
 accepted, rollbacks, tokens_per_step, acceptance, seconds in draft, verify and rollback, and
 flashpack_speculation_accepted_at{position="i"} per draft position. A `collector()` provider (the
 engine's CollectorPauses.to_dict) gives flashpack_gc_*: collections, full_collections, seconds,
-full_seconds and longest_seconds, the garbage collector's pauses since the engine was built.
+full_seconds and longest_seconds, the process's garbage collections since the first engine was built.
 """
 
 from __future__ import annotations

@@ -30,7 +30,9 @@
 #                       follow-up on a 32,768-token document with no reuse, a live hit and a stored hit after
 #                       a restart, and a 10-turn conversation; the stored states on the pack's disk;
 #                       prompt-reuse-BUDGET.{json,md}; REUSE_ARGS: more of its arguments, e.g. "--trace /tmp/results"
-#                       or "--set delta_rule_recurrent_max_tokens=16"; REUSE_NAME: a suffix for the results' names
+#                       or "--set delta_rule_recurrent_max_tokens=16"; REUSE_NAME: a suffix for the results' names.
+#                       REUSE_VARIANTS="NAME=ARGS;NAME=ARGS" instead runs each variant (its ARGS after REUSE_ARGS)
+#                       in turn, REUSE_REPEATS (default 1) times (A/B/A/B); REUSE_TAIL: log lines shown (40)
 #   BEFORE   another flashpack tree (e.g. .before, carried): each budget is benched with this tree and with
 #            that one alternately, REPEATS (default 2) times each (A/B/A/B), on the same pack
 #   PACK_DIR where the pack is built (default .bench-pack in the repository, which a warm machine keeps
@@ -129,18 +131,23 @@ for stage in $STAGES; do
       echo "collector rc=$? $(( $(date +%s) - start )) s" >> $OUT/collector.log
       tail -30 $OUT/collector.log ;;
     reuse)
+      IFS=';' read -ra variants <<< "${REUSE_VARIANTS:-${REUSE_NAME:-}=}"
       for b in ${REUSE_BUDGETS:-24-64}; do
         eval "set -- $(budget $b)"
-        out=prompt-reuse-$b${REUSE_NAME:+-$REUSE_NAME}
-        while [ -f $R/$out.json ]; do out=$out-again; done
-        echo "== reuse $b ${REUSE_NAME:-} at $(( $(date +%s) - start )) s"
-        timeout ${REUSE_TIMEOUT:-360} python3 bench/prompt_reuse.py $W/full.pack --device cuda ${1:+--vram-budget $1} \
-          ${2:+--ram-budget $2} --emulate-layers 48 --hot-set '*' --document-tokens 32768 --turns ${REUSE_TURNS:-10} \
-          --states-dir $W $REUSE_ARGS --json $R/$out.json > $OUT/$out.log 2>&1
-        echo "reuse rc=$? $(( $(date +%s) - start )) s" >> $OUT/$out.log
-        rm -rf $W/prompt-states-*  # a run cut short leaves its stored states behind
-        tr '\r' '\n' < $OUT/$out.log | grep -v "loading experts" | tail -40
-        tar czf $OUT/results.tgz -C $R .
+        for ((i = 1; i <= ${REUSE_REPEATS:-1}; i++)); do
+          for variant in "${variants[@]}"; do
+            name=${variant%%=*} extra=${variant#*=} out=prompt-reuse-$b${name:+-$name}
+            while [ -f $R/$out.json ]; do out=$out-again; done
+            echo "== reuse $b ${name:-} at $(( $(date +%s) - start )) s"
+            timeout ${REUSE_TIMEOUT:-360} python3 bench/prompt_reuse.py $W/full.pack --device cuda ${1:+--vram-budget $1} \
+              ${2:+--ram-budget $2} --emulate-layers 48 --hot-set '*' --document-tokens 32768 --turns ${REUSE_TURNS:-10} \
+              --states-dir $W $REUSE_ARGS $extra --json $R/$out.json > $OUT/$out.log 2>&1
+            echo "reuse rc=$? $(( $(date +%s) - start )) s" >> $OUT/$out.log
+            rm -rf $W/prompt-states-*  # a run cut short leaves its stored states behind
+            tr '\r' '\n' < $OUT/$out.log | grep -v "loading experts" | tail -${REUSE_TAIL:-40}
+            tar czf $OUT/results.tgz -C $R .
+          done
+        done
       done ;;
   esac
   tar czf $OUT/results.tgz -C $R .

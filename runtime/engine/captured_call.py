@@ -1,8 +1,9 @@
 """One piece of a decode step as a CUDA graph: run eagerly once (compiling and warming its kernels),
 captured the second time, replayed from then on with its inputs copied into the captured ones.
 
-The eager run already takes the tensors the capture will (the kept inputs, clones of the others), so
-a compiled piece meets at its capture exactly the strides and aliasing it was compiled for: a guard
+The eager run already takes the clones the capture will (and kept inputs of the layout the capture
+meets: the previous piece's outputs), so a compiled piece meets at its capture exactly the strides
+and aliasing it was compiled for: a guard
 that failed there would compile again inside the capture, and TorchInductor's tuning of a new kernel
 synchronises the device, which a capture forbids."""
 
@@ -33,6 +34,10 @@ class CapturedCall:
         if self.calls == 1:
             self.inputs = [x if i in self.kept else x.clone() for i, x in enumerate(inputs)]
             return self.fn(*self.inputs)
+        if self.graph is None:
+            # kept inputs are captured as they come now (the previous piece's captured outputs, not
+            # its eager ones), with the strides the eager run met
+            self.inputs = [x if i in self.kept else static for i, (static, x) in enumerate(zip(self.inputs, inputs))]
         for static, x in zip(self.inputs, inputs):
             if x is not static:
                 static.copy_(x)

@@ -34,7 +34,8 @@
 #                       REUSE_VARIANTS="NAME=ARGS;NAME=ARGS" instead runs each variant (its ARGS after REUSE_ARGS)
 #                       in turn, REUSE_REPEATS (default 1) times (A/B/A/B); REUSE_TAIL: log lines shown (40)
 #   BEFORE   another flashpack tree (e.g. .before, carried): each budget is benched with this tree and with
-#            that one alternately, REPEATS (default 2) times each (A/B/A/B), on the same pack
+#            that one alternately, REPEATS (default 2) times each (A/B/A/B), on the same pack; in the reuse
+#            stage each variant runs with this tree, then with that one (NAME-before)
 #   PACK_DIR where the pack is built (default .bench-pack in the repository, which a warm machine keeps
 #            between calls: a pack already there is used as it is)
 # A bench of a call's first process compiles the decode graphs' kernels (~100 s on empty compile caches);
@@ -136,16 +137,21 @@ for stage in $STAGES; do
         eval "set -- $(budget $b)"
         for ((i = 1; i <= ${REUSE_REPEATS:-1}; i++)); do
           for variant in "${variants[@]}"; do
-            name=${variant%%=*} extra=${variant#*=} out=prompt-reuse-$b${name:+-$name}
-            while [ -f $R/$out.json ]; do out=$out-again; done
-            echo "== reuse $b ${name:-} at $(( $(date +%s) - start )) s"
-            timeout ${REUSE_TIMEOUT:-360} python3 bench/prompt_reuse.py $W/full.pack --device cuda ${1:+--vram-budget $1} \
-              ${2:+--ram-budget $2} --emulate-layers 48 --hot-set '*' --document-tokens 32768 --turns ${REUSE_TURNS:-10} \
-              --states-dir $W $REUSE_ARGS $extra --json $R/$out.json > $OUT/$out.log 2>&1
-            echo "reuse rc=$? $(( $(date +%s) - start )) s" >> $OUT/$out.log
-            rm -rf $W/prompt-states-*  # a run cut short leaves its stored states behind
-            tr '\r' '\n' < $OUT/$out.log | grep -v "loading experts" | tail -${REUSE_TAIL:-40}
-            tar czf $OUT/results.tgz -C $R .
+            for tree in "" ${BEFORE:+"$BEFORE"}; do
+              name=${variant%%=*} extra=${variant#*=} path=$PYTHONPATH
+              [ -n "$tree" ] && name=${name:+$name-}before
+              out=prompt-reuse-$b${name:+-$name}
+              while [ -f $R/$out.json ]; do out=$out-again; done
+              if [ -n "$tree" ]; then mkdir -p /tmp/tree && ln -sfn "$(realpath "$tree")" /tmp/tree/flashpack && path=/tmp/tree:/tmp/site; fi
+              echo "== reuse $b ${name:-} at $(( $(date +%s) - start )) s"
+              PYTHONPATH=$path timeout ${REUSE_TIMEOUT:-360} python3 ${tree:-.}/bench/prompt_reuse.py $W/full.pack --device cuda \
+                ${1:+--vram-budget $1} ${2:+--ram-budget $2} --emulate-layers 48 --hot-set '*' --document-tokens 32768 \
+                --turns ${REUSE_TURNS:-10} --states-dir $W $REUSE_ARGS $extra --json $R/$out.json > $OUT/$out.log 2>&1
+              echo "reuse rc=$? $(( $(date +%s) - start )) s" >> $OUT/$out.log
+              rm -rf $W/prompt-states-*  # a run cut short leaves its stored states behind
+              tr '\r' '\n' < $OUT/$out.log | grep -v "loading experts" | tail -${REUSE_TAIL:-40}
+              tar czf $OUT/results.tgz -C $R .
+            done
           done
         done
       done ;;

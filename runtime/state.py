@@ -62,10 +62,11 @@ class PLEState:
     def copy(self) -> "PLEState":
         return PLEState(self.context.clone(), self.conv.clone())
 
-    def after(self, history: torch.Tensor, consumed: int) -> "PLEState":
-        """A copy whose n-gram context is the one after the first `consumed` tokens of `history`
-        (the context before a step, then the step's tokens), its conv state as it is now."""
-        return PLEState(history[consumed:consumed + self.context.shape[0]].clone(), self.conv.clone())
+    def at(self, kept: int) -> "PLEState":
+        """While tracked: a copy of the state as it was after the step's first `kept` tokens (its
+        n-gram context and conv input tail are slices of the step's history and window)."""
+        return PLEState(self.history[kept:kept + self.context.shape[0]].clone(),
+                        self.window[:, kept:kept + self.conv.shape[1]].clone())
 
     def rewind(self, kept: int) -> None:
         if self.history is not None:

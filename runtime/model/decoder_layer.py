@@ -51,8 +51,7 @@ class DecoderLayer(nn.Module):
         `pending` [T, H] is a block output still to be added to every stream with unit weight
         before this layer (the MTP head's projected token embedding). `marks`: token counts within
         the T (ascending, inside 0 < m < T) after which this layer's recurrent parts (DeltaNet, PLE)
-        are copied into `marked` (one state each): the stateful parts run segment by segment, as
-        separate steps would, and everything per-token runs once over all T."""
+        are copied into `marked` (one state each)."""
         if marks:
             return self._marked(streams, tokens, state, marks, marked)
         streams = self.add_inputs(streams, tokens, state, pending)
@@ -61,28 +60,25 @@ class DecoderLayer(nn.Module):
 
     def _marked(self, streams, tokens, state: SequenceState, marks: Sequence[int], marked: Sequence[SequenceState]
                 ) -> torch.Tensor:
-        """Up to the MoE block segment by segment (a separate step's work), copying this layer's
-        recurrent parts into `marked` after each mark; the MoE block once over all T. The PLE rows,
-        which depend on the tokens alone, are gathered once for all T (a gather and a copy to the
-        device each, on the host's time); their gated sum and conv run segment by segment."""
-        ple = state.ple[self.layer] if self.ple is not None else None
-        if ple is not None:
-            history = torch.cat([ple.context, tokens.cpu()])  # each mark's n-gram context is in it
-            rows = self.ple.embed(tokens, ple)
-        pieces = []
-        for index, (start, end) in enumerate(zip([0, *marks], [*marks, streams.shape[0]])):
-            segment = streams[start:end]
-            if ple is not None:
-                segment = segment + self.ple.addend(segment, rows[start:end], ple)
-            block_input, inject = self.attn_hc.mix(segment)
-            pieces.append((segment, self.sequence_mixer(block_input, state), inject))
-            if index < len(marks):
-                if ple is not None:
-                    marked[index].ple[self.layer] = ple.after(history, end)
-                if self.linear:
-                    marked[index].deltanet[self.layer] = state.deltanet[self.layer].copy()
-        streams, block_output, inject = (torch.cat(parts) for parts in zip(*pieces))
-        return self.feed_forward(streams, block_output, inject)
+        """The whole step at once, as an unmarked one, with each mark's state kept on the way: PLE's
+        n-gram context and conv tail are slices of the step's history and window (the PLE state is
+        tracked through the step), DeltaNet runs its recurrence segment by segment (GatedDeltaNet's
+        `marks`). Attention has nothing to keep here: its caches' prefixes are taken at the end."""
+        if self.ple is not None:
+            ple = state.ple[self.layer]
+            ple.tracked = True
+            streams = streams + self.ple(streams, tokens, ple)
+            for at, mark in zip(marked, marks):
+                at.ple[self.layer] = ple.at(mark)
+            ple.rewind(tokens.shape[0])  # the state it holds already, untracked
+        block_input, inject = self.attn_hc.mix(streams)
+        if not self.linear:
+            return self.feed_forward(streams, self.mixer(block_input, state.attention[self.layer]), inject)
+        states: list = []
+        mixed = self.mixer(block_input, state.deltanet[self.layer], marks, states)
+        for at, part in zip(marked, states):
+            at.deltanet[self.layer] = part
+        return self.feed_forward(streams, mixed, inject)
 
     def add_inputs(
         self, streams: torch.Tensor, tokens: torch.Tensor, state: SequenceState, pending: torch.Tensor | None = None,

@@ -8,6 +8,8 @@ tail lives in the state, and the output is normed, gated by z and projected back
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -39,11 +41,15 @@ class GatedDeltaNet(nn.Module):
         self.out_proj = DenseLinear(source, prefix + "out_proj.weight", dtype, device)  # [H, Vd]
         self.norm = GatedRMSNorm(load("norm.weight"), cfg.rms_norm_eps, cfg.output_gate_type)
 
-    def forward(self, x: torch.Tensor, state: DeltaNetState) -> torch.Tensor:
-        """x [T, H] -> [T, H]; advances `state` (conv tail, recurrent state) by T tokens."""
+    def forward(self, x: torch.Tensor, state: DeltaNetState, marks: Sequence[int] = (),
+                marked: list[DeltaNetState] | None = None) -> torch.Tensor:
+        """x [T, H] -> [T, H]; advances `state` (conv tail, recurrent state) by T tokens. `marks`:
+        token counts inside the T (ascending) after which the state is also wanted, appended to
+        `marked`: the recurrence runs segment by segment (each a separate step's arithmetic), the
+        rest once over all T, each mark's conv tail a slice of the step's conv window."""
         length = x.shape[0]
         qkv, z, b, a = self.in_proj(x)
-        qkv = self.causal_conv(qkv, state)
+        qkv, window = self.causal_conv(qkv, state)
         q, k, v = torch.split(qkv, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
         q = q.reshape(length, self.key_heads, self.key_head_dim)
         k = k.reshape(length, self.key_heads, self.key_head_dim)
@@ -54,6 +60,8 @@ class GatedDeltaNet(nn.Module):
         if state.tracked:  # a speculative step: the state after each token, to stand after any of them
             out, state.positions = delta_rule_positions(self.delta_rule, q, k, v, g, beta, state.recurrent)
             recurrent = state.positions[-1]
+        elif marks:
+            out, recurrent = self._segments(q, k, v, g, beta, state, marks, window, marked)
         else:
             out, recurrent = self.delta_rule(q, k, v, g, beta, state.recurrent, self.recurrent_max_tokens)
         state.recurrent.copy_(recurrent)  # in place: a captured CUDA graph keeps reading this buffer
@@ -61,8 +69,23 @@ class GatedDeltaNet(nn.Module):
         out = self.norm(out.to(x.dtype), z).reshape(length, self.value_dim)
         return self.out_proj(out)
 
-    def causal_conv(self, x: torch.Tensor, state: DeltaNetState) -> torch.Tensor:
-        """Depthwise causal conv + activation over x [T, C], continuing from state.conv [C, K - 1]."""
+    def _segments(self, q, k, v, g, beta, state: DeltaNetState, marks: Sequence[int], window: torch.Tensor,
+                  marked: list[DeltaNetState]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The recurrence a segment at a time from `state.recurrent`, the state at each mark appended
+        to `marked`: (outputs [T, ...], the final recurrent state)."""
+        outputs, tail = [], state.conv.shape[1]
+        for start, end in zip([0, *marks], [*marks, q.shape[0]]):
+            out, recurrent = self.delta_rule(q[start:end], k[start:end], v[start:end], g[start:end], beta[start:end],
+                                             state.recurrent, self.recurrent_max_tokens)
+            state.recurrent.copy_(recurrent)
+            outputs.append(out)
+            if end < q.shape[0]:
+                marked.append(DeltaNetState(window[:, end:end + tail].clone(), state.recurrent.clone()))
+        return torch.cat(outputs), state.recurrent
+
+    def causal_conv(self, x: torch.Tensor, state: DeltaNetState) -> tuple[torch.Tensor, torch.Tensor]:
+        """Depthwise causal conv + activation over x [T, C], continuing from state.conv [C, K - 1]:
+        (the output [T, C], the window [C, K - 1 + T]: the tail before the step, then its inputs)."""
         full = torch.cat([state.conv, x.transpose(0, 1)], dim=-1)  # [C, K - 1 + T]
         if state.tracked:
             state.window = full
@@ -78,4 +101,4 @@ class GatedDeltaNet(nn.Module):
             out = (windows.float() * self.conv_weight[:, 0, None].float()).sum(-1).to(x.dtype)
         else:
             out = F.conv1d(full[None], self.conv_weight, groups=full.shape[0])[0]
-        return self.act(out).transpose(0, 1)
+        return self.act(out).transpose(0, 1), full

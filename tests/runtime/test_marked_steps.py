@@ -99,7 +99,7 @@ def test_control_a_mark_whose_ple_context_is_the_step_end_differs(engine, monkey
     layer = next(iter(expected.ple))
     found = step.forward(torch.tensor(tokens), step.new_state(), marks=[mark]).marked[0]
     assert found.ple[layer].context.tolist() == expected.ple[layer].context.tolist()
-    monkeypatch.setattr(PLEState, "after", lambda self, history, consumed: self.copy())
+    monkeypatch.setattr(PLEState, "at", lambda self, kept: PLEState(self.context.clone(), self.conv.clone()))
     late = step.forward(torch.tensor(tokens), step.new_state(), marks=[mark]).marked[0]
     assert late.ple[layer].context.tolist() != expected.ple[layer].context.tolist()
 

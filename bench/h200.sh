@@ -71,11 +71,14 @@ fi
 [ -n "$building" ] && wait $building
 cat $OUT/build.log
 [ -f $W/full.pack/manifest.json ] || exit 1
+tree_path() {  # the PYTHONPATH that imports flashpack from tree $1 (none: this one)
+  if [ -z "$1" ]; then echo "$PYTHONPATH"; return; fi
+  mkdir -p /tmp/tree && ln -sfn "$(realpath "$1")" /tmp/tree/flashpack && echo /tmp/tree:/tmp/site
+}
 bench() {  # name, vram, ram, more bench arguments; TREE=DIR runs another flashpack tree's CLI
   local name=$1 vram=$2 ram=$3; shift 3
   while [ -f $R/bench-$name.json ]; do name=$name-again; done  # a name benched twice keeps both
-  local path=$PYTHONPATH
-  if [ -n "$TREE" ]; then mkdir -p /tmp/tree && ln -sfn "$(realpath "$TREE")" /tmp/tree/flashpack && path=/tmp/tree:/tmp/site; fi
+  local path; path=$(tree_path "$TREE")
   echo "== $name at $(( $(date +%s) - start )) s"
   PYTHONPATH=$path timeout ${BENCH_TIMEOUT:-200} python3 -m flashpack.cli bench $W/full.pack --device cuda \
     ${vram:+--vram-budget $vram} ${ram:+--ram-budget $ram} --emulate-layers 48 --hot-set '*' \
@@ -138,11 +141,10 @@ for stage in $STAGES; do
         for ((i = 1; i <= ${REUSE_REPEATS:-1}; i++)); do
           for variant in "${variants[@]}"; do
             for tree in "" ${BEFORE:+"$BEFORE"}; do
-              name=${variant%%=*} extra=${variant#*=} path=$PYTHONPATH
+              name=${variant%%=*} extra=${variant#*=} path=$(tree_path "$tree")
               [ -n "$tree" ] && name=${name:+$name-}before
               out=prompt-reuse-$b${name:+-$name}
               while [ -f $R/$out.json ]; do out=$out-again; done
-              if [ -n "$tree" ]; then mkdir -p /tmp/tree && ln -sfn "$(realpath "$tree")" /tmp/tree/flashpack && path=/tmp/tree:/tmp/site; fi
               echo "== reuse $b ${name:-} at $(( $(date +%s) - start )) s"
               PYTHONPATH=$path timeout ${REUSE_TIMEOUT:-360} python3 ${tree:-.}/bench/prompt_reuse.py $W/full.pack --device cuda \
                 ${1:+--vram-budget $1} ${2:+--ram-budget $2} --emulate-layers 48 --hot-set '*' --document-tokens 32768 \

@@ -3,9 +3,8 @@ captured the second time, replayed from then on with its inputs copied into the 
 
 The eager run already takes the clones the capture will (and kept inputs of the layout the capture
 meets: the previous piece's outputs), so a compiled piece meets at its capture exactly the strides
-and aliasing it was compiled for: a guard
-that failed there would compile again inside the capture, and TorchInductor's tuning of a new kernel
-synchronises the device, which a capture forbids."""
+and aliasing it was compiled for: a guard that failed there would compile again inside the capture,
+and TorchInductor's tuning of a new kernel synchronises the device, which a capture forbids."""
 
 from __future__ import annotations
 

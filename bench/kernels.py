@@ -19,6 +19,10 @@ H = 2560, I = 640, 512 experts per layer, top-10; FP8 matrix 8192 x 2560.
   router    softmax + top-10 of 512 + renormalise for 1 token: the router_top_k kernel against torch
   dense     the BF16 products of a decode layer (real shapes) at 1 token and at a checked step's 2, 3
             and 5: matvec.py's kernels against cuBLAS, each matrix rotated past the L2
+  dense-few the BF16 products of a checked step beside FP8 projections (the hyper-connections', the
+            router's stack, DeltaNet's b and a, the indexer's) and a few of a BF16 pack's, at 2-16
+            tokens: cuBLAS, the matvec and the tile kernel's few-token tiles (tile_linear.py); --sweep
+            also times a grid of column splits, tiles and launches
   attention one token's masked QSA attention (capacity 600 and 32768): decode_attention's split-K
             kernels against the SDPA call attend_step made before
   hc-mix    a hyper-connection mix (hc = 4, rank 320, with injection) for 1, 3 and 5 tokens: hc_mix's
@@ -329,7 +333,7 @@ def bench_hc_mix(report: Report, device, sweep: bool) -> None:
 
     def fused(x, i, **blocks):
         mixer = mixers[i % copies]
-        return hc_mix_triton(x, mixer.norm.weight, mixer.norm.eps, mixer.in_proj.weight, mixer.mix_up, hc, True,
+        return hc_mix_triton(x, mixer.norm.weight, mixer.norm.eps, mixer.in_proj.weight, mixer.mix_up.weight, hc, True,
                              **blocks)
 
     compiled = torch.compile(lambda mixer, x: mixer.mix(x))  # one graph for every mixer: weights are inputs
@@ -391,6 +395,48 @@ def bench_dense(report: Report, device, sweep: bool) -> None:
             if sweep:
                 report.start_sweep()
                 for cfg in MATVEC_SWEEP_ONE if tokens == 1 else MATVEC_SWEEP_SEVERAL:
+                    if not report.sweeping():
+                        break
+                    report.timing("sweep " + case, " ".join(f"{k}={v}" for k, v in cfg.items()),
+                                  graph_ms(lambda i: run(i, **cfg), 32), moved)
+
+
+DENSE_FEW_SHAPES = {  # [rows, cols] of the BF16 products a checked step makes beside FP8 projections (`--dense-fp8`)
+    "hc mix down + inject": (324, 4 * H), "hc mix up": (4 * H, 320), "router + shared gate": (513, H),
+    "deltanet b + a": (64, H), "qsa indexer qk": (2176, H), "router + shared gate/up": (1793, H),
+    "deltanet out_proj": (H, 4096),
+}
+DENSE_FEW_SWEEP = [dict(splits=sp, block_n=n, block_k=k) for sp in (1, 2, 4, 8, 16, 32) for n in (16, 32)
+                   for k in (64, 128, 256)] + [dict(num_warps=w, num_stages=st) for w in (2, 4, 8) for st in (2, 3, 4)]
+
+
+def bench_dense_few(report: Report, device, sweep: bool) -> None:
+    """A checked step's BF16 products: cuBLAS, the matvec and the tile kernel's few-token tiles
+    (tile_linear.py, its column splits as tile_linear picks them; --sweep also a grid of splits, tiles
+    and launches)."""
+    from flashpack.runtime.kernels.matvec import matvec
+    from flashpack.runtime.kernels.tile_linear import tile_linear
+
+    for name, (rows, cols) in DENSE_FEW_SHAPES.items():
+        copies = max(2, -(-120 * 2**20 // (rows * cols * 2)))  # rotated past the 60 MB L2
+        weights = [torch.randn(rows, cols, device=device, dtype=torch.bfloat16) / cols**0.5 for _ in range(copies)]
+        for tokens in (2, 3, 4, 5, 8, 16):
+            xs = [torch.randn(tokens, cols, device=device, dtype=torch.bfloat16) for _ in range(copies)]
+            moved = rows * cols * 2 + tokens * (rows + cols) * 2
+            case = f"dense-few {name} {rows}x{cols} T={tokens}"
+            report.timing(case, "cuBLAS F.linear", graph_ms(
+                lambda i: torch.nn.functional.linear(xs[i % copies], weights[i % copies]), 32), moved)
+            if tokens <= 8:
+                report.timing(case, "triton matvec", graph_ms(lambda i: matvec(xs[i % copies], weights[i % copies]), 32),
+                              moved)
+            run = lambda i, **kw: tile_linear(xs[i % copies], weights[i % copies], **kw)  # noqa: E731
+            report.timing(case, "triton tiles", graph_ms(run, 32), moved)
+            want = torch.nn.functional.linear(xs[0].double(), weights[0].double())
+            report.check(case + " tiles", relative_error(tile_linear(xs[0], weights[0], out=torch.full(
+                (tokens, rows), float("nan"), device=device)), want), 1e-5, "float64, float32 output")
+            if sweep and tokens == 5:
+                report.start_sweep()
+                for cfg in DENSE_FEW_SWEEP:
                     if not report.sweeping():
                         break
                     report.timing("sweep " + case, " ".join(f"{k}={v}" for k, v in cfg.items()),
@@ -690,7 +736,7 @@ def main() -> None:
     parser.add_argument("--sweep", action="store_true", help="also time a grid of block sizes")
     parser.add_argument("--sweep-seconds", type=float, default=45.0, help="time limit of each section's sweep")
     parser.add_argument("--only",
-                        default="decode,fp8,fp8-few,prefill,crossover,staging,router,hc-mix,dense,attention")
+                        default="decode,fp8,fp8-few,prefill,crossover,staging,router,hc-mix,dense,dense-few,attention")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench/kernels.py needs a CUDA GPU")
@@ -725,6 +771,8 @@ def main() -> None:
                 bench_hc_mix(report, device, args.sweep)
             elif name == "dense":
                 bench_dense(report, device, args.sweep)
+            elif name == "dense-few":
+                bench_dense_few(report, device, args.sweep)
             elif name == "attention":
                 bench_attention(report, device, args.sweep)
         except Exception:

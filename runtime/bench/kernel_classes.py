@@ -19,8 +19,10 @@ from flashpack.runtime.bench.gaps import DEVICE_WORK, load_trace
 # (class, name patterns): the first match wins, so specific patterns come before general ones
 CLASSES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("hyper-connection mixes (hc_mix)", ("_mix_down_kernel", "_mix_up_kernel")),
-    ("routed experts (NVFP4 kernels)", ("_gate_up_kernel", "_down_kernel", "_sum_experts_kernel", "_grouped")),
+    ("routed experts (NVFP4 kernels)", ("_gate_up_kernel", "_down_kernel", "_grouped")),
     ("dense matrix-vector (our matvec)", ("_matvec_kernel",)),
+    ("dense tiles (our tile kernel)", ("_tile_kernel",)),
+    ("sums of partial products (experts, column splits)", ("_sum_partials_kernel",)),
     ("router and indexer top-k", ("_router_top_k_kernel", "TopK", "SortKV", "topk")),
     ("expert staging", ("_stage_records",)),
     ("attention (split-K decode kernels)", ("_split_kernel", "_combine_kernel")),

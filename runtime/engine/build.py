@@ -214,6 +214,7 @@ def engine_model(weights: WeightSource, source, config: EngineConfig, dtype: tor
     model = Qwen4ExpModel(weights, routed, dtype=dtype, device=device,
                           fused_mix=config.fused_mix and device.type == "cuda",
                           dense_matvec_max_tokens=config.dense_matvec_max_tokens,
+                          dense_tile_max_tokens=config.dense_tile_max_tokens,
                           fp8_matvec_max_tokens=config.fp8_matvec_max_tokens,
                           delta_rule_recurrent_max_tokens=config.delta_rule_recurrent_max_tokens)
     if isinstance(routed, StoreExperts):

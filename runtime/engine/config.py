@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from flashpack.errors import FlashpackError
-from flashpack.runtime.kernels.dispatch import DENSE_MATVEC_MAX_TOKENS, FP8_MATVEC_MAX_TOKENS
+from flashpack.runtime.kernels.dispatch import DENSE_MATVEC_MAX_TOKENS, DENSE_TILE_MAX_TOKENS, FP8_MATVEC_MAX_TOKENS
 from flashpack.runtime.store.budget import parse_budget
 from flashpack.runtime.store.config import StoreConfig
 
@@ -68,6 +68,11 @@ class EngineConfig:
     # only matrices of under 2,048 rows (the router's stack, the hyper-connections' down projections),
     # where cuBLAS's few-row kernels are slow (runtime/kernels/dispatch.py says where it was measured).
     dense_matvec_max_tokens: int = DENSE_MATVEC_MAX_TOKENS
+    # BF16 projections of more tokens than that, up to this many, take the tile kernel's few-token
+    # tiles where the matrix is small (the hyper-connections' projections, the router's stack), where
+    # cuBLAS's few-row kernels read it far below the memory's rate; 0 leaves them all to cuBLAS
+    # (runtime/kernels/dispatch.py says where it was measured).
+    dense_tile_max_tokens: int = DENSE_TILE_MAX_TOKENS
     # FP8 projections (`convert --dense-fp8`) of up to this many tokens take the matvec kernel, more
     # the tile kernel on tensor cores, whose few-token tiles take about as long for 2 as for 16 tokens;
     # beyond one token only matrices of under 4,096 rows (DeltaNet's output projection, the shared
@@ -133,7 +138,7 @@ class EngineConfig:
         if self.experts not in EXPERT_SOURCES:
             raise FlashpackError(f"unknown expert source {self.experts!r}: use one of {', '.join(EXPERT_SOURCES)}")
         minimums = {"layers_per_graph": 1, "staging_programs": 1, "graphs_min_layer_tokens": 0,
-                    "dense_matvec_max_tokens": 0, "fp8_matvec_max_tokens": 0, "staged_beside_experts": 0,
+                    "dense_matvec_max_tokens": 0, "dense_tile_max_tokens": 0, "fp8_matvec_max_tokens": 0, "staged_beside_experts": 0,
                     "draft_tokens": 1, "delta_rule_recurrent_max_tokens": 1}
         for name, least in minimums.items():
             value = getattr(self, name)

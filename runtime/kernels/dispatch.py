@@ -46,6 +46,15 @@ FP8_SEVERAL_TOKENS_MAX_ROWS = 4096
 # (a program of 8) the matvec loses on all but the router's stack.
 DENSE_MATVEC_MAX_TOKENS = 3
 SEVERAL_TOKENS_MAX_ROWS = 2048
+# BF16 projections of more tokens than the matvec takes, up to this many, take the tile kernel's
+# few-token tiles (tile_linear.py) where the matrix has at most TILE_MAX_ELEMENTS: the default of
+# dense_linear's `tile_max_tokens` (the engine's EngineConfig.dense_tile_max_tokens; 0 leaves them to
+# cuBLAS). cuBLAS's kernels for a few rows read small matrices far below the memory's rate (at 5
+# tokens on an H200: a hyper-connection's 324 x 10240 down projection in 10.7 us, 0.6 TB/s), while
+# on large ones they reach 2-3.3 TB/s.
+DENSE_TILE_MAX_TOKENS = 16
+TILE_MAX_ELEMENTS = 8 * 2**20
+TILE_DTYPES = (torch.bfloat16, torch.float32)  # float32: an FP32 engine's, in IEEE dots; FP16 is not rounded to bf16
 DECODE_MAX_TOKENS = 16  # up to here the matvec kernels beat the grouped ones on an H200 (bench/kernels.py)
 
 
@@ -122,15 +131,21 @@ def moe_expert_pairs(
 
 
 def dense_linear(x: torch.Tensor, weight: torch.Tensor, backend: str = "auto",
-                 matvec_max_tokens: int = DENSE_MATVEC_MAX_TOKENS) -> torch.Tensor:
+                 matvec_max_tokens: int = DENSE_MATVEC_MAX_TOKENS,
+                 tile_max_tokens: int = DENSE_TILE_MAX_TOKENS) -> torch.Tensor:
     """x [..., C] @ weight [R, C]^T -> [..., R]: F.linear, or on CUDA the matvec kernel for one token
     and for up to `matvec_max_tokens` tokens of a matrix of fewer than SEVERAL_TOKENS_MAX_ROWS rows,
-    where it reads the matrix nearer the memory's bandwidth than cuBLAS does."""
+    and the tile kernel's few-token tiles for up to `tile_max_tokens` tokens of a BF16 matrix of at
+    most TILE_MAX_ELEMENTS: where each reads the matrix nearer the memory's bandwidth than cuBLAS does."""
+    if not use_triton(x.device, backend):
+        return F.linear(x, weight)
     tokens = x.numel() // x.shape[-1]
     several_loses = tokens > 1 and weight.shape[0] >= SEVERAL_TOKENS_MAX_ROWS
-    if tokens > matvec_max_tokens or several_loses or not use_triton(x.device, backend):
-        return F.linear(x, weight)
-    return _dense_matvec(x, weight)
+    if tokens <= matvec_max_tokens and not several_loses:
+        return _dense_matvec(x, weight)
+    if tokens <= tile_max_tokens and weight.numel() <= TILE_MAX_ELEMENTS and weight.dtype in TILE_DTYPES:
+        return _dense_tiles(x, weight)
+    return F.linear(x, weight)
 
 
 @torch.compiler.disable  # launched as it is from compiled decode steps, like the kernels below
@@ -138,6 +153,13 @@ def _dense_matvec(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     from flashpack.runtime.kernels.matvec import matvec
 
     return matvec(x, weight)
+
+
+@torch.compiler.disable
+def _dense_tiles(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    from flashpack.runtime.kernels.tile_linear import tile_linear
+
+    return tile_linear(x, weight, precision="fp32" if weight.dtype == torch.float32 else "bf16")
 
 
 @torch.compiler.disable

@@ -4,7 +4,7 @@ For T tokens, each with K routed experts (pairs p = t * K + k, bank row slots[t,
 
     h[p]       = silu(gate_e x[t]) * up_e x[t]                      (kernel 1, grid P x I/BLOCK_I)
     partial[p] = weights[t, k] * down_e h[p]                        (kernel 2, grid P x H/BLOCK_O)
-    out[t]     = sum_k partial[t * K + k]                           (kernel 3, a fixed-order sum)
+    out[t]     = sum_k partial[t * K + k]                           (kernel 3, a fixed-order sum: sum_partials)
 
 Kernel 1 streams the gate and up rows of one expert side by side (the same x chunk serves both).
 Each program's loop over the input is unrolled so all its loads are in flight together: at batch 1
@@ -164,7 +164,7 @@ def _down_kernel(
 
 
 @triton.jit
-def _sum_experts_kernel(partial_ptr, out_ptr, H: tl.constexpr, K: tl.constexpr,
+def _sum_partials_kernel(partial_ptr, out_ptr, H: tl.constexpr, K: tl.constexpr,
                         K_POW2: tl.constexpr, BLOCK: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -228,6 +228,14 @@ def nvfp4_expert_swiglu(
         bank.down_nibbles.stride(0), bank.down_scales.stride(0), gs.stride(0),
         hidden, inter, BLOCK_O=block_o, BLOCK_I=block_down_in, num_warps=num_warps,
     )
-    _sum_experts_kernel[(t, triton.cdiv(hidden, 1024))](
-        partial, out2, hidden, k, K_POW2=triton.next_power_of_2(k), BLOCK=1024)
+    sum_partials(partial.view(t, k, hidden), out2)
+    return out
+
+
+def sum_partials(partial: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """out [T, H] = partial [T, K, H] (float32, contiguous) summed over K in a fixed order, cast to
+    out's dtype: one launch, deterministic (no atomics). Also tile_linear's sum over column splits."""
+    t, k, hidden = partial.shape
+    _sum_partials_kernel[(t, triton.cdiv(hidden, 1024))](
+        partial, out, hidden, k, K_POW2=triton.next_power_of_2(k), BLOCK=1024)
     return out

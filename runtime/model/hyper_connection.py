@@ -24,8 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from flashpack.layout.model_config import TextConfig
-from flashpack.runtime.kernels import dense_linear
-from flashpack.runtime.model.linear import StackedLinear
+from flashpack.runtime.model.linear import DenseLinear, StackedLinear
 from flashpack.runtime.model.norms import RMSNorm
 from flashpack.runtime.weights import WeightSource, load_dense
 
@@ -43,7 +42,7 @@ class GatedResidual(nn.Module):
         # the normalised streams: one stacked projection.
         names = ["input_mix_weight_down.weight"] + (["block_inject_weight.weight"] if inject else [])
         self.in_proj = StackedLinear(source, [prefix + name for name in names], dtype, device)
-        self.register_buffer("mix_up", load("input_mix_weight_up.weight"), persistent=False)  # [hc*H, R]
+        self.mix_up = DenseLinear(source, prefix + "input_mix_weight_up.weight", dtype, device)  # [hc*H, R]
         self.inject = inject
         self.fused = False
 
@@ -54,7 +53,7 @@ class GatedResidual(nn.Module):
         normed = self.norm(streams)
         down, *inject = self.in_proj(normed)
         gate = F.silu(down / self.hc)
-        gate = torch.sigmoid(dense_linear(gate, self.mix_up)).unflatten(-1, (self.hc, self.hidden))
+        gate = torch.sigmoid(self.mix_up(gate)).unflatten(-1, (self.hc, self.hidden))
         block_input = (gate * normed.unflatten(-1, (self.hc, self.hidden))).mean(dim=-2)
         if not inject:  # a final mixer
             return block_input, None
@@ -65,7 +64,7 @@ class GatedResidual(nn.Module):
         from flashpack.runtime.kernels.hc_mix import hc_mix_triton
 
         block_input, inject = hc_mix_triton(streams, self.norm.weight, self.norm.eps, self.in_proj.weight,
-                                            self.mix_up, self.hc, self.inject)
+                                            self.mix_up.weight, self.hc, self.inject)
         return block_input, None if inject is None else inject.to(streams.dtype)
 
     def combine(

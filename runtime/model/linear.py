@@ -9,8 +9,8 @@ on CUDA, the plain reference elsewhere): x @ (values * row_scale)^T accumulated 
 `StackedLinear` runs several projections of the same input as one: their weights are stacked by
 rows (one stack per storage form), so a decode step reads them in one matrix-vector product
 instead of one small, latency-bound launch each. `DenseLinear` is a stack of one. The model sets
-`matvec_max_tokens` and `fp8_matvec_max_tokens` on each (Qwen4ExpModel's `dense_matvec_max_tokens` and
-`fp8_matvec_max_tokens`).
+`matvec_max_tokens`, `tile_max_tokens` and `fp8_matvec_max_tokens` on each (Qwen4ExpModel's
+`dense_matvec_max_tokens`, `dense_tile_max_tokens` and `fp8_matvec_max_tokens`).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from flashpack.runtime.kernels import dense_linear, fp8_linear
-from flashpack.runtime.kernels.dispatch import DENSE_MATVEC_MAX_TOKENS, FP8_MATVEC_MAX_TOKENS
+from flashpack.runtime.kernels.dispatch import DENSE_MATVEC_MAX_TOKENS, DENSE_TILE_MAX_TOKENS, FP8_MATVEC_MAX_TOKENS
 from flashpack.runtime.weights import WeightSource, load_dense
 
 
@@ -40,6 +40,7 @@ class StackedLinear(nn.Module):
         self.register_buffer("values", values, persistent=False)  # fp8 [out, in]
         self.register_buffer("row_scale", scales, persistent=False)
         self.matvec_max_tokens = DENSE_MATVEC_MAX_TOKENS  # BF16 rows of up to this many tokens: the matvec kernel
+        self.tile_max_tokens = DENSE_TILE_MAX_TOKENS  # then, on small matrices, the few-token tiles
         self.fp8_matvec_max_tokens = FP8_MATVEC_MAX_TOKENS  # FP8 rows: the matvec kernel, more the tile kernel
 
     def part(self, x: torch.Tensor, index: int) -> torch.Tensor:
@@ -51,11 +52,13 @@ class StackedLinear(nn.Module):
         if is_fp8:
             return fp8_linear(x, self.values[start:start + count], self.row_scale[start:start + count],
                               matvec_max_tokens=self.fp8_matvec_max_tokens)
-        return dense_linear(x, self.weight[start:start + count], matvec_max_tokens=self.matvec_max_tokens)
+        return dense_linear(x, self.weight[start:start + count], matvec_max_tokens=self.matvec_max_tokens,
+                            tile_max_tokens=self.tile_max_tokens)
 
     def forward(self, x: torch.Tensor) -> list[torch.Tensor]:
         """x [..., in] -> each projection's output, in the order of `names`."""
-        plain = iter(dense_linear(x, self.weight, matvec_max_tokens=self.matvec_max_tokens).split(self.plain_rows, -1)
+        plain = iter(dense_linear(x, self.weight, matvec_max_tokens=self.matvec_max_tokens,
+                                  tile_max_tokens=self.tile_max_tokens).split(self.plain_rows, -1)
                      if self.weight is not None else ())
         fp8 = iter(fp8_linear(x, self.values, self.row_scale, matvec_max_tokens=self.fp8_matvec_max_tokens)
                    .split(self.fp8_rows, -1) if self.values is not None else ())
@@ -68,5 +71,6 @@ class DenseLinear(StackedLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.weight is not None:
-            return dense_linear(x, self.weight, matvec_max_tokens=self.matvec_max_tokens)
+            return dense_linear(x, self.weight, matvec_max_tokens=self.matvec_max_tokens,
+                                tile_max_tokens=self.tile_max_tokens)
         return fp8_linear(x, self.values, self.row_scale, matvec_max_tokens=self.fp8_matvec_max_tokens)

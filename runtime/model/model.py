@@ -7,11 +7,11 @@ one token (decode), or a few (speculative verification); the state carries every
 continue. It also returns the pre-final-mixer streams, which the MTP head consumes.
 
 Routed experts come through one injected `RoutedExperts` (runtime/model/routed_experts.py); an
-`ExpertFetcher` given instead runs as the plain `DequantisedExperts`. Two kernel choices are fixed
+`ExpertFetcher` given instead runs as the plain `DequantisedExperts`. The kernel choices are fixed
 at construction: `fused_mix` (one-token hyper-connection mixes as two Triton kernels each, CUDA
-only), `dense_matvec_max_tokens` (BF16 projections of up to that many tokens take the matvec
-kernel on CUDA, more cuBLAS; dense_linear says which matrices beyond one token),
-`fp8_matvec_max_tokens` (FP8 projections: the matvec kernel, more the tile kernel) and
+only), `dense_matvec_max_tokens` and `dense_tile_max_tokens` (BF16 projections of up to that many
+tokens take the matvec kernel on CUDA, then the tile kernel's few-token tiles, more cuBLAS;
+dense_linear says which matrices), `fp8_matvec_max_tokens` (FP8 projections: the matvec kernel, more the tile kernel) and
 `delta_rule_recurrent_max_tokens` (DeltaNet steps of up to that many tokens by the recurrence).
 """
 
@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from flashpack.runtime.experts import ExpertFetcher
-from flashpack.runtime.kernels.dispatch import DENSE_MATVEC_MAX_TOKENS, FP8_MATVEC_MAX_TOKENS
+from flashpack.runtime.kernels.dispatch import DENSE_MATVEC_MAX_TOKENS, DENSE_TILE_MAX_TOKENS, FP8_MATVEC_MAX_TOKENS
 from flashpack.runtime.model.decoder_layer import DecoderLayer
 from flashpack.runtime.model.deltanet import GatedDeltaNet
 from flashpack.runtime.model.hyper_connection import GatedResidual
@@ -47,8 +47,8 @@ class Qwen4ExpModel(nn.Module):
     def __init__(
         self, source: WeightSource, experts: RoutedExperts | ExpertFetcher, dtype: torch.dtype = torch.bfloat16,
         device: torch.device | str = "cpu", fused_mix: bool = False,
-        dense_matvec_max_tokens: int = DENSE_MATVEC_MAX_TOKENS, fp8_matvec_max_tokens: int = FP8_MATVEC_MAX_TOKENS,
-        delta_rule_recurrent_max_tokens: int = 1,
+        dense_matvec_max_tokens: int = DENSE_MATVEC_MAX_TOKENS, dense_tile_max_tokens: int = DENSE_TILE_MAX_TOKENS,
+        fp8_matvec_max_tokens: int = FP8_MATVEC_MAX_TOKENS, delta_rule_recurrent_max_tokens: int = 1,
     ):
         super().__init__()
         cfg = self.config = source.config
@@ -73,6 +73,7 @@ class Qwen4ExpModel(nn.Module):
                 module.fused = fused_mix
             if isinstance(module, StackedLinear):
                 module.matvec_max_tokens, module.fp8_matvec_max_tokens = dense_matvec_max_tokens, fp8_matvec_max_tokens
+                module.tile_max_tokens = dense_tile_max_tokens
             if isinstance(module, GatedDeltaNet):
                 module.recurrent_max_tokens = delta_rule_recurrent_max_tokens
 

@@ -97,23 +97,35 @@ def test_an_fp32_engine_gets_ieee_dots_on_cuda():
     assert tile_precision(cpu, torch.bfloat16) == "fp32"  # the interpreter's bf16 tl.dot is wrong
 
 
-@pytest.mark.parametrize("tokens,rows,matvec", [
-    (1, 2048, True),  # one token: always the matvec
-    (3, 2047, True),  # a few tokens of a short matrix (the router's stack)
-    (3, 2048, False),  # a few tokens of a tall one: cuBLAS
-    (4, 100, False),  # past matvec_max_tokens
+@pytest.mark.parametrize("tokens,rows,dtype,tile_max_tokens,path", [
+    (1, 2048, torch.float32, 16, "matvec"),  # one token: always the matvec
+    (3, 2047, torch.float32, 16, "matvec"),  # a few tokens of a short matrix (the router's stack)
+    (3, 2048, torch.float32, 16, "tiles"),  # a few tokens of a tall one: the few-token tiles
+    (5, 100, torch.bfloat16, 16, "tiles"),  # past matvec_max_tokens
+    (16, 100, torch.float32, 16, "tiles"),
+    (17, 100, torch.float32, 16, "cuBLAS"),  # a prompt's
+    (5, 100, torch.float32, 0, "cuBLAS"),  # the tiles turned off
+    (5, 100, torch.float16, 16, "cuBLAS"),  # FP16 weights are not rounded to bf16 for the dots
+    (5, "large", torch.float32, 16, "cuBLAS"),  # past TILE_MAX_ELEMENTS: cuBLAS reads it near the memory's rate
 ])
-def test_dense_linear_takes_the_matvec_where_it_wins(monkeypatch, tokens, rows, matvec):
-    """dense_linear's choice between the matvec kernel and F.linear (rows and tokens only), with
-    the default matvec_max_tokens; the product is F.linear's either way (test_matvec.py)."""
+def test_dense_linear_takes_a_kernel_where_it_wins(monkeypatch, tokens, rows, dtype, tile_max_tokens, path):
+    """dense_linear's choice between the matvec kernel, the tile kernel and F.linear (rows, tokens
+    and dtype only), with the default matvec_max_tokens; the product is F.linear's whichever runs
+    (test_matvec.py, test_tile_linear.py)."""
     from flashpack.runtime.kernels import dispatch
 
     calls = []
-    monkeypatch.setattr(dispatch, "_dense_matvec", lambda x, w: calls.append(x.shape) or torch.nn.functional.linear(x, w))
-    x, weight = torch.randn(tokens, 16), torch.randn(rows, 16)
+    linear = lambda x, w: torch.nn.functional.linear(x.float(), w.float()).to(x.dtype)  # noqa: E731
+    monkeypatch.setattr(dispatch, "_dense_matvec", lambda x, w: calls.append("matvec") or linear(x, w))
+    monkeypatch.setattr(dispatch, "_dense_tiles", lambda x, w: calls.append("tiles") or linear(x, w))
+    cols = 16
+    if rows == "large":
+        rows, cols = 2048, dispatch.TILE_MAX_ELEMENTS // 2048 + 1
+    x, weight = torch.randn(tokens, cols, dtype=dtype), torch.randn(rows, cols, dtype=dtype)
     assert dispatch.DENSE_MATVEC_MAX_TOKENS == 3
-    torch.testing.assert_close(dispatch.dense_linear(x, weight, backend="triton"), torch.nn.functional.linear(x, weight))
-    assert bool(calls) == matvec
+    out = dispatch.dense_linear(x, weight, backend="triton", tile_max_tokens=tile_max_tokens)
+    torch.testing.assert_close(out.float(), linear(x, weight).float())
+    assert calls == ([] if path == "cuBLAS" else [path])
 
 
 @pytest.mark.parametrize("tokens,rows,given,matvec_max_tokens", [

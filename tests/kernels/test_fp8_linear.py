@@ -45,7 +45,8 @@ def test_fp32_matches_reference(triton_device, tokens):
 def test_default_tiles_match_reference(triton_device, tokens):
     """The tile kernel at its own tiles (tile_blocks): 16 tokens by 32 rows up to FEW_TOKENS, then a
     prompt's 128 by 128 (17 tokens: one partly filled tile)."""
-    from flashpack.runtime.kernels.fp8_linear import FEW_TOKENS, fp8_linear_triton, tile_blocks
+    from flashpack.runtime.kernels.fp8_linear import fp8_linear_triton
+    from flashpack.runtime.kernels.tile_linear import FEW_TOKENS, tile_blocks
 
     assert tile_blocks(FEW_TOKENS)["block_m"] == 16 and tile_blocks(FEW_TOKENS + 1)["block_m"] == 128
     values, scale = _matrix(triton_device, seed=6)

@@ -47,7 +47,7 @@ def _mixer(device, dtype, inject: bool, seed: int = 0) -> GatedResidual:
 def _fused(mixer: GatedResidual, streams: torch.Tensor):
     from flashpack.runtime.kernels.hc_mix import hc_mix_triton
 
-    return hc_mix_triton(streams, mixer.norm.weight, mixer.norm.eps, mixer.in_proj.weight, mixer.mix_up, mixer.hc,
+    return hc_mix_triton(streams, mixer.norm.weight, mixer.norm.eps, mixer.in_proj.weight, mixer.mix_up.weight, mixer.hc,
                          mixer.inject, **BLOCKS)
 
 
@@ -89,7 +89,7 @@ def test_control_a_wrong_norm_weight_is_caught(triton_device):
     want_input, _ = mixer.mix(streams)
     from flashpack.runtime.kernels.hc_mix import hc_mix_triton
 
-    wrong, _ = hc_mix_triton(streams, mixer.norm.weight - 1, mixer.norm.eps, mixer.in_proj.weight, mixer.mix_up,
+    wrong, _ = hc_mix_triton(streams, mixer.norm.weight - 1, mixer.norm.eps, mixer.in_proj.weight, mixer.mix_up.weight,
                              mixer.hc, True, **BLOCKS)
     assert _relative(wrong, want_input) > 1e-2
 
@@ -100,4 +100,4 @@ def test_shapes_that_do_not_fit_are_refused(triton_device):
 
     with pytest.raises(ValueError, match="do not fit hc=4"):
         hc_mix_triton(torch.zeros(1, HC * HIDDEN, device=triton_device), mixer.norm.weight, 1e-6,
-                      mixer.in_proj.weight, mixer.mix_up, mixer.hc, inject=False)
+                      mixer.in_proj.weight, mixer.mix_up.weight, mixer.hc, inject=False)

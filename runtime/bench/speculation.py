@@ -19,7 +19,8 @@ depends on what ran before (a decode's misses, what it promoted): there each tim
 speculative, follows the same untimed plain decode, so every one starts from the store that pass
 leaves, and a speculative decode is not timed against a plain one on another store's state. Figures at 48 layers scale the time in
 the layers: t(48) = t + (t - t_fixed) * (48 - L) / L, t_fixed the embedding and lm_head of each
-step's positions, timed alone. Writes JSON and a markdown table.
+step's positions, timed alone. Writes JSON and a markdown table. The warm-up (the plain decode, then each step length's checked
+graphs) ends by freezing the heap, as Engine.warm_up does (EngineConfig.freeze_heap).
 """
 
 from __future__ import annotations
@@ -215,6 +216,7 @@ def main(argv: list[str] | None = None) -> None:
         # have fewer tokens left), twice: a checked step's graphs run eagerly first and are captured
         # the second time (captured_call.py), which must not be timed
         decode(engine, state, prompt, 2 * k + 3, replay(1.0, k))
+    engine.freeze_heap()  # as Engine.warm_up ends: what the warm-up built stays out of later collections
     plain_runs = []
     tiered = isinstance(engine.store, TieredStore)
 

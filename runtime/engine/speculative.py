@@ -20,11 +20,13 @@ of the whole state is taken and nothing runs again.
 
 Policy: a drafter is used while its checked steps yield more tokens a second than plain steps.
 Each step's cost is the time from one choice of the next token to the next (drafting, the step,
-rollback and emitting its tokens included), kept as running means per kind: plain, and each
-drafter's steps with the tokens they yield. Drafters are asked in order (prompt lookup where the
+rollback and emitting its tokens included), judged by the medians of the last PACE_WINDOW steps of
+each kind: plain, and each drafter's steps with the tokens they yield. Medians, not means, so that
+one step stalled by something else (a garbage collection, a page fault, another process on the GPU),
+which can take ten checked steps' time, does not rest a drafter that pays. Drafters are asked in order (prompt lookup where the
 context repeats itself, then the MTP head); one that loses to plain steps rests BACKOFF_TOKENS
 tokens, twice as long after each further loss (up to MAX_BACKOFF_TOKENS), and at least so long
-that the time the losing step cost beyond plain steps is TRY_SHARE of the plain time of its rest:
+that the time its median step costs beyond plain steps is TRY_SHARE of the plain time of its rest:
 where speculation never pays, trying it costs at most about that share. Keeping a drafter caught
 up (the MTP head's layer on every step) is that drafter's cost, not a plain step's: it is charged
 to its next checked step, and a drafter kept up through IDLE_TOKENS steps without drafting, at more
@@ -32,8 +34,8 @@ than TRY_SHARE of their time, rests too. The paces outlive a request (the engine
 decoder), so what one request learnt the next need not pay for.
 A drafter whose proposals cost next to nothing (`cheap`: prompt lookup) is still asked while it
 rests, and each proposal is scored in hindsight against the tokens then chosen (the tokens a checked
-step would have yielded): those scores move its mean yield as checked steps do, and its rest ends
-once the mean says it pays again. Resting then costs it no lost chances, and a drafter judged on a
+step would have yielded): those scores move its median yield as checked steps do, and its rest ends
+once the median says it pays again. Resting then costs it no lost chances, and a drafter judged on a
 burst of misses (an edit's renamed names) comes back when its drafts match again.
 Until a plain step has been timed, none is checked. A checked step that compiles or captures its
 graphs (the first two of each length, Step.warming) costs seconds once, not what such steps cost:
@@ -43,7 +45,9 @@ it is not measured, lest one warm-up rest a drafter for thousands of tokens.
 from __future__ import annotations
 
 import math
+import statistics
 import time
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -57,7 +61,7 @@ BACKOFF_TOKENS = 32  # tokens a drafter rests after its checked steps lost to pl
 MAX_BACKOFF_TOKENS = 1024
 TRY_SHARE = 0.02  # of plain decoding's time that trying a losing drafter may cost
 IDLE_TOKENS = 32  # plain steps a drafter may be kept caught up without drafting before it is judged
-_WEIGHT = 0.2  # of the newest measurement in each running mean
+PACE_WINDOW = 5  # steps of each kind whose medians judge it: two stalled ones among them change nothing
 PLAIN = "plain"
 
 
@@ -100,16 +104,34 @@ class SpeculationStats:
 
 @dataclass
 class _Pace:
-    """Running means of one kind of step: its seconds and the tokens it yields."""
-    seconds: float | None = None
-    tokens: float | None = None
+    """The last PACE_WINDOW steps of one kind: their seconds and the tokens each yielded."""
+    recent_seconds: deque = field(default_factory=lambda: deque(maxlen=PACE_WINDOW))
+    recent_tokens: deque = field(default_factory=lambda: deque(maxlen=PACE_WINDOW))
     resting: int = 0  # tokens still to go before this drafter is asked again
     backoff: int = BACKOFF_TOKENS
     idle: int = 0  # plain steps since the drafter's catching up was last charged
 
+    @classmethod
+    def of(cls, seconds: float | None = None, tokens: float | None = None, resting: int = 0) -> _Pace:
+        """A pace that has seen one step (or none)."""
+        pace = cls(resting=resting)
+        if seconds is not None:
+            pace.recent_seconds.append(seconds)
+        if tokens is not None:
+            pace.recent_tokens.append(tokens)
+        return pace
+
+    @property
+    def seconds(self) -> float | None:
+        return statistics.median(self.recent_seconds) if self.recent_seconds else None
+
+    @property
+    def tokens(self) -> float | None:
+        return statistics.median(self.recent_tokens) if self.recent_tokens else None
+
     def add(self, seconds: float, tokens: int) -> None:
-        self.seconds = _mean(self.seconds, seconds)
-        self.tokens = _mean(self.tokens, tokens)
+        self.recent_seconds.append(seconds)
+        self.recent_tokens.append(tokens)
 
     def rate(self) -> float:
         return self.tokens / self.seconds if self.seconds else float("inf")
@@ -243,10 +265,10 @@ class SpeculativeDecoder:
                     self._score_in_hindsight(name, len(chosen) - (not matched))
 
     def _score_in_hindsight(self, name: str, accepted: int) -> None:
-        """A resting drafter's proposal would have had `accepted` drafts accepted: its mean yield
+        """A resting drafter's proposal would have had `accepted` drafts accepted: its median yield
         moves as a checked step's would, and it rests no longer once that says it pays."""
         pace, plain = self._paces[name], self._paces.get(PLAIN)
-        pace.tokens = _mean(pace.tokens, 1 + accepted)
+        pace.recent_tokens.append(1 + accepted)
         if plain is not None and pace.seconds is not None and pace.rate() > plain.rate():
             pace.resting = 0
 
@@ -282,7 +304,7 @@ class SpeculativeDecoder:
             self._rest_idle(plain)
             return
         if pace.rate() < plain.rate():
-            lost = seconds - self._yielded * plain.seconds  # this step's time beyond plain steps'
+            lost = pace.seconds - pace.tokens * plain.seconds  # a median step's time beyond plain steps'
             paid_back = math.ceil(lost / (TRY_SHARE * plain.seconds)) if lost > 0 else 0
             pace.resting = max(pace.backoff, paid_back)
             pace.backoff = min(2 * pace.backoff, MAX_BACKOFF_TOKENS)
@@ -298,6 +320,3 @@ class SpeculativeDecoder:
                     pace.resting, pace.backoff = pace.backoff, min(2 * pace.backoff, MAX_BACKOFF_TOKENS)
                 self._upkeep[name], pace.idle = 0.0, 0
 
-
-def _mean(mean: float | None, value: float) -> float:
-    return value if mean is None else (1 - _WEIGHT) * mean + _WEIGHT * value

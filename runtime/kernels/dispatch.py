@@ -47,13 +47,16 @@ FP8_SEVERAL_TOKENS_MAX_ROWS = 4096
 DENSE_MATVEC_MAX_TOKENS = 3
 SEVERAL_TOKENS_MAX_ROWS = 2048
 # BF16 projections of more tokens than the matvec takes, up to this many, take the tile kernel's
-# few-token tiles (tile_linear.py) where the matrix has at most TILE_MAX_ELEMENTS: the default of
-# dense_linear's `tile_max_tokens` (the engine's EngineConfig.dense_tile_max_tokens; 0 leaves them to
-# cuBLAS). cuBLAS's kernels for a few rows read small matrices far below the memory's rate (at 5
-# tokens on an H200: a hyper-connection's 324 x 10240 down projection in 10.7 us, 0.6 TB/s), while
-# on large ones they reach 2-3.3 TB/s.
+# few-token tiles (tile_linear.py) where the matrix has fewer than SEVERAL_TOKENS_MAX_ROWS rows: the
+# default of dense_linear's `tile_max_tokens` (the engine's EngineConfig.dense_tile_max_tokens; 0
+# leaves them to cuBLAS). On such short matrices cuBLAS's few-row kernels stay far below the memory's
+# rate, and the tiles with their columns split do not (bench/kernels.py --only dense-few on an H100,
+# us at 5 / 8 / 16 tokens): a hyper-connection's down projection 324 x 10240 7.6 / 7.6 / 7.7 against
+# 11.0 / 11.1 / 11.2, the router's stack 513 x 2560 6.4 / 6.6 / 7.0 against 11.9 / 12.5 / 12.4,
+# DeltaNet's b and a 64 x 2560 3.9 against 5.5; on taller ones cuBLAS is as fast or faster (the
+# hyper-connection's up projection 10240 x 320 5.0 against 5.8, the indexer's 2176 x 2560 7.5
+# against 9.1 at 5 tokens).
 DENSE_TILE_MAX_TOKENS = 16
-TILE_MAX_ELEMENTS = 8 * 2**20
 TILE_DTYPES = (torch.bfloat16, torch.float32)  # float32: an FP32 engine's, in IEEE dots; FP16 is not rounded to bf16
 DECODE_MAX_TOKENS = 16  # up to here the matvec kernels beat the grouped ones on an H200 (bench/kernels.py)
 
@@ -135,15 +138,15 @@ def dense_linear(x: torch.Tensor, weight: torch.Tensor, backend: str = "auto",
                  tile_max_tokens: int = DENSE_TILE_MAX_TOKENS) -> torch.Tensor:
     """x [..., C] @ weight [R, C]^T -> [..., R]: F.linear, or on CUDA the matvec kernel for one token
     and for up to `matvec_max_tokens` tokens of a matrix of fewer than SEVERAL_TOKENS_MAX_ROWS rows,
-    and the tile kernel's few-token tiles for up to `tile_max_tokens` tokens of a BF16 matrix of at
-    most TILE_MAX_ELEMENTS: where each reads the matrix nearer the memory's bandwidth than cuBLAS does."""
+    and the tile kernel's few-token tiles for up to `tile_max_tokens` tokens of such a matrix: where
+    each reads the matrix nearer the memory's bandwidth than cuBLAS does."""
     if not use_triton(x.device, backend):
         return F.linear(x, weight)
     tokens = x.numel() // x.shape[-1]
-    several_loses = tokens > 1 and weight.shape[0] >= SEVERAL_TOKENS_MAX_ROWS
-    if tokens <= matvec_max_tokens and not several_loses:
+    short = weight.shape[0] < SEVERAL_TOKENS_MAX_ROWS
+    if tokens <= matvec_max_tokens and (tokens == 1 or short):
         return _dense_matvec(x, weight)
-    if tokens <= tile_max_tokens and weight.numel() <= TILE_MAX_ELEMENTS and weight.dtype in TILE_DTYPES:
+    if tokens <= tile_max_tokens and short and weight.dtype in TILE_DTYPES:
         return _dense_tiles(x, weight)
     return F.linear(x, weight)
 

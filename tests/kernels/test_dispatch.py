@@ -100,13 +100,13 @@ def test_an_fp32_engine_gets_ieee_dots_on_cuda():
 @pytest.mark.parametrize("tokens,rows,dtype,tile_max_tokens,path", [
     (1, 2048, torch.float32, 16, "matvec"),  # one token: always the matvec
     (3, 2047, torch.float32, 16, "matvec"),  # a few tokens of a short matrix (the router's stack)
-    (3, 2048, torch.float32, 16, "tiles"),  # a few tokens of a tall one: the few-token tiles
+    (3, 2048, torch.float32, 16, "cuBLAS"),  # a few tokens of a tall one
     (5, 100, torch.bfloat16, 16, "tiles"),  # past matvec_max_tokens
     (16, 100, torch.float32, 16, "tiles"),
     (17, 100, torch.float32, 16, "cuBLAS"),  # a prompt's
     (5, 100, torch.float32, 0, "cuBLAS"),  # the tiles turned off
     (5, 100, torch.float16, 16, "cuBLAS"),  # FP16 weights are not rounded to bf16 for the dots
-    (5, "large", torch.float32, 16, "cuBLAS"),  # past TILE_MAX_ELEMENTS: cuBLAS reads it near the memory's rate
+    (5, 2048, torch.float32, 16, "cuBLAS"),  # a tall one: cuBLAS reads it as fast
 ])
 def test_dense_linear_takes_a_kernel_where_it_wins(monkeypatch, tokens, rows, dtype, tile_max_tokens, path):
     """dense_linear's choice between the matvec kernel, the tile kernel and F.linear (rows, tokens
@@ -118,10 +118,7 @@ def test_dense_linear_takes_a_kernel_where_it_wins(monkeypatch, tokens, rows, dt
     linear = lambda x, w: torch.nn.functional.linear(x.float(), w.float()).to(x.dtype)  # noqa: E731
     monkeypatch.setattr(dispatch, "_dense_matvec", lambda x, w: calls.append("matvec") or linear(x, w))
     monkeypatch.setattr(dispatch, "_dense_tiles", lambda x, w: calls.append("tiles") or linear(x, w))
-    cols = 16
-    if rows == "large":
-        rows, cols = 2048, dispatch.TILE_MAX_ELEMENTS // 2048 + 1
-    x, weight = torch.randn(tokens, cols, dtype=dtype), torch.randn(rows, cols, dtype=dtype)
+    x, weight = torch.randn(tokens, 16, dtype=dtype), torch.randn(rows, 16, dtype=dtype)
     assert dispatch.DENSE_MATVEC_MAX_TOKENS == 3
     out = dispatch.dense_linear(x, weight, backend="triton", tile_max_tokens=tile_max_tokens)
     torch.testing.assert_close(out.float(), linear(x, weight).float())

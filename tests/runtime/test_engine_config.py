@@ -200,15 +200,19 @@ def test_two_engines_with_different_configs_in_one_process(tiny_pack):
 
 def test_kernel_choices_reach_every_projection_and_mix(tiny_pack):
     """The token counts that pick the BF16 and the FP8 projections' kernels reach every projection,
-    and the one that picks DeltaNet's recurrence every DeltaNet layer."""
+    (the hyper-connections' up projections among them), and the one that picks DeltaNet's recurrence
+    every DeltaNet layer."""
     from flashpack.runtime.model.linear import StackedLinear
 
     from flashpack.runtime.model.deltanet import GatedDeltaNet
 
-    engine = load_engine(tiny_pack, EngineConfig(dtype="float32", dense_matvec_max_tokens=2, fp8_matvec_max_tokens=5,
-                                                 delta_rule_recurrent_max_tokens=16))
+    from flashpack.runtime.model.hyper_connection import GatedResidual
+
+    engine = load_engine(tiny_pack, EngineConfig(dtype="float32", dense_matvec_max_tokens=2, dense_tile_max_tokens=7,
+                                                 fp8_matvec_max_tokens=5, delta_rule_recurrent_max_tokens=16))
     stacks = [m for m in engine.model.modules() if isinstance(m, StackedLinear)]
-    assert stacks and all((m.matvec_max_tokens, m.fp8_matvec_max_tokens) == (2, 5) for m in stacks)
+    assert stacks and all((m.matvec_max_tokens, m.tile_max_tokens, m.fp8_matvec_max_tokens) == (2, 7, 5) for m in stacks)
+    assert all(m.mix_up in stacks for m in engine.model.modules() if isinstance(m, GatedResidual))
     deltanets = [m for m in engine.model.modules() if isinstance(m, GatedDeltaNet)]
     assert deltanets and all(m.recurrent_max_tokens == 16 for m in deltanets)
     with pytest.raises(FlashpackError, match="fp8_matvec_max_tokens must be a whole number of at least 0"):

@@ -69,9 +69,9 @@ class EngineConfig:
     # where cuBLAS's few-row kernels are slow (runtime/kernels/dispatch.py says where it was measured).
     dense_matvec_max_tokens: int = DENSE_MATVEC_MAX_TOKENS
     # BF16 projections of more tokens than that, up to this many, take the tile kernel's few-token
-    # tiles where the matrix is small (the hyper-connections' projections, the router's stack), where
-    # cuBLAS's few-row kernels read it far below the memory's rate; 0 leaves them all to cuBLAS
-    # (runtime/kernels/dispatch.py says where it was measured).
+    # tiles (their columns split) on the same short matrices, where cuBLAS's few-row kernels read them
+    # far below the memory's rate; 0 leaves them to cuBLAS (runtime/kernels/dispatch.py says where it
+    # was measured).
     dense_tile_max_tokens: int = DENSE_TILE_MAX_TOKENS
     # FP8 projections (`convert --dense-fp8`) of up to this many tokens take the matvec kernel, more
     # the tile kernel on tensor cores, whose few-token tiles take about as long for 2 as for 16 tokens;

@@ -6,8 +6,9 @@ no tokenizer or sampler work is timed; the first token is the argmax of the pref
 each decode step feeds the previous argmax. A warm-up (a prompt of other ids of the same length, so
 every kernel the timed prompt needs is compiled for its shapes, and two decode steps) runs first,
 untimed: it loads kernels, captures the decode graphs and leaves the store's caches as a server
-would have them, partly warm; then the heap is frozen, as Engine.warm_up ends (EngineConfig.freeze_heap). Every run uses one sequence state, reset in place and with room
-reserved for the longest run, so the graphs captured in the warm-up are replayed. Every clock read
+would have them, partly warm; then the heap is frozen, as Engine.warm_up ends (EngineConfig.freeze_heap).
+Every run uses one sequence state, reset in place and with room reserved for the longest run, so the
+graphs captured in the warm-up are replayed. Every clock read
 is preceded by a device synchronize. With several repeats, each starts a fresh sequence on the
 same (warmer) store; times are the medians, store traffic the mean per token over all repeats.
 """

@@ -19,8 +19,9 @@ depends on what ran before (a decode's misses, what it promoted): there each tim
 speculative, follows the same untimed plain decode, so every one starts from the store that pass
 leaves, and a speculative decode is not timed against a plain one on another store's state. Figures at 48 layers scale the time in
 the layers: t(48) = t + (t - t_fixed) * (48 - L) / L, t_fixed the embedding and lm_head of each
-step's positions, timed alone. Writes JSON and a markdown table. The warm-up (the plain decode, then each step length's checked
-graphs) ends by freezing the heap, as Engine.warm_up does (EngineConfig.freeze_heap).
+step's positions, timed alone. Writes JSON and a markdown table. The warm-up (the plain decode,
+then each step length's checked graphs) ends by freezing the heap, as Engine.warm_up does
+(EngineConfig.freeze_heap).
 """
 
 from __future__ import annotations

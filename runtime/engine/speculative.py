@@ -22,11 +22,11 @@ Policy: a drafter is used while its checked steps yield more tokens a second tha
 Each step's cost is the time from one choice of the next token to the next (drafting, the step,
 rollback and emitting its tokens included), judged by the medians of the last PACE_WINDOW steps of
 each kind: plain, and each drafter's steps with the tokens they yield. Medians, not means, so that
-one step stalled by something else (a garbage collection, a page fault, another process on the GPU),
-which can take ten checked steps' time, does not rest a drafter that pays. Drafters are asked in order (prompt lookup where the
-context repeats itself, then the MTP head); one that loses to plain steps rests BACKOFF_TOKENS
-tokens, twice as long after each further loss (up to MAX_BACKOFF_TOKENS), and at least so long
-that the time its median step costs beyond plain steps is TRY_SHARE of the plain time of its rest:
+one step stalled by something else (a garbage collection, a page fault, another process on the
+GPU), which can take several checked steps' time, does not rest a drafter that pays. Drafters are
+asked in order (prompt lookup where the context repeats itself, then the MTP head); one that loses
+to plain steps rests BACKOFF_TOKENS tokens, twice as long after each further loss (up to
+MAX_BACKOFF_TOKENS), and at least so long that the time its median step costs beyond plain steps is TRY_SHARE of the plain time of its rest:
 where speculation never pays, trying it costs at most about that share. Keeping a drafter caught
 up (the MTP head's layer on every step) is that drafter's cost, not a plain step's: it is charged
 to its next checked step, and a drafter kept up through IDLE_TOKENS steps without drafting, at more
@@ -110,16 +110,6 @@ class _Pace:
     resting: int = 0  # tokens still to go before this drafter is asked again
     backoff: int = BACKOFF_TOKENS
     idle: int = 0  # plain steps since the drafter's catching up was last charged
-
-    @classmethod
-    def of(cls, seconds: float | None = None, tokens: float | None = None, resting: int = 0) -> _Pace:
-        """A pace that has seen one step (or none)."""
-        pace = cls(resting=resting)
-        if seconds is not None:
-            pace.recent_seconds.append(seconds)
-        if tokens is not None:
-            pace.recent_tokens.append(tokens)
-        return pace
 
     @property
     def seconds(self) -> float | None:

@@ -172,12 +172,22 @@ def test_sampled_requests_speculate_unless_seeded(engine):
     assert _generate(engine, decoder, seeded) == _generate(engine, None, seeded) and decoder.stats.steps == 0
 
 
+def _pace(seconds: float | None = None, tokens: float | None = None, resting: int = 0) -> speculative._Pace:
+    """A policy pace that has seen one step (or none)."""
+    pace = speculative._Pace(resting=resting)
+    if seconds is not None:
+        pace.recent_seconds.append(seconds)
+    if tokens is not None:
+        pace.recent_tokens.append(tokens)
+    return pace
+
+
 def test_the_policy_rests_a_drafter_that_loses_to_plain_steps(engine):
     decoder = SpeculativeDecoder(engine.step, [LookupDrafter()])
     decoder.start(_prompt())
     state = engine.step.new_state()
     assert decoder.draft(_prompt()[0], state, 4) is None  # no plain step timed yet: a plain one first
-    decoder._paces[speculative.PLAIN] = speculative._Pace.of(seconds=0.01, tokens=1)  # plain: 100 tokens a second
+    decoder._paces[speculative.PLAIN] = _pace(seconds=0.01, tokens=1)  # plain: 100 tokens a second
     decoder._since, decoder._yielded = ("lookup", 0.0), 2
     decoder._settle_pace(1.0)  # a checked step: 2 tokens in a second
     pace = decoder._paces["lookup"]
@@ -186,7 +196,7 @@ def test_the_policy_rests_a_drafter_that_loses_to_plain_steps(engine):
     resting = pace.resting
     decoder._since = None
     assert decoder.draft(_prompt()[1], state, 4) is None and pace.resting == resting - 1
-    near = decoder._paces["lookup"] = speculative._Pace.of(resting=0)  # a drafter that lost once before
+    near = decoder._paces["lookup"] = _pace(resting=0)  # a drafter that lost once before
     near.backoff = 2 * speculative.BACKOFF_TOKENS
     _checked(decoder, 0.0205, 2)  # a near miss: 2 tokens in 20.5 ms against 20 ms plain
     assert near.resting == 2 * speculative.BACKOFF_TOKENS and near.backoff == 4 * speculative.BACKOFF_TOKENS
@@ -204,7 +214,7 @@ def test_stalled_steps_rest_a_paying_drafter_only_when_they_are_the_median(engin
     something else (here 45 ms where the drafter's steps take 6 ms for 4 tokens, against plain's
     3 ms a token) does not rest it, nor do two in the window; three of five (the control) do."""
     decoder = SpeculativeDecoder(engine.step, [LookupDrafter()])
-    decoder._paces[speculative.PLAIN] = speculative._Pace.of(seconds=0.003, tokens=1)
+    decoder._paces[speculative.PLAIN] = _pace(seconds=0.003, tokens=1)
     for _ in range(speculative.PACE_WINDOW - stalls):
         _checked(decoder, 0.006, 4)
     for _ in range(stalls):
@@ -241,8 +251,8 @@ def _resting_behind_plain(engine, drafter) -> SpeculativeDecoder:
     """A policy decoder whose `drafter` lost (50 tokens a second against plain's 100) and rests."""
     decoder = SpeculativeDecoder(engine.step, [drafter])
     decoder.start([1, 2, 3])
-    decoder._paces[speculative.PLAIN] = speculative._Pace.of(seconds=0.01, tokens=1)
-    decoder._paces[drafter.name] = speculative._Pace.of(seconds=0.02, tokens=1, resting=1000)
+    decoder._paces[speculative.PLAIN] = _pace(seconds=0.01, tokens=1)
+    decoder._paces[drafter.name] = _pace(seconds=0.02, tokens=1, resting=1000)
     return decoder
 
 
@@ -288,7 +298,7 @@ def test_a_proposal_in_hindsight_counts_its_right_drafts_up_to_the_first_wrong_o
 
 def test_time_the_caller_excludes_is_not_the_step_s(engine):
     decoder = SpeculativeDecoder(engine.step, [LookupDrafter()])
-    decoder._paces[speculative.PLAIN] = speculative._Pace.of(seconds=0.01, tokens=1)
+    decoder._paces[speculative.PLAIN] = _pace(seconds=0.01, tokens=1)
     decoder._since, decoder._yielded = ("lookup", 0.0), 2
     decoder.exclude(0.5)  # e.g. a benchmark's untimed reference decode
     decoder._settle_pace(1.0)
@@ -320,7 +330,7 @@ def test_a_resting_mtp_head_is_not_kept_caught_up(engine):
     prompt = torch.tensor(_prompt())
     decoder.observe(_prompt(), engine.step.forward(prompt, state).streams, state)
     assert state.attention[layer].length == len(_prompt()) - 1
-    decoder._paces["mtp"] = speculative._Pace.of(resting=10)
+    decoder._paces["mtp"] = _pace(resting=10)
     decoder.observe([5], engine.step.forward(torch.tensor([5]), state).streams, state)
     assert state.attention[layer].length == len(_prompt()) - 1  # skipped
     decoder._paces["mtp"].resting = 0

@@ -44,7 +44,7 @@ from flashpack.runtime.bench.workload import prompt_ids
 from flashpack.runtime.engine.build import load_engine, parse_device, parse_dtype
 from flashpack.runtime.engine.config import EngineConfig
 from flashpack.runtime.engine.settings import with_settings
-from flashpack.runtime.engine.speculative import SpeculativeDecoder
+from flashpack.runtime.engine.speculative import PLAIN, SpeculativeDecoder
 from flashpack.runtime.sampling import Sampler, SamplingParams
 from flashpack.runtime.store.budget import parse_budget
 from flashpack.runtime.store.config import StoreConfig
@@ -81,11 +81,12 @@ class ReplayDrafter:
 
 
 def decode(engine, state, prompt: list[int], gen: int, decoder: SpeculativeDecoder | None,
-           replay: "ReplayDrafter | None" = None) -> tuple[list[int], float]:
+           replay: "ReplayDrafter | None" = None, trace: list[dict] | None = None) -> tuple[list[int], float]:
     """Prefill `prompt`, then greedy decode until `gen` tokens are chosen: (the tokens, decode seconds).
     With `replay`, where the output leaves the replayed truth (in BF16 a checked step rounds otherwise
     than one-token steps, and a near-tie can fall the other way), the truth from there on is decoded
-    again plainly from the current state, untimed, so that its drafts stay right with probability alpha."""
+    again plainly from the current state, untimed, so that its drafts stay right with probability alpha.
+    `trace`: each step appended as it went (`step_record`), where a policy's choices are to be read."""
     step, device = engine.step, engine.model.device
     state.restore(step.new_state())
     greedy = Sampler(SamplingParams(), device=device)
@@ -98,7 +99,7 @@ def decode(engine, state, prompt: list[int], gen: int, decoder: SpeculativeDecod
     synchronize(device)
     start, untimed = time.perf_counter(), 0.0
     while len(tokens) < gen:
-        token = tokens[-1]
+        token, began_step, untimed_before, chosen_before = tokens[-1], time.perf_counter(), untimed, len(tokens)
         draft = decoder.draft(token, state, gen - len(tokens)) if decoder is not None else None
         if draft is not None:
             accepted, following = decoder.verify(token, draft, state, greedy)
@@ -113,8 +114,32 @@ def decode(engine, state, prompt: list[int], gen: int, decoder: SpeculativeDecod
             replay.follow(plain_continuation(step, state, tokens, gen + decoder.draft_tokens))
             untimed += time.perf_counter() - began
             decoder.exclude(time.perf_counter() - began)  # nor is it the policy's
+        if trace is not None:
+            trace.append(step_record(decoder, replay, draft is not None, len(tokens) - chosen_before,
+                                     time.perf_counter() - began_step - (untimed - untimed_before)))
     synchronize(device)
     return tokens[:gen], time.perf_counter() - start - untimed
+
+
+def step_record(decoder: SpeculativeDecoder, replay: "ReplayDrafter | None", checked: bool, tokens: int,
+                seconds: float) -> dict:
+    """One step of a traced decode: its kind, the tokens it chose, its seconds (a divergence's
+    untimed decode left out), and the policy's medians and rest as it was chosen (the step before
+    judged: each step is judged when the next one is chosen)."""
+    record = {"checked": checked, "tokens": tokens, "ms": round(seconds * 1e3, 3)}
+    if replay is not None:
+        drafter, plain = decoder.pace(replay.name), decoder.pace(PLAIN)
+        record.update(resting=drafter["resting"], divergences=replay.divergences,
+                      **{f"{kind}_median_ms": None if pace["seconds"] is None else round(pace["seconds"] * 1e3, 3)
+                         for kind, pace in (("checked", drafter), ("plain", plain))},
+                      checked_median_tokens=drafter["tokens"])
+    return record
+
+
+def rests(trace: list[dict]) -> list[dict]:
+    """The steps at which the drafter began to rest: where a policy turned speculation off."""
+    return [{"step": index, **record} for index, record in enumerate(trace)
+            if record.get("resting") and (index == 0 or not trace[index - 1].get("resting"))]
 
 
 def plain_continuation(step, state, tokens: list[int], until: int) -> list[int]:
@@ -244,7 +269,7 @@ def main(argv: list[str] | None = None) -> None:
     for alpha, k, policy in settings:
         # with the policy, one decoder serves every repeat, as the engine's does its requests: the
         # first pays for trying, the others know (the first is reported apart)
-        times, counts, stats, lossless, divergences = [], [], None, True, 0
+        times, counts, stats, lossless, divergences, traces = [], [], None, True, 0, []
         shared = replay(alpha, k, policy=True) if policy else None
         for repeat in range(args.repeats + policy):
             plain()
@@ -254,7 +279,10 @@ def main(argv: list[str] | None = None) -> None:
             stats = decoder.stats
             steps_before = (stats.steps, stats.plain_steps)  # the shared decoder's stats run on over repeats
             settled()
-            tokens, seconds = decode(engine, state, prompt, args.gen, decoder, replay=drafter)
+            trace = [] if policy else None  # where the policy chose what
+            tokens, seconds = decode(engine, state, prompt, args.gen, decoder, replay=drafter, trace=trace)
+            if policy:
+                traces.append(trace)
             times.append(seconds)
             counts.append((stats.steps - steps_before[0], stats.plain_steps - steps_before[1]))
             lossless = lossless and tokens == truth
@@ -279,6 +307,12 @@ def main(argv: list[str] | None = None) -> None:
             "draft_seconds": summary["draft_seconds"], "verify_seconds": summary["verify_seconds"],
             "rollback_seconds": summary["rollback_seconds"],
         })
+        if policy:  # each decode's steps (the first one's first), and where the drafter began to rest
+            rows[-1].update(steps=traces, rests=[rests(trace) for trace in traces])
+            for number, began in enumerate(rows[-1]["rests"]):
+                print(f"  decode {number}: rests began at steps " + (", ".join(
+                    f"{r['step']} (checked median {r['checked_median_ms']} ms for {r['checked_median_tokens']} tokens, "
+                    f"plain {r['plain_median_ms']} ms, rest {r['resting']})" for r in began) or "none"), flush=True)
         print(f"alpha {alpha} k {k} policy {policy}: {rows[-1]['speedup']:.2f}x ({rows[-1]['speedup_scaled']:.2f}x at "
               f"{target} layers), {rows[-1]['tokens_per_step']:.2f} tokens a step, lossless {lossless} ({divergences} divergences)", flush=True)
     engine.close()
@@ -298,7 +332,11 @@ def main(argv: list[str] | None = None) -> None:
                   "settled: through a tiered store each timed decode followed the same untimed plain decode",
                   "lossless: every repeat's output equals plain decoding's; divergences: times over the repeats an "
                   "output left the plain one (a BF16 near-tie), after which the replayed truth was decoded again "
-                  "plainly from there, untimed"],
+                  "plainly from there, untimed",
+                  "steps (policy rows): each decode's steps, the first decode's first: checked or plain, tokens "
+                  "chosen, ms (a divergence's untimed decode left out), and the policy's medians and the tokens the "
+                  "drafter still rests as the step was chosen (a step is judged when the next is chosen); rests: "
+                  "the steps at which a rest began"],
     }
     args.json.write_text(json.dumps(report, indent=1) + "\n")
     table = ["| alpha | k | policy | tokens/step | speed-up | at %d layers | union experts/layer | lossless (divergences) |"

@@ -262,6 +262,14 @@ class SpeculativeDecoder:
         if plain is not None and pace.seconds is not None and pace.rate() > plain.rate():
             pace.resting = 0
 
+    def pace(self, name: str) -> dict:
+        """What the policy knows of drafter `name` (or PLAIN) now: the medians it judges by (None
+        before a step of that kind was measured) and the tokens it still rests."""
+        pace = self._paces.get(name)
+        if pace is None:
+            return {"seconds": None, "tokens": None, "resting": 0}
+        return {"seconds": pace.seconds, "tokens": pace.tokens, "resting": pace.resting}
+
     def exclude(self, seconds: float) -> None:
         """Leave `seconds` the caller spent on other work since the step under way was chosen (a
         benchmark's untimed reference decode) out of that step's cost."""

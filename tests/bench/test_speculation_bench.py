@@ -29,6 +29,18 @@ def test_the_bench_reports_each_setting_lossless(tiny_pack, tmp_path):
         # three decodes: its running totals are not), so they cover its 9 tokens after the first
         assert run["checked_steps"] + run["plain_steps"] <= 9 <= 3 * run["checked_steps"] + run["plain_steps"]
     assert "| 0.9 | 2 | off |" in out.with_suffix(".md").read_text()
+    # the policy's row traces its three decodes (the first, then two repeats) step by step
+    policy = report["runs"][1]
+    assert len(policy["steps"]) == len(policy["rests"]) == 3
+    for steps in policy["steps"]:
+        assert 9 <= sum(step["tokens"] for step in steps) <= 10  # a last checked step may choose one past
+        assert all(step["ms"] > 0 for step in steps)
+        assert {"checked", "resting", "checked_median_ms", "plain_median_ms"} <= set(steps[-1])
+
+
+def test_rests_are_where_a_rest_begins():
+    trace = [{"resting": 0}, {"resting": 32}, {"resting": 31}, {"resting": 0}, {"resting": 64}]
+    assert [r["step"] for r in speculation.rests(trace)] == [1, 4]
 
 
 def test_a_truth_the_output_leaves_is_decoded_again(tiny_pack):
@@ -54,9 +66,9 @@ def test_through_a_tiered_store_each_timed_decode_follows_the_same_plain_one(tin
     calls = []
     decode = speculation.decode
 
-    def recorded(engine, state, prompt, gen, decoder, replay=None):
+    def recorded(engine, state, prompt, gen, decoder, replay=None, trace=None):
         calls.append("plain" if decoder is None else "speculative")
-        return decode(engine, state, prompt, gen, decoder, replay=replay)
+        return decode(engine, state, prompt, gen, decoder, replay=replay, trace=trace)
 
     monkeypatch.setattr(speculation, "decode", recorded)
     monkeypatch.setattr(speculation, "union_experts", lambda *args: None)

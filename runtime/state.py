@@ -44,7 +44,10 @@ class DeltaNetState:
         return DeltaNetState(self.conv.clone(), self.recurrent.clone())
 
     def rewind(self, kept: int) -> None:
-        if self.positions is not None:
+        """Back to just after the tracked step's first `kept` tokens. The step wrote the state after
+        its last token into `recurrent` and `conv` in place (DeltaNet.forward, as its graphs
+        replay it), so a step that keeps all its tokens copies nothing."""
+        if self.positions is not None and kept < self.positions.shape[0]:
             self.recurrent.copy_(self.positions[kept - 1])
             self.conv.copy_(self.window[:, kept:kept + self.conv.shape[1]])
         self.tracked, self.positions, self.window = False, None, None
@@ -69,9 +72,11 @@ class PLEState:
                         self.window[:, kept:kept + self.conv.shape[1]].clone())
 
     def rewind(self, kept: int) -> None:
+        """As DeltaNetState.rewind: the step left its last token's context and conv tail, so
+        keeping all its tokens copies nothing."""
         if self.history is not None:
             self.context = self.history[kept:kept + self.context.shape[0]].clone()
-        if self.window is not None:
+        if self.window is not None and kept < self.window.shape[1] - self.conv.shape[1]:
             self.conv.copy_(self.window[:, kept:kept + self.conv.shape[1]])
         self.tracked, self.history, self.window = False, None, None
 

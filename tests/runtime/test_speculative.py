@@ -7,6 +7,8 @@ steps. The rejection rule is checked on its own (test_rejection.py)."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -133,6 +135,24 @@ def test_tracked_steps_rewind_to_the_state_after_their_accepted_tokens(engine):
             torch.testing.assert_close(part.conv, reference.ple[layer].conv, rtol=1e-5, atol=1e-6)
         for layer, cache in state.attention.items():
             assert cache.length == reference.attention[layer].length
+
+
+@pytest.mark.parametrize("kept, copied", [(5, False), (4, True)])
+def test_a_rewind_that_keeps_every_token_copies_nothing(engine, kept, copied):
+    """The step left the state after its last token in place: rewind(T) copies nothing from the
+    tracked records (made NaN here), rewind(T - 1) copies from them (the control)."""
+    state = engine.step.new_state()
+    engine.step.forward(torch.tensor(_prompt()[5:20]), state)
+    state.track()
+    engine.step.forward(torch.tensor(_prompt()[:5]), state)
+    for part in state.deltanet.values():
+        part.positions, part.window = torch.full_like(part.positions, math.nan), torch.full_like(part.window, math.nan)
+    for part in state.ple.values():
+        part.window = torch.full_like(part.window, math.nan)
+    state.rewind(kept)
+    parts = [*(p.recurrent for p in state.deltanet.values()), *(p.conv for p in state.deltanet.values()),
+             *(p.conv for p in state.ple.values())]
+    assert any(bool(part.isnan().any()) for part in parts) == copied
 
 
 def test_a_restore_ends_a_tracked_step_cut_short(engine):

@@ -124,22 +124,29 @@ def decode(engine, state, prompt: list[int], gen: int, decoder: SpeculativeDecod
 def step_record(decoder: SpeculativeDecoder, replay: "ReplayDrafter | None", checked: bool, tokens: int,
                 seconds: float) -> dict:
     """One step of a traced decode: its kind, the tokens it chose, its seconds (a divergence's
-    untimed decode left out), and the policy's medians and rest as it was chosen (the step before
-    judged: each step is judged when the next one is chosen)."""
+    untimed decode left out), and what the policy judged by as it was chosen (the step before
+    judged: each step is judged when the next one is chosen) and the tokens it still rests."""
     record = {"checked": checked, "tokens": tokens, "ms": round(seconds * 1e3, 3)}
     if replay is not None:
         drafter, plain = decoder.pace(replay.name), decoder.pace(PLAIN)
         record.update(resting=drafter["resting"], divergences=replay.divergences,
                       **{f"{kind}_median_ms": None if pace["seconds"] is None else round(pace["seconds"] * 1e3, 3)
                          for kind, pace in (("checked", drafter), ("plain", plain))},
-                      checked_median_tokens=drafter["tokens"])
+                      checked_mean_tokens=drafter["tokens"])
     return record
 
 
 def rests(trace: list[dict]) -> list[dict]:
-    """The steps at which the drafter began to rest: where a policy turned speculation off."""
-    return [{"step": index, **record} for index, record in enumerate(trace)
-            if record.get("resting") and (index == 0 or not trace[index - 1].get("resting"))]
+    """The steps at which the drafter began to rest: where a policy turned speculation off, with
+    what it judged by just before (a rest forgets the drafter's yields)."""
+    found = []
+    for index, record in enumerate(trace):
+        if record.get("resting") and (index == 0 or not trace[index - 1].get("resting")):
+            before = trace[index - 1] if index else record
+            found.append({"step": index, "resting": record["resting"],
+                          **{name: before.get(name) for name in ("checked_median_ms", "checked_mean_tokens",
+                                                                  "plain_median_ms")}})
+    return found
 
 
 def plain_continuation(step, state, tokens: list[int], until: int) -> list[int]:
@@ -311,7 +318,7 @@ def main(argv: list[str] | None = None) -> None:
             rows[-1].update(steps=traces, rests=[rests(trace) for trace in traces])
             for number, began in enumerate(rows[-1]["rests"]):
                 print(f"  decode {number}: rests began at steps " + (", ".join(
-                    f"{r['step']} (checked median {r['checked_median_ms']} ms for {r['checked_median_tokens']} tokens, "
+                    f"{r['step']} (checked median {r['checked_median_ms']} ms for {r['checked_mean_tokens']} tokens, "
                     f"plain {r['plain_median_ms']} ms, rest {r['resting']})" for r in began) or "none"), flush=True)
         print(f"alpha {alpha} k {k} policy {policy}: {rows[-1]['speedup']:.2f}x ({rows[-1]['speedup_scaled']:.2f}x at "
               f"{target} layers), {rows[-1]['tokens_per_step']:.2f} tokens a step, lossless {lossless} ({divergences} divergences)", flush=True)
@@ -334,7 +341,7 @@ def main(argv: list[str] | None = None) -> None:
                   "output left the plain one (a BF16 near-tie), after which the replayed truth was decoded again "
                   "plainly from there, untimed",
                   "steps (policy rows): each decode's steps, the first decode's first: checked or plain, tokens "
-                  "chosen, ms (a divergence's untimed decode left out), and the policy's medians and the tokens the "
+                  "chosen, ms (a divergence's untimed decode left out), and the policy's median step times, mean yield and the tokens the "
                   "drafter still rests as the step was chosen (a step is judged when the next is chosen); rests: "
                   "the steps at which a rest began"],
     }

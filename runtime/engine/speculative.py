@@ -20,26 +20,35 @@ of the whole state is taken and nothing runs again.
 
 Policy: a drafter is used while its checked steps yield more tokens a second than plain steps.
 Each step's cost is the time from one choice of the next token to the next (drafting, the step,
-rollback and emitting its tokens included), judged by the medians of the last PACE_WINDOW steps of
-each kind: plain, and each drafter's steps with the tokens they yield. Medians, not means, so that
-one step stalled by something else (a garbage collection, a page fault, another process on the
-GPU), which can take several checked steps' time, does not rest a drafter that pays. Drafters are
-asked in order (prompt lookup where the context repeats itself, then the MTP head); one that loses
-to plain steps rests BACKOFF_TOKENS tokens, twice as long after each further loss (up to
-MAX_BACKOFF_TOKENS), and at least so long that the time its median step costs beyond plain steps is TRY_SHARE of the plain time of its rest:
-where speculation never pays, trying it costs at most about that share. Keeping a drafter caught
-up (the MTP head's layer on every step) is that drafter's cost, not a plain step's: it is charged
-to its next checked step, and a drafter kept up through IDLE_TOKENS steps without drafting, at more
-than TRY_SHARE of their time, rests too. The paces outlive a request (the engine keeps one
-decoder), so what one request learnt the next need not pay for.
+rollback and emitting its tokens included). A kind of step (plain, or each drafter's) is judged by
+the median time of its last PACE_WINDOW steps and, for a drafter, the mean yield of its last
+YIELD_WINDOW steps. The median time, so that one step stalled by something else (a garbage
+collection, a page fault, another process on the GPU), which can take several checked steps' time,
+does not rest a drafter that pays; the mean yield, because a step's yield is bounded (1 .. k + 1)
+and falls mostly at its ends: at acceptance 0.9 a step yields k + 1 tokens two times in three and
+one or two one time in five, so the median of five yields is two or less about one step in twenty
+and rested a drafter that paid 1.8x through much of a request (bench/policy_simulation.py at the
+H200's step times). A drafter is judged once it has MIN_JUDGED yields, or at once when its median
+step takes longer than k + 1 plain steps (no yield could pay for it). Drafters are asked in order
+(prompt lookup where the context repeats itself, then the MTP head); one that loses to plain steps
+rests BACKOFF_TOKENS tokens, twice as long after each further loss (up to MAX_BACKOFF_TOKENS), and at
+least so long that the time its MIN_JUDGED trial steps cost beyond plain steps is TRY_SHARE of the
+plain time of its rest: where speculation never pays, trying it costs at most about that share. Its
+yields are forgotten as it rests, so that it is judged again on the steps it takes after. Keeping a
+drafter caught up (the MTP head's layer on every step) is that drafter's cost, not a plain step's:
+it is charged to its next checked step, and a drafter kept up through IDLE_TOKENS steps without
+drafting, at more than TRY_SHARE of their time, rests too. The paces outlive a request (the engine
+keeps one decoder), so what one request learnt the next need not pay for.
 A drafter whose proposals cost next to nothing (`cheap`: prompt lookup) is still asked while it
 rests, and each proposal is scored in hindsight against the tokens then chosen (the tokens a checked
-step would have yielded): those scores move its median yield as checked steps do, and its rest ends
-once the median says it pays again. Resting then costs it no lost chances, and a drafter judged on a
-burst of misses (an edit's renamed names) comes back when its drafts match again.
+step would have yielded): those scores join its yields as checked steps' do, and its rest ends once
+they say it pays again. Resting then costs it no lost chances, and a drafter judged on a burst of
+misses (an edit's renamed names) comes back when its drafts match again.
 Until a plain step has been timed, none is checked. A checked step that compiles or captures its
-graphs (the first two of each length, Step.warming) costs seconds once, not what such steps cost:
-it is not measured, lest one warm-up rest a drafter for thousands of tokens.
+graphs (the first two of each length, Step.warming) costs seconds once, not what such steps cost, and
+one whose drafts the request's end cut short yields less than the drafter would: neither is
+measured, lest one warm-up rest a drafter for thousands of tokens or each request's last steps
+judge it.
 """
 
 from __future__ import annotations
@@ -48,7 +57,7 @@ import math
 import statistics
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -61,7 +70,9 @@ BACKOFF_TOKENS = 32  # tokens a drafter rests after its checked steps lost to pl
 MAX_BACKOFF_TOKENS = 1024
 TRY_SHARE = 0.02  # of plain decoding's time that trying a losing drafter may cost
 IDLE_TOKENS = 32  # plain steps a drafter may be kept caught up without drafting before it is judged
-PACE_WINDOW = 5  # steps of each kind whose medians judge it: two stalled ones among them change nothing
+PACE_WINDOW = 5  # steps of each kind whose median time judges it: two stalled ones among them change nothing
+MIN_JUDGED = 4  # a drafter's yields the policy waits for before judging it (and again after each rest)
+YIELD_WINDOW = 16  # steps of each kind whose mean yield judges it (bench/policy_simulation.py)
 PLAIN = "plain"
 
 
@@ -104,9 +115,9 @@ class SpeculationStats:
 
 @dataclass
 class _Pace:
-    """The last PACE_WINDOW steps of one kind: their seconds and the tokens each yielded."""
+    """The seconds of the last PACE_WINDOW steps of one kind and the tokens of the last YIELD_WINDOW."""
     recent_seconds: deque = field(default_factory=lambda: deque(maxlen=PACE_WINDOW))
-    recent_tokens: deque = field(default_factory=lambda: deque(maxlen=PACE_WINDOW))
+    recent_tokens: deque = field(default_factory=lambda: deque(maxlen=YIELD_WINDOW))
     resting: int = 0  # tokens still to go before this drafter is asked again
     backoff: int = BACKOFF_TOKENS
     idle: int = 0  # plain steps since the drafter's catching up was last charged
@@ -117,7 +128,7 @@ class _Pace:
 
     @property
     def tokens(self) -> float | None:
-        return statistics.median(self.recent_tokens) if self.recent_tokens else None
+        return statistics.fmean(self.recent_tokens) if self.recent_tokens else None
 
     def add(self, seconds: float, tokens: int) -> None:
         self.recent_seconds.append(seconds)
@@ -139,13 +150,15 @@ class SpeculativeDecoder:
     drafters: Sequence[Drafter]  # asked in this order
     draft_tokens: int = 4  # k: drafts a step checks at most
     policy: bool = True  # False: every proposal is checked (benchmarks, tests)
+    clock: Callable[[], float] = time.perf_counter  # the policy's seconds (bench/policy_simulation.py's are simulated)
     stats: SpeculationStats = field(default_factory=SpeculationStats)
     _paces: dict[str, _Pace] = field(default_factory=dict)
     _upkeep: dict[str, float] = field(default_factory=dict)  # catching-up seconds not charged yet, by drafter
     _upkeep_in_step: float = 0.0  # catching-up seconds within the step under way
     _since: tuple[str, float] | None = None  # the kind of the step under way, and when it was chosen
     _yielded: int = 1  # tokens the step under way yields
-    _measured: bool = True  # False: the step under way warmed graphs up, and its time says nothing
+    _measured: bool = True  # False: the step under way warmed graphs up, or the request's end cut its
+    # drafts short, and what it cost or yielded says nothing of the drafter's steps
     _hindsight: dict[str, tuple[list[int], list[int]]] = field(default_factory=dict)  # resting cheap drafter -> (its
     # proposal, the tokens chosen since)
 
@@ -165,9 +178,9 @@ class SpeculativeDecoder:
 
     def _kept_up(self, drafter: Drafter, tokens, streams, state, marked=()) -> None:
         """drafter.observe, its time kept as the drafter's upkeep."""
-        start = time.perf_counter()
+        start = self.clock()
         drafter.observe(tokens, streams, state, marked)
-        seconds = time.perf_counter() - start
+        seconds = self.clock() - start
         self._upkeep[drafter.name] = self._upkeep.get(drafter.name, 0.0) + seconds
         self._upkeep_in_step += seconds
 
@@ -180,7 +193,7 @@ class SpeculativeDecoder:
     def draft(self, token: int, state: SequenceState, room: int) -> Draft | None:
         """`token` was chosen and is next to be consumed: up to min(k, room) drafts to check with it,
         or None (a plain step) where nothing is proposed or the policy says it does not pay."""
-        now = time.perf_counter()
+        now = self.clock()
         self._settle_pace(now)
         self._extend([token])
         kind, found = PLAIN, None
@@ -198,8 +211,9 @@ class SpeculativeDecoder:
                 if tokens:
                     kind, found = drafter.name, Draft(tokens, drafter.name)
                     break
-        self.stats.draft_seconds += time.perf_counter() - now
+        self.stats.draft_seconds += self.clock() - now
         self._since, self._yielded = (kind, now), 1
+        self._measured = kind == PLAIN or room >= self.draft_tokens
         if kind == PLAIN:
             self.stats.plain_steps += 1
         return found
@@ -207,24 +221,30 @@ class SpeculativeDecoder:
     def verify(self, token: int, draft: Draft, state: SequenceState, sampler) -> tuple[list[int], int]:
         """Run `token` and the drafts as one step on `state`; returns the accepted drafts and the token
         that follows them (chosen by `sampler`'s rule). `state` then holds token + accepted drafts."""
-        start = time.perf_counter()
+        start = self.clock()
         drafts = draft.tokens
         warming = getattr(self.step, "warming", None)
-        self._measured = not (warming is not None and warming(1 + len(drafts), state))
+        self._measured = self._measured and not (warming is not None and warming(1 + len(drafts), state))
         state.track()
         out = self.step.forward(torch.tensor([token, *drafts]), state)
         accepted, following = self._accept(out.logits, drafts, sampler)
-        checked = time.perf_counter()
+        checked = self.clock()
         self.stats.verify_seconds += checked - start
         kept = 1 + accepted
         state.rewind(kept)
-        self.stats.rollback_seconds += time.perf_counter() - checked
-        self.stats.count(draft.drafter, len(drafts), accepted)
+        self.stats.rollback_seconds += self.clock() - checked
         for drafter in self._awake():
             self._kept_up(drafter, [token, *drafts[:accepted]], out.streams[:kept], state)
-        self._extend(drafts[:accepted])
-        self._yielded = kept
+        self.checked(draft, accepted)
         return drafts[:accepted], following
+
+    def checked(self, draft: Draft, accepted: int) -> None:
+        """A checked step of `draft` kept its first `accepted` drafts: counted, the drafters' context
+        extended, and its yield (accepted + 1 tokens) left for the policy to judge when the next
+        step is chosen. `verify` calls it; bench/policy_simulation.py, which runs no model, too."""
+        self.stats.count(draft.drafter, len(draft.tokens), accepted)
+        self._extend(draft.tokens[:accepted])
+        self._yielded = 1 + accepted
 
     @staticmethod
     def _accept(logits: torch.Tensor, drafts: list[int], sampler) -> tuple[int, int]:
@@ -263,8 +283,9 @@ class SpeculativeDecoder:
             pace.resting = 0
 
     def pace(self, name: str) -> dict:
-        """What the policy knows of drafter `name` (or PLAIN) now: the medians it judges by (None
-        before a step of that kind was measured) and the tokens it still rests."""
+        """What the policy knows of drafter `name` (or PLAIN) now: the median seconds and mean tokens
+        of a step it judges by (None before a step of that kind was measured) and the tokens it
+        still rests."""
         pace = self._paces.get(name)
         if pace is None:
             return {"seconds": None, "tokens": None, "resting": 0}
@@ -301,11 +322,15 @@ class SpeculativeDecoder:
         if kind == PLAIN:
             self._rest_idle(plain)
             return
+        hopeless = pace.seconds > (self.draft_tokens + 1) * plain.seconds  # slower than its most tokens' plain steps
+        if len(pace.recent_tokens) < MIN_JUDGED and not hopeless:
+            return
         if pace.rate() < plain.rate():
-            lost = pace.seconds - pace.tokens * plain.seconds  # a median step's time beyond plain steps'
-            paid_back = math.ceil(lost / (TRY_SHARE * plain.seconds)) if lost > 0 else 0
+            lost = pace.seconds - pace.tokens * plain.seconds  # a step's time beyond plain steps'
+            paid_back = math.ceil(MIN_JUDGED * lost / (TRY_SHARE * plain.seconds)) if lost > 0 else 0  # its trials'
             pace.resting = max(pace.backoff, paid_back)
             pace.backoff = min(2 * pace.backoff, MAX_BACKOFF_TOKENS)
+            pace.recent_tokens.clear()  # judged again on the steps after its rest
         else:
             pace.backoff = BACKOFF_TOKENS
 

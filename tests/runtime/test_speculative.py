@@ -8,6 +8,7 @@ steps. The rejection rule is checked on its own (test_rejection.py)."""
 from __future__ import annotations
 
 import math
+import statistics
 
 import pytest
 import torch
@@ -209,16 +210,20 @@ def test_the_policy_rests_a_drafter_that_loses_to_plain_steps(engine):
     assert decoder.draft(_prompt()[0], state, 4) is None  # no plain step timed yet: a plain one first
     decoder._paces[speculative.PLAIN] = _pace(seconds=0.01, tokens=1)  # plain: 100 tokens a second
     decoder._since, decoder._yielded = ("lookup", 0.0), 2
-    decoder._settle_pace(1.0)  # a checked step: 2 tokens in a second
+    decoder._settle_pace(1.0)  # a checked step: 2 tokens in a second, longer than k + 1 plain steps: judged at once
     pace = decoder._paces["lookup"]
-    # the step cost 0.98 s beyond plain steps' 0.02: it rests until that is TRY_SHARE of plain time
-    assert pace.resting == round(0.98 / (speculative.TRY_SHARE * 0.01)) and pace.backoff == 2 * speculative.BACKOFF_TOKENS
+    # the step cost 0.98 s beyond plain steps' 0.02: it rests until its trial steps' cost is
+    # TRY_SHARE of plain time, and forgets its yields
+    assert pace.resting == round(speculative.MIN_JUDGED * 0.98 / (speculative.TRY_SHARE * 0.01))
+    assert pace.backoff == 2 * speculative.BACKOFF_TOKENS and not pace.recent_tokens
     resting = pace.resting
     decoder._since = None
     assert decoder.draft(_prompt()[1], state, 4) is None and pace.resting == resting - 1
     near = decoder._paces["lookup"] = _pace(resting=0)  # a drafter that lost once before
     near.backoff = 2 * speculative.BACKOFF_TOKENS
-    _checked(decoder, 0.0205, 2)  # a near miss: 2 tokens in 20.5 ms against 20 ms plain
+    for step in range(speculative.MIN_JUDGED):  # near misses: 2 tokens in 20.5 ms against 20 ms plain
+        assert near.resting == 0
+        _checked(decoder, 0.0205, 2)
     assert near.resting == 2 * speculative.BACKOFF_TOKENS and near.backoff == 4 * speculative.BACKOFF_TOKENS
 
 
@@ -241,8 +246,32 @@ def test_stalled_steps_rest_a_paying_drafter_only_when_they_are_the_median(engin
         _checked(decoder, 0.045, 4)
     pace = decoder._paces["lookup"]
     assert (pace.resting > 0) == (stalls > speculative.PACE_WINDOW // 2)
-    if stalls == 3:  # a median step of 45 ms for 4 tokens costs 33 ms beyond plain steps
-        assert pace.resting == round(0.033 / (speculative.TRY_SHARE * 0.003))
+    if stalls == 3:  # a median step of 45 ms for 4 tokens costs 33 ms beyond plain steps, each of its trials
+        assert pace.resting == round(speculative.MIN_JUDGED * 0.033 / (speculative.TRY_SHARE * 0.003))
+
+
+def test_a_drafter_is_judged_by_its_mean_yield(engine):
+    """Yields fall mostly at their ends (1 .. k + 1): 1, 5, 2, 5, 1 tokens in 5.6 ms steps against
+    plain's 2.5 ms a token pay on average (2.8 tokens, more than 2.24), though their median (2, the
+    control) would not: the drafter keeps drafting."""
+    decoder = SpeculativeDecoder(engine.step, [LookupDrafter()])
+    decoder._paces[speculative.PLAIN] = _pace(seconds=0.0025, tokens=1)
+    yields = [1, 5, 2, 5, 1]
+    for tokens in yields:
+        _checked(decoder, 0.0056, tokens)
+    assert statistics.median(yields) / 0.0056 < 1 / 0.0025 < statistics.mean(yields) / 0.0056
+    assert decoder._paces["lookup"].resting == 0
+
+
+@pytest.mark.parametrize("step_ms, judged_after", [(5.6, speculative.MIN_JUDGED), (13.0, 1)])
+def test_a_drafter_is_judged_after_min_judged_steps_unless_no_yield_could_pay(engine, step_ms, judged_after):
+    """Steps yielding one token, 5.6 ms each against plain's 2.5: judged (and rested) after
+    MIN_JUDGED of them; 13 ms each, longer than k + 1 = 5 plain steps, after the first."""
+    decoder = SpeculativeDecoder(engine.step, [LookupDrafter()])
+    decoder._paces[speculative.PLAIN] = _pace(seconds=0.0025, tokens=1)
+    for step in range(1, judged_after + 1):
+        _checked(decoder, step_ms / 1e3, 1)
+        assert (decoder._paces["lookup"].resting > 0) == (step == judged_after)
 
 
 class Known:
@@ -265,6 +294,22 @@ class Known:
         self.asked += 1
         ahead = self.truth[self.context:self.context + k]
         return [t if i < self.right else t + 1 for i, t in enumerate(ahead)]
+
+
+def test_steps_the_request_s_end_cut_short_are_not_measured(engine):
+    """A step whose drafts the request's remaining room cut short (room < k) yields less than the
+    drafter would: the policy leaves it out; a step with room for k drafts (the control) counts."""
+    decoder = SpeculativeDecoder(engine.step, [Known(list(range(100, 160)), cheap=False)])
+    decoder.start(_prompt())
+    decoder._paces[speculative.PLAIN] = _pace(seconds=0.0025, tokens=1)
+    state = engine.step.new_state()
+    for room, counted in ((2, False), (4, True)):
+        decoder._since = None
+        draft = decoder.draft(100, state, room)
+        assert len(draft.tokens) == room
+        decoder.checked(draft, 0)
+        decoder._settle_pace(decoder._since[1] + 0.005)
+        assert (len(decoder._paces["known"].recent_tokens) == 1) == counted
 
 
 def _resting_behind_plain(engine, drafter) -> SpeculativeDecoder:
@@ -323,7 +368,7 @@ def test_time_the_caller_excludes_is_not_the_step_s(engine):
     decoder.exclude(0.5)  # e.g. a benchmark's untimed reference decode
     decoder._settle_pace(1.0)
     assert decoder._paces["lookup"].seconds == pytest.approx(0.5)
-    assert decoder._paces["lookup"].resting == round(0.48 / (speculative.TRY_SHARE * 0.01))
+    assert decoder._paces["lookup"].resting == round(speculative.MIN_JUDGED * 0.48 / (speculative.TRY_SHARE * 0.01))
 
 
 @pytest.mark.parametrize("warming", [False, True])

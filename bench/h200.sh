@@ -19,7 +19,8 @@
 #                       SPEC_ARGS: more of its arguments, e.g. "--set compile_checked=false"; SPEC_NAME: a
 #                       suffix for the results' names). SPEC_VARIANTS="NAME=ARGS;NAME=ARGS" instead runs
 #                       each variant (its ARGS after SPEC_ARGS) in turn, SPEC_REPEATS (default 1) times
-#                       (A/B/A/B), as speculation-BUDGET-NAME.json (a repeat: -again)
+#                       (A/B/A/B), as speculation-BUDGET-NAME.json (a repeat: -again); with BEFORE, each
+#                       variant runs with this tree, then with that one (NAME-before)
 #              first    a warmed engine's first requests of each kind against the next (bench/first_requests.py,
 #                       every record resident, a 32,768-token document): on a fresh machine the compile caches are
 #                       empty, so it shows what the warm-up leaves to a first start's requests; first-requests.{json,md}
@@ -35,7 +36,7 @@
 #                       in turn, REUSE_REPEATS (default 1) times (A/B/A/B); REUSE_TAIL: log lines shown (40)
 #   BEFORE   another flashpack tree (e.g. .before, carried): each budget is benched with this tree and with
 #            that one alternately, REPEATS (default 2) times each (A/B/A/B), on the same pack; in the reuse
-#            stage each variant runs with this tree, then with that one (NAME-before)
+#            and speculation stages each variant runs with this tree, then with that one (NAME-before)
 #   PACK_DIR where the pack is built (default .bench-pack in the repository, which a warm machine keeps
 #            between calls: a pack already there is used as it is)
 # A bench of a call's first process compiles the decode graphs' kernels (~100 s on empty compile caches);
@@ -108,13 +109,17 @@ for stage in $STAGES; do
         eval "set -- $(budget $b)"
         for ((i = 1; i <= ${SPEC_REPEATS:-1}; i++)); do
           for variant in "${variants[@]}"; do
-            name=${variant%%=*} extra=${variant#*=} out=$R/speculation-$b${name:+-$name}
-            while [ -f $out.json ]; do out=$out-again; done
-            echo "== speculation $b ${name:-} at $(( $(date +%s) - start )) s"
-            timeout ${BENCH_TIMEOUT:-300} python3 -m flashpack.runtime.bench.speculation $W/full.pack --device cuda \
-              ${1:+--vram-budget $1} ${2:+--ram-budget $2} --emulate-layers 48 --hot-set '*' --prompt-len $PROMPT \
-              --gen ${SPEC_GEN:-64} $SPEC_ARGS $extra --json $out.json 2>&1 | grep -vE "^alpha" | tail -22
-            tar czf $OUT/results.tgz -C $R .
+            for tree in "" ${BEFORE:+"$BEFORE"}; do
+              name=${variant%%=*} extra=${variant#*=} path=$(tree_path "$tree")
+              [ -n "$tree" ] && name=${name:+$name-}before
+              out=$R/speculation-$b${name:+-$name}
+              while [ -f $out.json ]; do out=$out-again; done
+              echo "== speculation $b ${name:-} at $(( $(date +%s) - start )) s"
+              PYTHONPATH=$path timeout ${BENCH_TIMEOUT:-300} python3 -m flashpack.runtime.bench.speculation $W/full.pack \
+                --device cuda ${1:+--vram-budget $1} ${2:+--ram-budget $2} --emulate-layers 48 --hot-set '*' \
+                --prompt-len $PROMPT --gen ${SPEC_GEN:-64} $SPEC_ARGS $extra --json $out.json 2>&1 | grep -vE "^alpha" | tail -22
+              tar czf $OUT/results.tgz -C $R .
+            done
           done
         done
       done ;;

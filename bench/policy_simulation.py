@@ -71,8 +71,8 @@ def simulate(plain_ms: float, checked_ms: dict[int, float], alpha: float, k: int
                 accepted += 1
             clock.now += checked_ms[len(draft.tokens) + 1] / 1e3
             decoder.checked(draft, accepted)
+            by_checked += min(accepted + 1, gen - chosen)  # a last step may choose one past the request
             chosen += accepted + 1
-            by_checked += accepted + 1
     return clock.now, by_checked
 
 
@@ -93,13 +93,20 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seeds", type=int, default=200)
     parser.add_argument("--json", type=Path, required=True)
     args = parser.parse_args(argv)
-    checked_ms = {int(t): float(ms) for t, ms in (item.split(":") for item in args.checked_ms.split(","))}
+    try:
+        checked_ms = {int(t): float(ms) for t, ms in (item.split(":") for item in args.checked_ms.split(","))}
+        alphas = [float(a) for a in args.alphas.split(",")]
+    except ValueError:
+        raise SystemExit(f"--checked-ms takes T:ms pairs (e.g. 2:3.6,3:4.3) and --alphas numbers (e.g. 0.5,0.9): "
+                         f"got {args.checked_ms!r} and {args.alphas!r}") from None
+    if not all(0.0 <= alpha <= 1.0 for alpha in alphas) or args.plain_ms <= 0 or min(checked_ms.values()) <= 0:
+        raise SystemExit("alphas lie in 0..1 and step times are positive")
     missing = sorted(set(range(2, args.draft_tokens + 2)) - set(checked_ms))
     if missing:
         raise SystemExit(f"--checked-ms needs a time for every step length 2 .. {args.draft_tokens + 1}: missing {missing}")
     plain_seconds = args.decodes * (args.gen - 1) * args.plain_ms / 1e3
     rows = []
-    for alpha in (float(a) for a in args.alphas.split(",")):
+    for alpha in alphas:
         found = {}
         for policy in (False, True):
             runs = [simulate(args.plain_ms, checked_ms, alpha, args.draft_tokens, args.gen, args.decodes, seed, policy)

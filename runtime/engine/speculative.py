@@ -28,8 +28,9 @@ does not rest a drafter that pays; the mean yield, because a step's yield is bou
 and falls mostly at its ends: at acceptance 0.9 a step yields k + 1 tokens two times in three and
 one or two one time in five, so the median of five yields is two or less about one step in twenty
 and rested a drafter that paid 1.8x through much of a request (bench/policy_simulation.py at the
-H200's step times). A drafter is judged once it has MIN_JUDGED yields, or at once when its median
-step takes longer than k + 1 plain steps (no yield could pay for it). Drafters are asked in order
+H200's step times). A drafter is judged once it has MIN_JUDGED yields, or once even the faster of
+two of its steps takes longer than k + 1 plain steps (no yield could pay for it, and a stall, which
+only lengthens a step, cannot make one of two look so). Drafters are asked in order
 (prompt lookup where the context repeats itself, then the MTP head); one that loses to plain steps
 rests BACKOFF_TOKENS tokens, twice as long after each further loss (up to MAX_BACKOFF_TOKENS), and at
 least so long that the time its MIN_JUDGED trial steps cost beyond plain steps is TRY_SHARE of the
@@ -322,7 +323,10 @@ class SpeculativeDecoder:
         if kind == PLAIN:
             self._rest_idle(plain)
             return
-        hopeless = pace.seconds > (self.draft_tokens + 1) * plain.seconds  # slower than its most tokens' plain steps
+        # even its fastest recent step slower than its most tokens' plain steps: a stall only lengthens a
+        # step, so with two steps one stalled one cannot make a drafter look so
+        hopeless = (len(pace.recent_seconds) > 1
+                    and min(pace.recent_seconds) > (self.draft_tokens + 1) * plain.seconds)
         if len(pace.recent_tokens) < MIN_JUDGED and not hopeless:
             return
         if pace.rate() < plain.rate():

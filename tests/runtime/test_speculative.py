@@ -209,8 +209,9 @@ def test_the_policy_rests_a_drafter_that_loses_to_plain_steps(engine):
     state = engine.step.new_state()
     assert decoder.draft(_prompt()[0], state, 4) is None  # no plain step timed yet: a plain one first
     decoder._paces[speculative.PLAIN] = _pace(seconds=0.01, tokens=1)  # plain: 100 tokens a second
-    decoder._since, decoder._yielded = ("lookup", 0.0), 2
-    decoder._settle_pace(1.0)  # a checked step: 2 tokens in a second, longer than k + 1 plain steps: judged at once
+    for _ in range(2):  # checked steps of 2 tokens in a second, longer than k + 1 plain steps: judged after two
+        decoder._since, decoder._yielded = ("lookup", 0.0), 2
+        decoder._settle_pace(1.0)
     pace = decoder._paces["lookup"]
     # the step cost 0.98 s beyond plain steps' 0.02: it rests until its trial steps' cost is
     # TRY_SHARE of plain time, and forgets its yields
@@ -246,8 +247,9 @@ def test_stalled_steps_rest_a_paying_drafter_only_when_they_are_the_median(engin
         _checked(decoder, 0.045, 4)
     pace = decoder._paces["lookup"]
     assert (pace.resting > 0) == (stalls > speculative.PACE_WINDOW // 2)
-    if stalls == 3:  # a median step of 45 ms for 4 tokens costs 33 ms beyond plain steps, each of its trials
-        assert pace.resting == round(speculative.MIN_JUDGED * 0.033 / (speculative.TRY_SHARE * 0.003))
+    if stalls == 3:  # judged at its 4th step (6, 6, 45, 45 ms: a median of 25.5 ms for 4 tokens, 13.5 ms
+        # beyond plain steps each of its trials), then waiting for 4 yields again
+        assert pace.resting == round(speculative.MIN_JUDGED * 0.0135 / (speculative.TRY_SHARE * 0.003))
 
 
 def test_a_drafter_is_judged_by_its_mean_yield(engine):
@@ -263,14 +265,16 @@ def test_a_drafter_is_judged_by_its_mean_yield(engine):
     assert decoder._paces["lookup"].resting == 0
 
 
-@pytest.mark.parametrize("step_ms, judged_after", [(5.6, speculative.MIN_JUDGED), (13.0, 1)])
-def test_a_drafter_is_judged_after_min_judged_steps_unless_no_yield_could_pay(engine, step_ms, judged_after):
-    """Steps yielding one token, 5.6 ms each against plain's 2.5: judged (and rested) after
-    MIN_JUDGED of them; 13 ms each, longer than k + 1 = 5 plain steps, after the first."""
+@pytest.mark.parametrize("steps_ms, judged_after", [([5.6] * 4, speculative.MIN_JUDGED), ([13.0] * 2, 2),
+                                                     ([49.0, 5.6, 5.6, 5.6], None)])
+def test_a_drafter_is_judged_after_min_judged_steps_unless_no_yield_could_pay(engine, steps_ms, judged_after):
+    """Plain steps take 2.5 ms. Checked steps of one token, 5.6 ms each: judged (and rested) after
+    MIN_JUDGED of them; 13 ms each, longer than k + 1 = 5 plain steps, after two. A first step
+    stalled to 49 ms among steps of 5 tokens in 5.6 ms (the control) rests nothing."""
     decoder = SpeculativeDecoder(engine.step, [LookupDrafter()])
     decoder._paces[speculative.PLAIN] = _pace(seconds=0.0025, tokens=1)
-    for step in range(1, judged_after + 1):
-        _checked(decoder, step_ms / 1e3, 1)
+    for step, ms in enumerate(steps_ms, start=1):
+        _checked(decoder, ms / 1e3, 1 if judged_after else 5)
         assert (decoder._paces["lookup"].resting > 0) == (step == judged_after)
 
 
@@ -364,9 +368,10 @@ def test_a_proposal_in_hindsight_counts_its_right_drafts_up_to_the_first_wrong_o
 def test_time_the_caller_excludes_is_not_the_step_s(engine):
     decoder = SpeculativeDecoder(engine.step, [LookupDrafter()])
     decoder._paces[speculative.PLAIN] = _pace(seconds=0.01, tokens=1)
-    decoder._since, decoder._yielded = ("lookup", 0.0), 2
-    decoder.exclude(0.5)  # e.g. a benchmark's untimed reference decode
-    decoder._settle_pace(1.0)
+    for _ in range(2):
+        decoder._since, decoder._yielded = ("lookup", 0.0), 2
+        decoder.exclude(0.5)  # e.g. a benchmark's untimed reference decode
+        decoder._settle_pace(1.0)
     assert decoder._paces["lookup"].seconds == pytest.approx(0.5)
     assert decoder._paces["lookup"].resting == round(speculative.MIN_JUDGED * 0.48 / (speculative.TRY_SHARE * 0.01))
 

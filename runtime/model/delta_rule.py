@@ -46,19 +46,20 @@ def gated_delta_rule_for(device: torch.device | str, backend: str = "auto") -> C
 
 
 def delta_rule_positions(rule: Callable, q, k, v, g, beta, state: torch.Tensor):
-    """`rule` one token at a time: (out [T, Hv, Dv], the state after each token [T, Hv, Dk, Dv]).
+    """The recurrence of `rule`'s backend a token at a time: (out [T, Hv, Dv], the state after each
+    token [T, Hv, Dk, Dv]).
     For the few tokens of a speculative step, whose rollback needs the state after each; they are
     the one-token computations plain decoding would have done. The plain rule runs them in one
     pass of its own loop, its inputs prepared once rather than once a token (on a CPU preparing
-    them costs more than a token's recurrence), every token's arithmetic as a one-token call does it."""
+    them costs more than a token's recurrence), every token's arithmetic as a one-token call does it.
+    Where `rule` is fla's (the GPU), one launch of runtime/kernels/delta_rule_steps.py does each
+    token's arithmetic as fla's one-token kernel does, keeping every token's state, where fla's
+    kernel returns only the last."""
     if rule is plain_gated_delta_rule:
         return plain_gated_delta_rule(q, k, v, g, beta, state, each=True)
-    outs, states = [], []
-    for t in range(q.shape[0]):
-        out, state = rule(q[t:t + 1], k[t:t + 1], v[t:t + 1], g[t:t + 1], beta[t:t + 1], state)
-        outs.append(out)
-        states.append(state)
-    return torch.cat(outs), torch.stack(states)
+    from flashpack.runtime.kernels.delta_rule_steps import delta_rule_steps
+
+    return delta_rule_steps(q, k, v, g, beta, state)
 
 
 def plain_gated_delta_rule(q, k, v, g, beta, state: torch.Tensor, recurrent_max_tokens: int = 1, each: bool = False):

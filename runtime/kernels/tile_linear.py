@@ -10,8 +10,12 @@ FEW_TOKENS (a checked step's few rows) they are 16 tokens, the least a tensor-co
 rows, so that a matrix is spread over many programs, each reading its rows once while their x tile is
 reused from shared memory. A short, wide matrix (a hyper-connection's 324 x 10240 down projection,
 the router's 513 x 2560) has too few row tiles to keep the GPU's memory busy: there the columns are
-split too (`column_splits`), each split's float32 partial products land in a scratch [T, splits, R]
-and a second kernel sums them in a fixed order, so the result is deterministic.
+split too (`column_splits`), each split's float32 partial products land in a scratch [T, splits, R],
+and the last of a tile's splits to finish (a counter a tile, taken atomically) sums them in split
+order and writes y: deterministic, and no second launch (a checked step has about a hundred such
+products, each of whose separate sums cost ~1.7 us of launch and drain on an H200). The last one
+sets its counter back to zero, so the counters are ready for the next launch, a graph's replay
+included; launches on one stream run one after another, so they never share a counter at once.
 precision="fp32" runs the dots with float32 operands in IEEE arithmetic (an FP32 engine; the only
 mode the triton 3.6 interpreter gets right).
 
@@ -24,7 +28,6 @@ import torch
 import triton
 import triton.language as tl
 
-from flashpack.runtime.kernels.expert_decode import sum_partials
 
 FEW_TOKENS = 16  # up to here a step's tokens fit one tile of 16: the few-token tiles
 # Programs a few-token launch aims at before splitting columns: twice the H200's 132 SMs, so each SM
@@ -33,15 +36,17 @@ TARGET_PROGRAMS = 264
 
 
 @triton.jit(do_not_specialize=["T"])  # one build whatever the token count
-def _tile_kernel(x_ptr, w_ptr, scale_ptr, y_ptr, T, R, C: tl.constexpr, SPLIT_C: tl.constexpr, FP8: tl.constexpr,
-                 SCALED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 DOT: tl.constexpr):
-    """Program (m, n, s): tokens m, rows n, columns s * SPLIT_C up to the next split. Without splits
-    (SPLIT_C >= C) y is [T, R]; with them y is float32 [T, splits, R], this split's partial products."""
+def _tile_kernel(x_ptr, w_ptr, scale_ptr, y_ptr, partial_ptr, counter_ptr, T, R, C: tl.constexpr,
+                 SPLIT_C: tl.constexpr, SPLITS: tl.constexpr, FP8: tl.constexpr, SCALED: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT: tl.constexpr):
+    """Program (m, n, s): tokens m, rows n, columns s * SPLIT_C up to the next split, into y [T, R].
+    With SPLITS > 1 each program leaves its partial products in partial (float32 [T, SPLITS, R]) and
+    the tile's last program sums them (counter_ptr: int32, one a (m, n) tile, zero between launches)."""
     tokens = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     split = tl.program_id(2)
     token_mask, row_mask = tokens < T, rows < R
+    mask = token_mask[:, None] & row_mask[None, :]
     ks = tl.arange(0, BLOCK_K)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for offset in range(0, SPLIT_C, BLOCK_K):  # constant bounds: plain ints under the interpreter (triton#9171)
@@ -56,9 +61,20 @@ def _tile_kernel(x_ptr, w_ptr, scale_ptr, y_ptr, T, R, C: tl.constexpr, SPLIT_C:
         acc = tl.dot(xt, tl.trans(w.to(DOT)), acc, input_precision="ieee")
     if SCALED:
         acc = acc * tl.load(scale_ptr + rows, mask=row_mask, other=0)[None, :]
-    splits = tl.num_programs(2)
-    target = y_ptr + (tokens.to(tl.int64)[:, None] * splits + split) * R + rows[None, :]
-    tl.store(target, acc.to(y_ptr.dtype.element_ty), mask=token_mask[:, None] & row_mask[None, :])
+    target = y_ptr + tokens.to(tl.int64)[:, None] * R + rows[None, :]
+    if SPLITS == 1:
+        tl.store(target, acc.to(y_ptr.dtype.element_ty), mask=mask)
+    else:
+        partials = partial_ptr + tokens.to(tl.int64)[:, None] * (SPLITS * R) + rows[None, :]
+        tl.store(partials + split * R, acc, mask=mask)
+        tl.debug_barrier()  # every thread's partials stored before the counter says so
+        counter = counter_ptr + tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
+        if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == SPLITS - 1:  # the tile's last split
+            total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            for s in tl.static_range(SPLITS):  # in split order, whichever finished last
+                total += tl.load(partials + s * R, mask=mask, other=0, cache_modifier=".cg")  # past L1: others' stores
+            tl.store(target, total.to(y_ptr.dtype.element_ty), mask=mask)
+            tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
 
 
 def tile_blocks(tokens: int) -> dict[str, int]:
@@ -115,11 +131,29 @@ def tile_linear(
     x_act = x2.to(torch.bfloat16 if precision == "bf16" else torch.float32).contiguous()
     w = weight.contiguous().view(torch.uint8) if fp8 else weight.contiguous()
     scale = row_scale.float().contiguous() if fp8 else w  # not read without a scale
-    target = out if splits == 1 else torch.empty(tokens, splits, rows, dtype=torch.float32, device=x.device)
-    _tile_kernel[(triton.cdiv(tokens, tiles["block_m"]), triton.cdiv(rows, tiles["block_n"]), splits)](
-        x_act, w, scale, target, tokens, rows, cols, SPLIT_C=split_cols, FP8=fp8, SCALED=fp8,
-        BLOCK_M=tiles["block_m"], BLOCK_N=tiles["block_n"], BLOCK_K=tiles["block_k"], DOT=dot,
-        num_warps=tiles["num_warps"], num_stages=tiles["num_stages"])
+    grid = (triton.cdiv(tokens, tiles["block_m"]), triton.cdiv(rows, tiles["block_n"]), splits)
+    partial = counters = out  # not read with one split
     if splits > 1:
-        sum_partials(target, out.view(tokens, rows))
+        partial = torch.empty(tokens, splits, rows, dtype=torch.float32, device=x.device)
+        counters = tile_counters(grid[0] * grid[1], x.device)
+    _tile_kernel[grid](
+        x_act, w, scale, out, partial, counters, tokens, rows, cols, SPLIT_C=split_cols, SPLITS=splits, FP8=fp8,
+        SCALED=fp8, BLOCK_M=tiles["block_m"], BLOCK_N=tiles["block_n"], BLOCK_K=tiles["block_k"], DOT=dot,
+        num_warps=tiles["num_warps"], num_stages=tiles["num_stages"])
     return out
+
+
+_counters: dict[torch.device, torch.Tensor] = {}
+
+
+def tile_counters(tiles: int, device: torch.device) -> torch.Tensor:
+    """int32 [>= tiles] zeros on `device`, one a tile of a split launch, shared by every launch there
+    (each leaves them zero). Made or grown outside a CUDA graph's capture: a split launch runs eagerly
+    before it is captured (CapturedCall), with the shapes the capture meets."""
+    counters = _counters.get(device)
+    if counters is None or counters.numel() < tiles:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("tile_linear's split counters must grow outside a CUDA graph capture: run the "
+                               "launch once eagerly first")
+        counters = _counters[device] = torch.zeros(max(tiles, 2 * TARGET_PROGRAMS), dtype=torch.int32, device=device)
+    return counters

@@ -63,22 +63,56 @@ def test_default_choice_matches_reference(triton_device):
 
 
 def test_skipped_split_control(triton_device):
-    """The check catches a launch that leaves one column split out: the partial sums must cover
-    every column."""
+    """The check catches a launch that leaves one column split out: no tile's count completes, so
+    nothing is written (the NaN stays), and a count that starts one short sums too early, without
+    the last split's columns."""
     import triton
     import triton.language as tl
 
-    from flashpack.runtime.kernels.expert_decode import sum_partials
     from flashpack.runtime.kernels.tile_linear import _tile_kernel
 
-    tokens, splits, split_cols = 3, 3, 256
+    tokens, splits, split_cols, tiles = 3, 3, 256, triton.cdiv(ROWS, 32)
     x, weight = _inputs(triton_device, tokens, seed=8)
-    partial = torch.zeros(tokens, splits, ROWS, device=triton_device)
-    _tile_kernel[(1, triton.cdiv(ROWS, 32), splits - 1)](  # the last split never runs
-        x, weight, weight, partial, tokens, ROWS, COLS, SPLIT_C=split_cols, FP8=False, SCALED=False,
-        BLOCK_M=16, BLOCK_N=32, BLOCK_K=64, DOT=tl.float32)
-    out = sum_partials(partial, torch.empty(tokens, ROWS, device=triton_device))
-    assert relative_error(out.cpu(), _reference(x, weight)) > 0.1
+
+    def launch(programs, counters):
+        out = nan_like((tokens, ROWS), torch.float32, triton_device)
+        partial = torch.zeros(tokens, splits, ROWS, device=triton_device)
+        _tile_kernel[(1, tiles, programs)](
+            x, weight, weight, out, partial, counters, tokens, ROWS, COLS, SPLIT_C=split_cols, SPLITS=splits,
+            FP8=False, SCALED=False, BLOCK_M=16, BLOCK_N=32, BLOCK_K=64, DOT=tl.float32)
+        return out
+
+    complete = launch(splits, torch.zeros(tiles, dtype=torch.int32, device=triton_device))
+    assert relative_error(complete.cpu(), _reference(x, weight)) <= 1e-5
+    assert torch.isnan(launch(splits - 1, torch.zeros(tiles, dtype=torch.int32, device=triton_device))).all()
+    early = launch(splits - 1, torch.ones(tiles, dtype=torch.int32, device=triton_device))
+    assert relative_error(early.cpu(), _reference(x, weight)) > 0.1
+
+
+def test_split_counters_are_left_zero(triton_device):
+    """Every split launch leaves its tiles' counters at zero, so the next launch (or a graph's replay)
+    counts from scratch: the same product twice gives the same bits."""
+    from flashpack.runtime.kernels.tile_linear import tile_counters, tile_linear
+
+    x, weight = _inputs(triton_device, 5, seed=3)
+    first = tile_linear(x, weight, precision="fp32", splits=3, **BLOCKS)
+    assert not tile_counters(1, triton_device).any()
+    assert torch.equal(tile_linear(x, weight, precision="fp32", splits=3, **BLOCKS), first)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs the GPU's concurrent programs")
+def test_split_sums_are_deterministic_under_concurrency():
+    """On a GPU a tile's splits finish in any order and its last one sums: 200 launches of a short,
+    wide product split 24 ways give the same bits each time, and those of the reference to 1e-5."""
+    from flashpack.runtime.kernels.tile_linear import tile_linear
+
+    generator = torch.Generator().manual_seed(11)
+    weight = (torch.randn(324, 10240, generator=generator) / 10240**0.5).cuda()
+    x = torch.randn(5, 10240, generator=generator).cuda()
+    runs = [tile_linear(x, weight, precision="fp32", splits=24) for _ in range(200)]
+    assert all(torch.equal(run, runs[0]) for run in runs)
+    want = torch.nn.functional.linear(x.double().cpu(), weight.double().cpu())
+    assert relative_error(runs[0].cpu(), want) <= 1e-5
 
 
 def test_rejects_what_does_not_fit(triton_device):

@@ -22,7 +22,7 @@ CLASSES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("routed experts (NVFP4 kernels)", ("_gate_up_kernel", "_down_kernel", "_grouped")),
     ("dense matrix-vector (our matvec)", ("_matvec_kernel",)),
     ("dense tiles (our tile kernel)", ("_tile_kernel",)),
-    ("sums of partial products (experts, column splits)", ("_sum_partials_kernel",)),
+    ("sums of partial products (experts)", ("_sum_partials_kernel",)),
     ("router and indexer top-k", ("_router_top_k_kernel", "TopK", "SortKV", "topk")),
     ("expert staging", ("_stage_records",)),
     ("attention (split-K decode kernels)", ("_split_kernel", "_combine_kernel")),

@@ -28,6 +28,10 @@ H = 2560, I = 640, 512 experts per layer, top-10; FP8 matrix 8192 x 2560.
   hc-mix    a hyper-connection mix (hc = 4, rank 320, with injection) for 1, 3 and 5 tokens: hc_mix's
             two kernels against the module's code compiled by torch.compile, 8 mixers rotated (106 MB,
             more than the L2), both in a CUDA graph
+  delta-steps a checked step's DeltaNet recurrence (16 key heads, 32 value heads of 128) at 2, 3, 5, 8
+            and 16 tokens, the state after each kept: delta_rule_steps' one launch against
+            flash-linear-attention's recurrent kernel a token at a time and the states stacked, checked
+            bit for bit against it (needs fla-core)
 
 Bytes moved count what a kernel must read and write: each selected expert's record data
 (2,764,800 bytes) once, the distinct experts once for the grouped path, plus activations and
@@ -443,6 +447,46 @@ def bench_dense_few(report: Report, device, sweep: bool) -> None:
                                   graph_ms(lambda i: run(i, **cfg), 32), moved)
 
 
+def bench_delta_steps(report: Report, device) -> None:
+    """A checked step's DeltaNet recurrence, each token's state kept: delta_rule_steps against fla's
+    one-token kernel called a token at a time (what plain decoding runs) and the states stacked."""
+    from flashpack.runtime.kernels.delta_rule_steps import delta_rule_steps
+    from flashpack.runtime.model.delta_rule import fla_gated_delta_rule
+
+    key_heads, value_heads, dim = 16, 32, 128
+    copies = 8  # states of 2 MB rotated with their inputs past the L2
+    for tokens in (2, 3, 5, 8, 16):
+        width = 2 * key_heads * dim + value_heads * dim
+        # columns of one [T, C] conv output, as the engine hands them over
+        qkvs = [torch.randn(width, tokens, device=device, dtype=torch.bfloat16).t() for _ in range(copies)]
+        heads = [torch.split(qkv, [key_heads * dim, key_heads * dim, value_heads * dim], dim=-1) for qkv in qkvs]
+        qkv = [(q.unflatten(1, (key_heads, dim)), k.unflatten(1, (key_heads, dim)), v.unflatten(1, (value_heads, dim)))
+               for q, k, v in heads]
+        gs = [-torch.rand(tokens, value_heads, device=device) for _ in range(copies)]
+        betas = [torch.rand(tokens, value_heads, device=device, dtype=torch.bfloat16) for _ in range(copies)]
+        states = [torch.randn(value_heads, dim, dim, device=device) * 0.5 for _ in range(copies)]
+
+        def one_launch(i):
+            return delta_rule_steps(*qkv[i % copies], gs[i % copies], betas[i % copies], states[i % copies])
+
+        def token_by_token(i):
+            (q, k, v), g, beta, state = qkv[i % copies], gs[i % copies], betas[i % copies], states[i % copies]
+            outs, kept = [], []
+            for t in range(tokens):
+                out, state = fla_gated_delta_rule(q[t:t + 1], k[t:t + 1], v[t:t + 1], g[t:t + 1], beta[t:t + 1], state)
+                outs.append(out)
+                kept.append(state)
+            return torch.cat(outs), torch.stack(kept)
+
+        moved = (1 + tokens) * value_heads * dim * dim * 4 + tokens * (width + value_heads * dim) * 2
+        case = f"delta-steps T={tokens}"
+        report.timing(case, "triton delta_rule_steps", graph_ms(one_launch, 32), moved)
+        report.timing(case, "fla a token at a time + stack", graph_ms(token_by_token, 32), moved)
+        found, want = one_launch(0), token_by_token(0)
+        mismatched = sum(not torch.equal(a, b) for a, b in zip(found, want))
+        report.check(case, float(mismatched), 0.0, "fla a token at a time, bit for bit (outputs, states)")
+
+
 def bench_attention(report: Report, device, sweep: bool) -> None:
     """QSA decode attention (attend_step's masked attention) at the real dims: 2 KV heads, group 12,
     head_dim 256, bf16. Capacity 600 with a causal prefix of 550 keys; capacity 32768 with the
@@ -736,7 +780,7 @@ def main() -> None:
     parser.add_argument("--sweep", action="store_true", help="also time a grid of block sizes")
     parser.add_argument("--sweep-seconds", type=float, default=45.0, help="time limit of each section's sweep")
     parser.add_argument("--only",
-                        default="decode,fp8,fp8-few,prefill,crossover,staging,router,hc-mix,dense,dense-few,attention")
+                        default="decode,fp8,fp8-few,prefill,crossover,staging,router,hc-mix,dense,dense-few,attention,delta-steps")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench/kernels.py needs a CUDA GPU")
@@ -775,6 +819,8 @@ def main() -> None:
                 bench_dense_few(report, device, args.sweep)
             elif name == "attention":
                 bench_attention(report, device, args.sweep)
+            elif name == "delta-steps":
+                bench_delta_steps(report, device)
         except Exception:
             failures.append({"case": name, "error": traceback.format_exc()})
             print(failures[-1]["error"], file=sys.stderr)

@@ -31,7 +31,7 @@ H = 2560, I = 640, 512 experts per layer, top-10; FP8 matrix 8192 x 2560.
   delta-steps a checked step's DeltaNet recurrence (16 key heads, 32 value heads of 128) at 2, 3, 5, 8
             and 16 tokens, the state after each kept: delta_rule_steps' one launch against
             flash-linear-attention's recurrent kernel a token at a time and the states stacked, checked
-            bit for bit against it (needs fla-core)
+            against it (states 1e-5, bf16 outputs 2^-7 relative; needs fla-core)
 
 Bytes moved count what a kernel must read and write: each selected expert's record data
 (2,764,800 bytes) once, the distinct experts once for the grouped path, plus activations and
@@ -482,9 +482,9 @@ def bench_delta_steps(report: Report, device) -> None:
         case = f"delta-steps T={tokens}"
         report.timing(case, "triton delta_rule_steps", graph_ms(one_launch, 32), moved)
         report.timing(case, "fla a token at a time + stack", graph_ms(token_by_token, 32), moved)
-        found, want = one_launch(0), token_by_token(0)
-        mismatched = sum(not torch.equal(a, b) for a, b in zip(found, want))
-        report.check(case, float(mismatched), 0.0, "fla a token at a time, bit for bit (outputs, states)")
+        (out, states), (want_out, want_states) = one_launch(0), token_by_token(0)
+        report.check(case + " states", relative_error(states, want_states), 1e-5, "fla a token at a time")
+        report.check(case + " outputs", relative_error(out, want_out), 2.0**-7, "fla a token at a time (bf16)")
 
 
 def bench_attention(report: Report, device, sweep: bool) -> None:

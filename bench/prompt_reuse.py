@@ -18,6 +18,13 @@ Two scenarios, each skipped at 0:
             turn. Each turn's TTFT with live reuse and with none (the same prompt), and the last
             turn's after a restart.
 
+Replies go back as text, encoded again with the rest, as a chat client sends them. A trained
+model's reply text encodes back to the tokens it generated, so a follow-up finds the checkpoint at
+the end of the reply and prefills only the new turn; a synthetic pack's random replies do not
+survive decoding (32 tokens came back as ~69), so there the follow-up prefills its reply again.
+`--reply-ids` sends each reply back as the tokens generated instead (`chat_ids`): the follow-up a
+trained model's client would send.
+
 Two engines run it. The first answers everything live; "no reuse" is that engine with its prefix
 cache set aside for the request (no restore, no checkpoint saved: what an engine with no cache does),
 so both ways run on the same expert store at the same budget. The second is a fresh engine on the
@@ -193,7 +200,7 @@ def request(engine, ids: list[int], max_tokens: int, saves: SaveClock | None) ->
     saved_before = saves.seconds if saves is not None else 0.0
     collected_before, mark = engine.collector.pauses(), engine.collector.mark()
     saved = collected = longest = None
-    pieces, last = [], None
+    pieces, generated, last = [], [], None
     for event in engine.generator.stream(ids, SamplingParams(max_tokens=max_tokens),
                                          checkpoints=engine.tokenizer.message_starts(ids)):
         if saved is None:  # the first event comes once the first token is chosen
@@ -201,23 +208,47 @@ def request(engine, ids: list[int], max_tokens: int, saves: SaveClock | None) ->
             collected = engine.collector.pauses().since(collected_before)
             longest = engine.collector.longest_since(mark)
         pieces.append(event.text)
+        if event.token_id is not None:
+            generated.append(event.token_id)
         last = event
     cached = last.timings["cached_tokens"]
     return {"prompt_tokens": len(ids), "cached_tokens": cached, "new_tokens": len(ids) - cached,
             "ttft_s": last.timings["first_token_seconds"],
             "restore_s": cache.stats.restore_seconds - restored_before if cache is not None else 0.0,
             "saves_s": saved, "gc_s": sum(collected.seconds), "gc_full_collections": collected.counts[2],
-            "gc_longest_s": longest, "text": "".join(pieces)}
+            "gc_longest_s": longest, "text": "".join(pieces), "reply_ids": generated}
 
 
-def conversation(engine, messages: list[dict], turns: list[str], reply_tokens: int, saves: SaveClock) -> list[dict]:
-    """Each turn of `turns` appended to `messages` (in place) and answered, the reply appended too."""
+def chat_ids(tokenizer, messages: list[dict], replies: dict[int, list[int]] | None) -> list[int]:
+    """The prompt ids of `messages`, as a client sending the whole conversation makes the server
+    encode them; with `replies` (message index -> the tokens generated for that assistant message),
+    each such reply is the tokens generated rather than its text encoded again. A trained model's
+    reply text encodes back to the tokens it generated, so its reply's checkpoint is found; a
+    synthetic pack's random tokens do not survive decoding to text (32 of them came back as ~69), so
+    without `replies` its follow-ups prefill their replies again (--reply-ids)."""
+    ids = tokenizer.encode_chat(messages)
+    for index in sorted(replies or {}, reverse=True):  # from the last: earlier positions stay put
+        start = len(tokenizer.encode_chat(messages[:index]))  # the prompt the reply answered
+        text_ids = tokenizer.encode(messages[index]["content"])
+        if ids[start:start + len(text_ids)] != text_ids:
+            raise ValueError(f"message {index} is not rendered as its text's tokens after the prompt it answered")
+        ids[start:start + len(text_ids)] = replies[index]
+    return ids
+
+
+def conversation(engine, messages: list[dict], turns: list[str], reply_tokens: int, saves: SaveClock,
+                 replies: dict[int, list[int]] | None = None) -> list[dict]:
+    """Each turn of `turns` appended to `messages` (in place) and answered, the reply appended too
+    (and its tokens to `replies`, where given: chat_ids)."""
     rows = []
     for turn in turns:
         messages.append({"role": "user", "content": turn})
-        ids = engine.tokenizer.encode_chat(messages)
+        ids = chat_ids(engine.tokenizer, messages, replies)
         row = request(engine, ids, reply_tokens, saves)
+        if replies is not None:
+            replies[len(messages)] = row["reply_ids"]
         messages.append({"role": "assistant", "content": row.pop("text")})
+        row.pop("reply_ids")
         rows.append({**row, "ids": ids})
     return rows
 
@@ -300,6 +331,7 @@ def restart_request(engine, ids: list[int], saves: SaveClock) -> dict:
     left = cached_fraction(files)
     row = request(engine, ids, 1, saves)
     row.pop("text")
+    row.pop("reply_ids")
     return {**row, "stored_pages_cached_before": left}
 
 
@@ -403,6 +435,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="new tokens of each turn's user message (default %(default)s)")
     parser.add_argument("--reply-tokens", type=int, default=32,
                         help="tokens of each greedy reply (default %(default)s)")
+    parser.add_argument("--reply-ids", action="store_true",
+                        help="send each reply back as the tokens generated, as a trained model's reply text "
+                             "encodes back to them (a synthetic pack's random replies do not: without this "
+                             "their follow-ups prefill the reply again)")
     parser.add_argument("--trace", type=Path,
                         help="profile the document's first live hit: its Chrome trace into this folder")
     parser.add_argument("--set", dest="settings", action="append", default=[], metavar="KEY=VALUE",
@@ -448,8 +484,10 @@ def document_scenario(engine, args, saves: SaveClock) -> tuple[dict, list[int]]:
     first = request(engine, engine.tokenizer.encode_chat(messages), args.reply_tokens, saves)
     engine.generator.prefix_cache.flush()  # the follow-up comes once the first turn's states are stored (its reply is read first)
     first_turn_keys = set(stored.keys())
+    first_reply = first.pop("reply_ids")
+    replies = {len(messages): first_reply} if args.reply_ids else None
     messages += [{"role": "assistant", "content": first.pop("text")}, {"role": "user", "content": QUESTION}]
-    follow_up = engine.tokenizer.encode_chat(messages)
+    follow_up = chat_ids(engine.tokenizer, messages, replies)
     with reuse_off(engine):
         plain = request(engine, follow_up, 1, saves)
     profiles: dict = {}
@@ -457,11 +495,12 @@ def document_scenario(engine, args, saves: SaveClock) -> tuple[dict, list[int]]:
         hit = request(engine, follow_up, 1, saves)
     engine.generator.prefix_cache.flush()
     messages[-1] = {"role": "user", "content": ANOTHER_QUESTION}
-    again = request(engine, engine.tokenizer.encode_chat(messages), 1, saves)
+    again = request(engine, chat_ids(engine.tokenizer, messages, replies), 1, saves)
     engine.generator.prefix_cache.flush()
     forget_stored(stored, first_turn_keys, min(hit["cached_tokens"], again["cached_tokens"]))
     for row in (plain, hit, again):
         row.pop("text")
+        row.pop("reply_ids")
     return {"document_tokens": len(engine.tokenizer.encode(text)),
             "question_tokens": len(engine.tokenizer.encode(QUESTION)),
             "first_turn": first, "no_reuse": plain, "live_hit": hit, "live_hit_again": again,
@@ -473,16 +512,20 @@ def turns_scenario(engine, args, saves: SaveClock) -> tuple[dict, list[int], set
     rows, the last turn's prompt and the stored entries there were before the last turn."""
     messages = [{"role": "system", "content": TURNS_SYSTEM}]
     pieces = source_turns(engine.tokenizer, args.turns, args.turn_tokens)
-    rows = conversation(engine, messages, pieces[:-1], args.reply_tokens, saves)
+    replies: dict[int, list[int]] | None = {} if args.reply_ids else None
+    rows = conversation(engine, messages, pieces[:-1], args.reply_tokens, saves, replies)
     engine.generator.prefix_cache.flush()  # every turn before the last is stored: the restart finds them
     before_last = set(engine.generator.prefix_cache.stored.keys())
-    rows += conversation(engine, messages, pieces[-1:], args.reply_tokens, saves)
+    rows += conversation(engine, messages, pieces[-1:], args.reply_tokens, saves, replies)
     for row in rows:
         with reuse_off(engine):
             plain = request(engine, row.pop("ids"), 1, saves)
         plain.pop("text")
+        plain.pop("reply_ids")
         row.update(ttft_no_reuse_s=plain["ttft_s"], no_reuse=plain)
-    return {"rows": rows}, engine.tokenizer.encode_chat(messages[:-1]), before_last
+    last = len(messages) - 1  # the last turn's prompt, without its reply
+    kept = None if replies is None else {index: ids for index, ids in replies.items() if index < last}
+    return {"rows": rows}, chat_ids(engine.tokenizer, messages[:last], kept), before_last
 
 
 def main() -> None:
@@ -657,7 +700,9 @@ def markdown(report: dict) -> str:
     lines = [f"# Prompt-state reuse: {Path(settings['pack']).name} on {where}", "", f"`{report['command']}`", "",
              f"{layers}-layer pack" + (f", emulating {target} layers" if scaled else "")
              + f"; budgets (VRAM / RAM, full model) {typed}; hot set {settings['hot_set'] or '-'}; "
-             f"replies {settings['reply_tokens']} tokens. Warm engines (load + warm-up): "
+             f"replies {settings['reply_tokens']} tokens"
+             + (", sent back as the tokens generated" if settings.get("reply_ids") else ", sent back as text")
+             + ". Warm engines (load + warm-up): "
              + ", ".join(f"{name} {e['load_s']:.1f} + {e['warm_up_s']:.1f} s" for name, e in report["engines"].items())
              + ".", ""]
     head = f" TTFT at {target} layers s |" if scaled else ""

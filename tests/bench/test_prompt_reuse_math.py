@@ -66,3 +66,35 @@ def test_ttft_at_layers_scales_state_moves_by_bytes_and_the_rest_by_layers():
 def test_ttft_at_layers_keeps_collector_pauses_as_they_are():
     row = {"ttft_s": 1.0, "restore_s": 0.1, "saves_s": 0.15, "gc_s": 0.3}  # a walk of the heap, not the layers'
     assert at_layers(row, layer_scale=3.0, bytes_scale=2.5) == pytest.approx(0.25 * 2.5 + 0.3 + 0.45 * 3.0)
+
+
+class _ChatTokenizer(_CharTokenizer):
+    """Characters, with a chat template of markers around each message and the assistant opening."""
+
+    def encode_chat(self, messages: list[dict]) -> list[int]:
+        text = "".join(f"<{m['role']}>{m['content']}|" for m in messages) + "<assistant>"
+        return self.encode(text)
+
+
+def test_chat_ids_put_each_reply_back_as_its_generated_tokens():
+    """The replies' text is replaced by the tokens generated for it, every other token as the text
+    encodes; without replies (or with a reply not rendered as its text) the text's own encoding."""
+    from flashpack.bench.prompt_reuse import chat_ids
+
+    tokenizer = _ChatTokenizer()
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok"},
+                {"role": "user", "content": "more"}, {"role": "assistant", "content": "yes"},
+                {"role": "user", "content": "end"}]
+    as_text = tokenizer.encode_chat(messages)
+    assert chat_ids(tokenizer, messages, None) == as_text
+    replies = {1: [900, 901, 902], 3: [903]}  # non-canonical: other tokens, other counts
+    found = chat_ids(tokenizer, messages, replies)
+    first = len(tokenizer.encode_chat(messages[:1]))
+    assert found[:first] == as_text[:first]  # the first prompt, then its reply as generated
+    assert found[first:first + 3] == [900, 901, 902]
+    second = tokenizer.encode_chat(messages[:3])[:first] + [900, 901, 902] + tokenizer.encode_chat(messages[:3])[first + 2:]
+    assert found[:len(second)] == second and found[len(second)] == 903
+    assert found[len(second) + 1:] == as_text[len(as_text) - len(found) + len(second) + 1:]
+    assert len(found) == len(as_text) + 3 - 2 + 1 - 3
+    with pytest.raises(ValueError, match="not rendered"):
+        chat_ids(tokenizer, [*messages[:3], {"role": "assistant", "content": "yes"}], {2: [1]})  # a user message

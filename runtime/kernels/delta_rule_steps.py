@@ -2,18 +2,18 @@
 state after each token.
 
 A checked step's rollback needs DeltaNet's recurrent state after every one of its T tokens
-(`DeltaNetState.rewind`). flash-linear-attention's recurrent kernel returns only the final state,
-so the step called it once a token and stacked the states: T launches and a copy of all T states
-a layer. Here one program a (value head, block of BV value columns) holds its [K, BV] slice of the
+(`DeltaNetState.rewind`). flash-linear-attention's recurrent kernel returns only the final state:
+run once a token, with the states stacked, that is T launches and a copy of all T states a layer.
+Here one program a (value head, block of BV value columns) holds its [K, BV] slice of the
 state in registers, runs the T tokens and stores the state after each, as well as each output.
 
 Each token's arithmetic is that of fla's kernel (fla/ops/gated_delta_rule/fused_recurrent.py) for
 one token, operation for operation, with its block shape and one warp. It is not bit for bit the
-same: on an H100 (run 81) the outputs or states of a step of 2-16 tokens differed from fla's, run a
-token at a time, in a few bits (the unrolled loop is compiled otherwise), within 1e-5 relative for
-the float32 states. A checked step already rounds otherwise than one-token steps elsewhere (its
+same: on an H100 the outputs or states of a step of 2-16 tokens differ from fla's, run a token at
+a time, in a few bits (the unrolled loop is compiled otherwise; bench/results/kernels-delta-steps-run81-h100.json),
+within 1e-5 relative for the float32 states. A checked step already rounds otherwise than one-token steps elsewhere (its
 projections run other kernels), so greedy speculation on a GPU agrees with plain decoding up to
-near-ties, as before. The plain form is `recurrent_gated_delta_rule(each=True)` in
+near-ties. The plain form is `recurrent_gated_delta_rule(each=True)` in
 runtime/model/delta_rule.py; tests/kernels/test_delta_rule_steps.py compares the two, and on a GPU
 this kernel with fla's token by token. 7.4 us for 5 tokens against 61.9 us for fla's five calls and
 the stack (H100, `bench/kernels.py --only delta-steps`).

@@ -53,7 +53,7 @@ def delta_rule_positions(rule: Callable, q, k, v, g, beta, state: torch.Tensor):
     pass of its own loop, its inputs prepared once rather than once a token (on a CPU preparing
     them costs more than a token's recurrence), every token's arithmetic as a one-token call does it.
     Where `rule` is fla's (the GPU), one launch of runtime/kernels/delta_rule_steps.py does each
-    token's arithmetic as fla's one-token kernel does (to a few bits, not bit for bit), keeping
+    token's arithmetic as fla's one-token kernel does (compiled otherwise: not bit for bit), keeping
     every token's state, where fla's kernel returns only the last."""
     if rule is plain_gated_delta_rule:
         return plain_gated_delta_rule(q, k, v, g, beta, state, each=True)

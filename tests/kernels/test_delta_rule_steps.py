@@ -3,7 +3,7 @@ plain recurrence a token at a time, and on a GPU against fla's one-token kernel 
 
 Against the plain form: float32 inputs, tolerance 1e-5 relative (the kernel normalises by a divide
 where the plain form multiplies by rsqrt: a few ulps). Against fla (what plain decoding runs on a
-GPU): the same arithmetic compiled otherwise, a few bits apart on an H100: the float32 states to
+GPU): the same arithmetic compiled otherwise, not bit for bit on an H100: the float32 states to
 1e-5 relative, the bf16 outputs to one bf16 rounding (2^-7 relative, as the tile kernel's bf16 test)."""
 
 from __future__ import annotations

@@ -196,6 +196,9 @@ def union_experts(engine, state, prompt, gen, decoder) -> float | None:
     return statistics.mean(sizes) if sizes else None
 
 
+TIMED_PARTS = ("draft_seconds", "verify_seconds", "rollback_seconds")  # SpeculationStats' clocks
+
+
 def fixed_step_seconds(model, positions: int) -> float:
     """Embedding and lm_head of a step of `positions` tokens, timed alone."""
     tokens = torch.zeros(positions, dtype=torch.long, device=model.device)
@@ -276,7 +279,7 @@ def main(argv: list[str] | None = None) -> None:
     for alpha, k, policy in settings:
         # with the policy, one decoder serves every repeat, as the engine's does its requests: the
         # first pays for trying, the others know (the first is reported apart)
-        times, counts, stats, lossless, divergences, traces = [], [], None, True, 0, []
+        times, counts, spent, stats, lossless, divergences, traces = [], [], [], None, True, 0, []
         shared = replay(alpha, k, policy=True) if policy else None
         for repeat in range(args.repeats + policy):
             plain()
@@ -285,6 +288,7 @@ def main(argv: list[str] | None = None) -> None:
             drafter.truth, before = truth, drafter.divergences  # each repeat from the plain output
             stats = decoder.stats
             steps_before = (stats.steps, stats.plain_steps)  # the shared decoder's stats run on over repeats
+            seconds_before = {name: getattr(stats, name) for name in TIMED_PARTS}
             settled()
             trace = [] if policy else None  # where the policy chose what
             tokens, seconds = decode(engine, state, prompt, args.gen, decoder, replay=drafter, trace=trace)
@@ -292,12 +296,14 @@ def main(argv: list[str] | None = None) -> None:
                 traces.append(trace)
             times.append(seconds)
             counts.append((stats.steps - steps_before[0], stats.plain_steps - steps_before[1]))
+            spent.append({name: getattr(stats, name) - seconds_before[name] for name in TIMED_PARTS})
             lossless = lossless and tokens == truth
             divergences += drafter.divergences - before
         first_seconds = None
         if policy:  # the policy's first decode, which pays for trying, is reported apart
             first_seconds = times.pop(0)
             counts.pop(0)
+            spent.pop(0)
         plain_seconds = statistics.median(plain_runs[-len(times):])
         seconds = statistics.median(times)
         summary = stats.to_dict()
@@ -311,8 +317,10 @@ def main(argv: list[str] | None = None) -> None:
             "acceptance_at": summary["acceptance_at"],
             "speedup_scaled": scaled(plain_seconds, {1: args.gen - 1}) / scaled(seconds, steps),
             "union_experts": None if policy else union_experts(engine, state, prompt, min(args.gen, 16), replay(alpha, k)),
-            "draft_seconds": summary["draft_seconds"], "verify_seconds": summary["verify_seconds"],
-            "rollback_seconds": summary["rollback_seconds"],
+            # one timed decode's (the mean over the repeats), as the steps are
+            **{name: statistics.mean(part[name] for part in spent) for name in TIMED_PARTS},
+            "checked_step_ms": (1e3 * sum(part["verify_seconds"] for part in spent) / sum(c for c, _ in counts)
+                                if sum(c for c, _ in counts) else None),
         })
         if policy:  # each decode's steps (the first one's first), and where the drafter began to rest
             rows[-1].update(steps=traces, rests=[rests(trace) for trace in traces])
@@ -336,6 +344,9 @@ def main(argv: list[str] | None = None) -> None:
         "notes": ["speedup: plain decode seconds over speculative, medians of alternated repeats",
                   f"scaled: t({target}) = t + (t - t_fixed) * ({target} - {layers}) / {layers}",
                   "union_experts: mean distinct experts per layer of a checked step (top-k of each position)",
+                  "draft_seconds, verify_seconds, rollback_seconds: one timed decode's (the mean over the repeats, "
+                  "the policy's first decode left out, as for checked_steps and plain_steps); checked_step_ms: "
+                  "verify seconds over checked steps, those decodes together",
                   "settled: through a tiered store each timed decode followed the same untimed plain decode",
                   "lossless: every repeat's output equals plain decoding's; divergences: times over the repeats an "
                   "output left the plain one (a BF16 near-tie), after which the replayed truth was decoded again "
@@ -346,12 +357,14 @@ def main(argv: list[str] | None = None) -> None:
                   "the steps at which a rest began"],
     }
     args.json.write_text(json.dumps(report, indent=1) + "\n")
-    table = ["| alpha | k | policy | tokens/step | speed-up | at %d layers | union experts/layer | lossless (divergences) |"
-             % target, "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    table = ["| alpha | k | policy | tokens/step | speed-up | at %d layers | ms a checked step | union experts/layer "
+             "| lossless (divergences) |" % target, "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for row in rows:
         union = "" if row["union_experts"] is None else f"{row['union_experts']:.1f}"
+        step_ms = "" if row["checked_step_ms"] is None else f"{row['checked_step_ms']:.2f}"
         table.append(f"| {row['alpha']} | {row['k']} | {'on' if row['policy'] else 'off'} | {row['tokens_per_step']:.2f} "
-                     f"| {row['speedup']:.2f}x | {row['speedup_scaled']:.2f}x | {union} | {row['lossless']} ({row['divergences']}) |")
+                     f"| {row['speedup']:.2f}x | {row['speedup_scaled']:.2f}x | {step_ms} | {union} "
+                     f"| {row['lossless']} ({row['divergences']}) |")
     plain_row = report["plain"]
     text = (f"plain: {plain_row['tokens_per_s']:.1f} tok/s ({plain_row['tokens_per_s_scaled']:.1f} at {target} layers), "
             f"{type(engine.store).__name__}, budgets {args.vram_budget or 'none'} / {args.ram_budget or 'none'}\n\n"

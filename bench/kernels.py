@@ -780,7 +780,8 @@ def main() -> None:
     parser.add_argument("--sweep", action="store_true", help="also time a grid of block sizes")
     parser.add_argument("--sweep-seconds", type=float, default=45.0, help="time limit of each section's sweep")
     parser.add_argument("--only",
-                        default="decode,fp8,fp8-few,prefill,crossover,staging,router,hc-mix,dense,dense-few,attention,delta-steps")
+                        default="decode,fp8,fp8-few,prefill,crossover,staging,router,hc-mix,dense,dense-few,attention,"
+                                "delta-steps")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench/kernels.py needs a CUDA GPU")

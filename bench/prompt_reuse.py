@@ -21,9 +21,9 @@ Two scenarios, each skipped at 0:
 Replies go back as text, encoded again with the rest, as a chat client sends them. A trained
 model's reply text encodes back to the tokens it generated, so a follow-up finds the checkpoint at
 the end of the reply and prefills only the new turn; a synthetic pack's random replies do not
-survive decoding (32 tokens came back as ~69), so there the follow-up prefills its reply again.
-`--reply-ids` sends each reply back as the tokens generated instead (`chat_ids`): the follow-up a
-trained model's client would send.
+survive decoding (run 79: a 32-token reply came back as 68), so there the follow-up prefills its
+reply again. `--reply-ids` sends each reply back as the tokens generated instead (`chat_ids`): the
+follow-up a trained model's client would send.
 
 Two engines run it. The first answers everything live; "no reuse" is that engine with its prefix
 cache set aside for the request (no restore, no checkpoint saved: what an engine with no cache does),
@@ -224,7 +224,7 @@ def chat_ids(tokenizer, messages: list[dict], replies: dict[int, list[int]] | No
     encode them; with `replies` (message index -> the tokens generated for that assistant message),
     each such reply is the tokens generated rather than its text encoded again. A trained model's
     reply text encodes back to the tokens it generated, so its reply's checkpoint is found; a
-    synthetic pack's random tokens do not survive decoding to text (32 of them came back as ~69), so
+    synthetic pack's random tokens do not survive decoding to text (32 of them came back as 68), so
     without `replies` its follow-ups prefill their replies again (--reply-ids)."""
     ids = tokenizer.encode_chat(messages)
     for index in sorted(replies or {}, reverse=True):  # from the last: earlier positions stay put

@@ -9,14 +9,15 @@ state in registers, runs the T tokens and stores the state after each, as well a
 
 Each token's arithmetic is that of fla's kernel (fla/ops/gated_delta_rule/fused_recurrent.py) for
 one token, operation for operation, with its block shape and one warp. It is not bit for bit the
-same: on an H100 the outputs or states of a step of 2-16 tokens differ from fla's, run a token at
-a time, in some bits (the unrolled loop is compiled otherwise; bench/results/kernels-delta-steps-run81-h100.json),
-and the GPU test holds the float32 states to 1e-5 relative of fla's. A checked step already rounds otherwise than one-token steps elsewhere (its
-projections run other kernels), so greedy speculation on a GPU agrees with plain decoding up to
-near-ties. The plain form is `recurrent_gated_delta_rule(each=True)` in
-runtime/model/delta_rule.py; tests/kernels/test_delta_rule_steps.py compares the two, and on a GPU
-this kernel with fla's token by token. 7.4 us for 5 tokens against 61.9 us for fla's five calls and
-the stack (H100, `bench/kernels.py --only delta-steps`).
+same: on an H100 the outputs or states of a step of 2-16 tokens differ from fla's, run a token at a
+time, in some bits (bench/results/kernels-delta-steps-run81-h100.json; most likely the unrolled loop
+compiled otherwise), and the GPU test holds the float32 states to 1e-5 relative of fla's. A checked
+step already rounds otherwise than one-token steps elsewhere (its projections run other kernels), so
+greedy speculation on a GPU agrees with plain decoding up to near-ties. The plain form is
+`recurrent_gated_delta_rule(each=True)` in runtime/model/delta_rule.py;
+tests/kernels/test_delta_rule_steps.py compares the two, and on a GPU this kernel with fla's token by
+token. 7.4 us for 5 tokens against 61.9 us for fla's five calls and the stack (H100,
+`bench/kernels.py --only delta-steps`).
 """
 
 from __future__ import annotations
@@ -81,7 +82,8 @@ def delta_rule_steps(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
     _delta_rule_steps_kernel[grid](
         q, k, v, g, beta, state, out, states, key_dim ** -0.5,
         *q.stride(), *k.stride(), *v.stride(), g.stride(0), beta.stride(0),
-        TOKENS=tokens, H=key_heads, HV=value_heads, K=key_dim, V=value_dim, BK=triton.next_power_of_2(key_dim), BV=block_v,
+        TOKENS=tokens, H=key_heads, HV=value_heads, K=key_dim, V=value_dim, BK=triton.next_power_of_2(key_dim),
+        BV=block_v,
         num_warps=1, num_stages=3,
     )
     return out, states

@@ -14,8 +14,18 @@ streaming its top-k (experts drawn by a skewed popularity) with the next layer's
 (7 of its picks and 3 others: right about as often as on the H200), timed per layer in total and in
 the store's request, prefetch and await; once with a decode layer's copies enqueued by the calling
 thread (the default) and once handed to the copy thread (a second store, built with
-StoreConfig.copy_on_requesting_thread off), median of four runs each. Prints and writes JSON:
-microseconds per call, per expert and per decode layer.
+StoreConfig.copy_on_requesting_thread off), median of four runs each.
+
+And a short prompt's layers (a follow-up's new tokens after a restored state) through a device share
+of `--prompt-share` of a layer's experts (0.28: 24/64's with FP8 dense weights, PERFORMANCE.md) in
+front of a host cache holding every record: each layer streams the union of `--prompt-tokens`
+tokens' top-k picks (uniform), which is larger than its share, so the store admits the misses half
+a share at a time with the chunk being consumed still pinned, and evicts as it goes; milliseconds per
+layer, median of the last 100 of 200 layers (the first fill the share and the policy's history).
+Its figure matters on a pack of many experts (the real model's 512), where the pins are many.
+
+Prints and writes JSON: microseconds per call, per expert and per decode layer; milliseconds per
+prompt layer.
 """
 
 from __future__ import annotations
@@ -45,6 +55,8 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--calls", type=int, default=2000)
     parser.add_argument("--decode-steps", type=int, default=300, help="steps of all layers, per run")
+    parser.add_argument("--prompt-tokens", type=int, default=91, help="a short prompt's tokens (the prompt layers)")
+    parser.add_argument("--prompt-share", type=float, default=0.28, help="a layer's device share, of its experts")
     parser.add_argument("--json")
     args = parser.parse_args()
     pack = Pack.open(args.pack)
@@ -82,6 +94,7 @@ def main() -> None:
     handed = decode_layers(pack, args.device, args.decode_steps, copies_on_calling_thread=False)
     result["decode_layer_us"] = {"copies_on_calling_thread": calling, "copies_on_copy_thread": handed,
                                  "ratio": handed["total"] / calling["total"]}
+    result["prompt_layer_ms"] = prompt_layers(pack, args.device, args.prompt_tokens, args.prompt_share)
     print(json.dumps(result))
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
@@ -130,6 +143,30 @@ def decode_layers(pack: Pack, device: str, steps: int, copies_on_calling_thread:
                 runs.append({"total": (time.perf_counter() - start) / calls * 1e6,
                              **{name: seconds / calls * 1e6 for name, seconds in spent.items()}})
     return {name: statistics.median(run[name] for run in runs) for name in runs[0]}
+
+
+def prompt_layers(pack: Pack, device: str, tokens: int, share: float) -> dict[str, float]:
+    """Milliseconds the store spends on a short prompt's layer (module docstring)."""
+    manifest = pack.manifest
+    cfg, stride = manifest.config, manifest.document["experts"]["record_stride"]
+    layers = sorted({r.layer for r in manifest.expert_records()})
+    experts, top_k = cfg.num_experts, cfg.num_experts_per_tok
+    slots = max(top_k, round(share * experts))
+    rng = random.Random(0)
+    config = StoreConfig(vram_budget=len(layers) * slots * stride, ram_budget=len(manifest.expert_records()) * stride,
+                         rebalance=False)
+    timed = []
+    with build_store(pack, config, device, device_reserved=0) as store:
+        store.prewarm({layer: list(range(experts)) for layer in layers})
+        for index in range(200):
+            wanted = sorted(set().union(*(rng.sample(range(experts), top_k) for _ in range(tokens))))
+            start = time.perf_counter()
+            with closing(store.stream(layers[index % len(layers)], wanted)) as chunks:
+                for _ in chunks:
+                    pass
+            timed.append((time.perf_counter() - start) * 1e3)
+    return {"tokens": tokens, "share_slots": slots, "experts_a_layer": experts,
+            "median": statistics.median(timed[100:])}
 
 
 def _timed(method, spent: dict[str, float], name: str):

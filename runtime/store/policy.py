@@ -47,8 +47,12 @@ class EvictionPolicy:
         raise NotImplementedError
 
     def victim(self, evictable: Callable[[Key], bool]) -> Key | None:
-        """The resident key to evict among those `evictable` accepts, or None."""
+        """The resident key to evict among those `evictable` accepts, or None. A key it refuses
+        may be passed over by later calls too, until `released` says it is evictable again."""
         raise NotImplementedError
+
+    def released(self, key: Key) -> None:
+        """`key`, which `evictable` may have refused, can be evicted again (its last pin went)."""
 
     def seed(self, key: Key, weight: float) -> None:
         """`key` was placed without a request (pre-warming). `weight` in [0, 1] is its popularity
@@ -86,6 +90,10 @@ class LFU(EvictionPolicy):
         self._counts: dict[Key, float] = {}  # every key ever requested: history survives eviction
         self._last: dict[Key, int] = {}  # resident keys -> tick of their last request
         self._heap: list[tuple[float, int, Key]] = []  # (count, tick, key); stale entries skipped
+        # resident keys `victim` found pinned, out of the heap until `released`: a prompt streaming
+        # a layer's experts pins the newest (least counted) keys, which every eviction would
+        # otherwise pop and push back
+        self._held: set[Key] = set()
         self._tick = 0
 
     def _bump(self, key: Key, amount: float = 1.0) -> None:
@@ -106,8 +114,11 @@ class LFU(EvictionPolicy):
     def _push(self, key: Key) -> None:
         heapq.heappush(self._heap, (self._counts[key], self._last[key], key))
         if len(self._heap) > 4 * len(self._last) + 64:  # drop stale entries now and then
-            self._heap = [(self._counts[k], t, k) for k, t in self._last.items()]
-            heapq.heapify(self._heap)
+            self._rebuild()
+
+    def _rebuild(self) -> None:
+        self._heap = [(self._counts[k], t, k) for k, t in self._last.items() if k not in self._held]
+        heapq.heapify(self._heap)
 
     def admit(self, key: Key) -> None:
         self._bump(key)
@@ -116,23 +127,27 @@ class LFU(EvictionPolicy):
 
     def forget(self, key: Key) -> None:
         self._last.pop(key, None)
+        self._held.discard(key)
 
     def victim(self, evictable: Callable[[Key], bool]) -> Key | None:
-        """Least count, then least recent, among evictable residents: O(log n) amortised (the
-        few pinned keys met on the way are set aside and pushed back)."""
-        skipped, found = [], None
+        """Least count, then least recent, among evictable residents: O(log n) amortised (a key
+        met pinned leaves the heap until `released`)."""
         while self._heap:
             count, tick, key = self._heap[0]
             if self._last.get(key) != tick or self._counts.get(key) != count:
                 heapq.heappop(self._heap)  # stale: the key was requested again or left
                 continue
             if evictable(key):
-                found = key
-                break
-            skipped.append(heapq.heappop(self._heap))
-        for entry in skipped:
-            heapq.heappush(self._heap, entry)
-        return found
+                return key
+            heapq.heappop(self._heap)
+            self._held.add(key)
+        return None
+
+    def released(self, key: Key) -> None:
+        if key in self._held:
+            self._held.remove(key)
+            if key in self._last:
+                self._push(key)
 
     def seed(self, key: Key, weight: float) -> None:
         # A profile is a prior worth less than one request: it orders the pre-warmed keys among
@@ -162,8 +177,7 @@ class DecayingLFU(LFU):
         if self._weight > 1e100:
             self._counts = {k: v / self._weight for k, v in self._counts.items()}
             self._weight = 1.0
-            self._heap = [(self._counts[k], t, k) for k, t in self._last.items()]
-            heapq.heapify(self._heap)
+            self._rebuild()
         super()._count(key, amount * self._weight)
 
 

@@ -171,7 +171,9 @@ class Residency:
         if entry.pins <= 0:
             raise RuntimeError(f"{key!r} is not pinned")
         entry.pins -= 1
-        self.pinned[entry.partition] -= 1 if entry.pins == 0 else 0
+        if entry.pins == 0:
+            self.pinned[entry.partition] -= 1
+            self.policies[entry.partition].released(key)
 
     def move_capacity(self, donor: Hashable, receiver: Hashable, slots: int = 1) -> list[Key]:
         """Shift `slots` of capacity; evicts the donor's victims now when they are unpinned

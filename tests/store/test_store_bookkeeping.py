@@ -300,7 +300,7 @@ def test_trace_round_trip(tmp_path):
 
 def test_lfu_heap_agrees_with_a_plain_scan():
     rng = random.Random(5)
-    policy, counts, last, resident, tick = LFU(), {}, {}, set(), 0
+    policy, counts, last, resident, tick, pinned = LFU(), {}, {}, set(), 0, set()
     for _ in range(4000):
         key = rng.randrange(40)
         tick += 1
@@ -312,8 +312,37 @@ def test_lfu_heap_agrees_with_a_plain_scan():
             policy.admit(key)
             resident.add(key)
         if len(resident) > 12:
-            pinned = set(rng.sample(sorted(resident), 3))
+            unpinned, pinned = pinned, set(rng.sample(sorted(resident), 3))
+            for k in unpinned - pinned:
+                policy.released(k)
             victim = policy.victim(lambda k: k not in pinned)
             assert victim == min(resident - pinned, key=lambda k: (counts[k], last[k]))
             policy.forget(victim)
             resident.discard(victim)
+            pinned.discard(victim)
+
+
+def test_lfu_passes_over_a_pinned_key_once_until_it_is_released():
+    """A prompt streaming a layer pins its newest, least counted keys: each eviction must not pop
+    and push them all again (the cost grew with the pins). Control: a key released is a victim again."""
+    policy, asked = LFU(), []
+    for key in range(200):
+        policy.admit(key)
+    for key in range(100, 200):
+        policy.touch(key)  # 100-199 counted twice: 0-99 are the least counted
+    pinned = set(range(100))
+
+    def evictable(key):
+        asked.append(key)
+        return key not in pinned
+
+    victims = []
+    for _ in range(50):
+        victims.append(policy.victim(evictable))
+        policy.forget(victims[-1])
+    assert victims == list(range(100, 150))
+    assert len(asked) == 100 + 50  # each pinned key refused once, each victim accepted once
+    pinned.discard(7)
+    assert policy.victim(evictable) == 150  # not released yet: still passed over
+    policy.released(7)
+    assert policy.victim(evictable) == 7

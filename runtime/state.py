@@ -167,8 +167,13 @@ class AttentionCache:
         """Become a copy of `other`, in this cache's own buffers when they have room."""
         if other.length > self.capacity:
             self._grow(other.length)  # on this cache's device, wherever `other` lives (a host copy)
-        self._keys[:, : other.length].copy_(other.keys, non_blocking=True)  # SequenceState.restore waits
-        self._values[:, : other.length].copy_(other.values, non_blocking=True)
+        # head by head: a head's filled keys are one contiguous run, where all heads' together are
+        # strided whenever the buffer is longer than its length (a snapshot's rounds up to the
+        # block ratio), and a strided pinned source is gathered into pageable memory first and
+        # crosses the link at a fraction of its rate; SequenceState.restore waits for the copies
+        for head in range(other.keys.shape[0]):
+            self._keys[head, : other.length].copy_(other.keys[head], non_blocking=True)
+            self._values[head, : other.length].copy_(other.values[head], non_blocking=True)
         self._index_keys[: other.length].copy_(other.index_keys, non_blocking=True)
         self._block_keys[: other.blocks].copy_(other.block_keys, non_blocking=True)
         self.length, self.blocks = other.length, other.blocks

@@ -87,6 +87,38 @@ def test_a_host_copy_is_exact_aligned_and_disjoint_from_the_next(engine):
     assert torch.equal(engine.step.forward(token, fresh).logits, engine.step.forward(token, again).logits)
 
 
+def test_a_restore_from_a_host_copy_reads_only_contiguous_sources(engine):
+    """A snapshot's attention buffers round up to the block ratio, so after a length that is not a
+    multiple of it all heads' keys together are strided; a strided pinned source is gathered into
+    pageable memory before it crosses to the GPU (live hits of 32,835 tokens restored at ~10 GB/s on
+    the H100 against 0.009 s for 32,804). Every copy the restore makes must read one contiguous run.
+    Control: the filled keys of all heads at once are strided."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Sources(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.strided = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten.copy_.default and not args[1].is_contiguous():
+                self.strided.append(tuple(args[1].shape))
+            return func(*args, **(kwargs or {}))
+
+    arena = PinnedArena(4 << 20, pin=False)
+    state = _state(engine, 41, 4)
+    host = arena.host_copy(state)
+    cache = next(iter(host.attention.values()))
+    assert cache.capacity > cache.length and cache.keys.shape[0] > 1 and not cache.keys.is_contiguous()
+    fresh, again = engine.step.new_state(), engine.step.new_state()
+    with Sources() as sources:
+        fresh.restore(host)
+    assert sources.strided == []
+    again.restore(state.snapshot())
+    token = torch.tensor([7])
+    assert torch.equal(engine.step.forward(token, fresh).logits, engine.step.forward(token, again).logits)
+
+
 def test_a_host_copy_gives_its_range_back_once_garbage(engine):
     arena = PinnedArena(4 << 20, pin=False)
     state = _state(engine, 40, 3)

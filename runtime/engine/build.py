@@ -209,7 +209,8 @@ def engine_model(weights: WeightSource, source, config: EngineConfig, dtype: tor
                  ) -> Qwen4ExpModel:
     """The model over `source`'s routed experts (expert_paths.routed_experts), as `config` runs it:
     through a store, decode predicts each next layer's experts with that layer's router."""
-    prediction = Prediction(config.prefetch, config.read_ahead, config.prefetch_during_loads)
+    prediction = Prediction(config.prefetch, config.read_ahead, config.prefetch_during_loads,
+                            config.prompt_prefetch_max_tokens)
     routed = routed_experts(source, weights.config, dtype, device, prediction)
     model = Qwen4ExpModel(weights, routed, dtype=dtype, device=device,
                           fused_mix=config.fused_mix and device.type == "cuda",

@@ -88,6 +88,12 @@ class EngineConfig:
     prefetch: bool = True
     # Start those prefetches while this layer's own loads land (True) or once they have (False).
     prefetch_during_loads: bool = True
+    # A prompt step of up to this many tokens through a store (a follow-up's new tokens) prefetches
+    # the next layer's predicted experts too, once its own loads are queued: otherwise the link idles
+    # while each layer's mixer runs and its ids come back (two thirds of a 91-token extension at
+    # 24/64, PERFORMANCE.md). 0: off; a bench option until measured on the GPU
+    # (`--set prompt_prefetch_max_tokens=256`).
+    prompt_prefetch_max_tokens: int = 0
     # Also read from disk into the host cache the records the layer after next is predicted to pick
     # (a disk read takes about as long as a layer).
     read_ahead: bool = True
@@ -139,7 +145,7 @@ class EngineConfig:
             raise FlashpackError(f"unknown expert source {self.experts!r}: use one of {', '.join(EXPERT_SOURCES)}")
         minimums = {"layers_per_graph": 1, "staging_programs": 1, "graphs_min_layer_tokens": 0,
                     "dense_matvec_max_tokens": 0, "dense_tile_max_tokens": 0, "fp8_matvec_max_tokens": 0, "staged_beside_experts": 0,
-                    "draft_tokens": 1, "delta_rule_recurrent_max_tokens": 1}
+                    "draft_tokens": 1, "delta_rule_recurrent_max_tokens": 1, "prompt_prefetch_max_tokens": 0}
         for name, least in minimums.items():
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < least:

@@ -126,6 +126,7 @@ class Prediction:
     prefetch: bool = True  # the next layer's predicted experts
     read_ahead: bool = True  # the layer after next's predicted disk records, into the host cache
     prefetch_during_loads: bool = True  # started while this layer's own loads land, not after
+    prompt_max_tokens: int = 0  # a prompt step of up to this many tokens prefetches the next layer's too
 
 
 class StoreExperts:
@@ -143,8 +144,12 @@ class StoreExperts:
         self.routers = dict(routers) if self.prediction.prefetch else {}
 
     def predict_next(self, layer: int, x: torch.Tensor) -> torch.Tensor | None:
-        """In decode, the experts layer + 1's router picks from layer's input x [T, H]: ids [T, k]."""
-        return None if x.shape[0] > PREDICT_MAX_TOKENS else self.predicted(layer, x, 1)
+        """In decode, and in a prompt step of up to `Prediction.prompt_max_tokens` tokens, the
+        experts layer + 1's router picks from layer's input x [T, H]: ids [T, k]."""
+        tokens = x.shape[0]
+        if tokens > PREDICT_MAX_TOKENS and tokens > self.prediction.prompt_max_tokens:
+            return None
+        return self.predicted(layer, x, 1)
 
     def predict_far(self, layer: int, x: torch.Tensor) -> torch.Tensor | None:
         """In decode, the experts layer + 2 picks from layer's input: whose records to start
@@ -175,9 +180,14 @@ class StoreExperts:
         checked step's rows take decode's, whatever their number, as one-token steps would)."""
         if prompt is None:
             prompt = x.shape[0] > PREDICT_MAX_TOKENS
-        if prompt:  # no prediction: its pair counts, read back once
-            counts = torch.bincount(experts.flatten(), minlength=self.num_experts).tolist()
-            return self._prompt(layer, x, weights, experts, counts)
+        if prompt:  # its pair counts (and the predicted next layer's), read back at once
+            found = [experts] if predicted is None else [experts, predicted]
+            counts = torch.cat([torch.bincount(ids.flatten(), minlength=self.num_experts) for ids in found]).tolist()
+            ahead = None
+            if predicted is not None:  # the most picked first: a share smaller than the guess keeps those
+                guessed = counts[self.num_experts:]
+                ahead = (layer + 1, sorted((e for e, n in enumerate(guessed) if n), key=lambda e: -guessed[e]))
+            return self._prompt(layer, x, weights, experts, counts[:self.num_experts], ahead)
         # a few ids: one read-back, deduplicated on the host
         ids = torch.cat([part.flatten() for part in (experts, predicted, far) if part is not None]).tolist()
         mine, guessed = experts.numel(), experts.numel() + (0 if predicted is None else predicted.numel())
@@ -193,22 +203,28 @@ class StoreExperts:
         return routed
 
     def _prompt(self, layer: int, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
-                counts: list[int]) -> torch.Tensor:
+                counts: list[int], ahead: tuple[int, list[int]] | None = None) -> torch.Tensor:
         """A prompt's routed experts as the store streams them, chunk by chunk, without a host
         wait: each chunk's kernels fill the (token, pick) rows of its experts in one float32
-        buffer, summed over the picks once the last chunk has run (as moe_experts sums)."""
+        buffer, summed over the picks once the last chunk has run (as moe_experts sums).
+        `ahead` (layer, experts): prefetched once this layer's own loads are all queued, so the
+        link works through the next layer's mixer and read-back, which a short prompt's layer
+        would otherwise wait for with nothing loading."""
         wanted = [expert for expert, count in enumerate(counts) if count]  # ascending
-        pairs = None
+        pairs = out = None
         with closing(self.source.stream(layer, wanted)) as chunks:  # closing releases the last chunk
             for chunk in chunks:
                 if len(chunk) == len(wanted):  # the layer's share held them all: one call
-                    slots = self._chunk_slots(layer, chunk, experts)
-                    return fused_experts(x, self.source.bank, slots, weights, prompt=True)
+                    out = fused_experts(x, self.source.bank, self._chunk_slots(layer, chunk, experts), weights,
+                                        prompt=True)
+                    break
                 if pairs is None:
                     pairs = torch.empty(experts.numel(), x.shape[1], dtype=torch.float32, device=x.device)
                 bound = (sum(counts[handle.expert] for handle in chunk), len(chunk))
                 moe_expert_pairs(x, self.source.bank, self._chunk_slots(layer, chunk, experts), weights, pairs, bound)
-        return pairs.view(*experts.shape, x.shape[1]).sum(dim=1).to(x.dtype)
+        if ahead is not None:
+            self.source.prefetch(*ahead)
+        return out if out is not None else pairs.view(*experts.shape, x.shape[1]).sum(dim=1).to(x.dtype)
 
     def _chunk_slots(self, layer: int, chunk, experts: torch.Tensor) -> torch.Tensor:
         """[T, k] bank rows of a chunk's experts, -1 where a pick is not in the chunk."""

@@ -161,10 +161,40 @@ def test_predictions_come_from_the_next_layers_routers_and_the_far_one_only_with
     reading.predict_with(routers)
     assert reading.predict_next(1, x) is guesses[2] and reading.predict_far(1, x) is guesses[3]
     assert reading.predict_next(3, x) is None and reading.predict_far(2, x) is None  # no layer 4
-    assert reading.predict_next(1, torch.ones(9, H)) is None  # a prompt fetches every expert anyway
+    assert reading.predict_next(1, torch.ones(9, H)) is None  # a prompt: only with prompt_max_tokens
+    short_prompts = StoreExperts(ChunkedSlots([K]), E, Prediction(prompt_max_tokens=9))
+    short_prompts.predict_with(routers)
+    assert short_prompts.predict_next(1, torch.ones(9, H)) is guesses[2]
+    assert short_prompts.predict_next(1, torch.ones(10, H)) is None and short_prompts.predict_far(1, torch.ones(9, H)) is None
     not_reading = StoreExperts(ChunkedSlots([K]), E, Prediction(read_ahead=False))
     not_reading.predict_with(routers)
     assert not_reading.predict_next(1, x) is guesses[2] and not_reading.predict_far(1, x) is None
     no_prefetch = StoreExperts(ChunkedSlots([K]), E, Prediction(prefetch=False))
     no_prefetch.predict_with(routers)
     assert no_prefetch.predict_next(1, x) is None and no_prefetch.predict_far(1, x) is None
+
+
+def test_a_short_prompt_prefetches_the_next_layers_guess_once_its_own_loads_are_queued(monkeypatch):
+    """With a guess (Prediction.prompt_max_tokens), a prompt's layer streams its own experts as
+    without one and then prefetches the next layer's guesses, the most picked first; its output is
+    the same. Control: without a guess nothing is prefetched."""
+    filled = []
+    monkeypatch.setattr(expert_paths, "moe_expert_pairs", lambda *args: filled.append(1))
+    monkeypatch.setattr(expert_paths, "fused_experts",
+                        lambda x, bank, slots, weights, prompt: _expert_stand_in(x, slots, weights).sum(1))
+    generator = torch.Generator().manual_seed(2)
+    tokens = 9
+    x = torch.randn(tokens, H, generator=generator)
+    experts = torch.stack([torch.randperm(E, generator=generator)[:K] for _ in range(tokens)])
+    weights = torch.rand(tokens, K, generator=generator)
+    predicted = torch.tensor([[50, 51]] * 3 + [[52, 51]] * 2 + [[53, 50]] * 4)  # 50 x7, 51 x5, 53 x4, 52 x2
+    outputs = []
+    for guess in (predicted, None):
+        slots = RecordingSlots()
+        slots.sizes = [E]  # the layer's share holds them all: one call
+        outputs.append(StoreExperts(slots, E, Prediction(prompt_max_tokens=16)).from_store(
+            5, x, weights, experts, guess))
+        assert [call[2:] for call in slots.calls] == [(None, None)]  # the layer's own stream looks nowhere
+        assert slots.calls[0][1] == sorted(set(experts.flatten().tolist()))
+        assert slots.prefetches == ([(6, [50, 51, 53, 52])] if guess is not None else [])
+    assert torch.equal(outputs[0], outputs[1]) and not filled

@@ -98,6 +98,27 @@ def test_a_streamed_prompt_gives_the_one_chunk_logits_bit_for_bit(greedy, monkey
     assert torch.equal(logits[0], logits[1])
 
 
+def test_a_short_prompts_prefetch_of_the_next_layer_changes_no_logit(greedy):
+    """`prompt_prefetch_max_tokens`: a prompt step through a small store prefetches each next
+    layer's guessed experts (counted as prefetches issued), and its logits are the same bits as
+    without. Control: off, a prompt prefetches nothing."""
+    pack = greedy.pack
+    stride = pack.manifest.document["experts"]["record_stride"]
+    layers = len(pack.manifest.config.layer_types)
+    slots = (pack.manifest.config.num_experts_per_tok + 2) * layers
+    prompt = torch.tensor(greedy.prompts[1])
+    found = {}
+    for tokens in (64, 0):
+        config = EngineConfig(dtype="float32", prompt_prefetch_max_tokens=tokens)
+        with build_store(pack, StoreConfig(vram_budget=slots * stride, rebalance=False), device_reserved=0,
+                         poison=True) as store:
+            model = engine_model(PackWeights(pack), store, config, torch.float32, torch.device("cpu"))
+            logits = model(prompt, model.new_state()).logits
+            found[tokens] = (logits, store.stats.total().prefetch_issued)
+    assert found[64][1] > 0 and found[0][1] == 0
+    assert torch.equal(found[64][0], found[0][0])
+
+
 def _workload(path, prompts=PROMPTS, max_tokens=4):
     path.write_text("\n".join(json.dumps({"prompt": p, "max_tokens": max_tokens}) for p in prompts) + "\n")
     return path

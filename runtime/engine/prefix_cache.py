@@ -28,6 +28,7 @@ stays live there.
 
 from __future__ import annotations
 
+import array
 import queue
 import threading
 import time
@@ -48,7 +49,10 @@ def entry_key(length: int, digest: int) -> str:
 def prefix_digests(tokens: list[int], lengths: list[int]) -> dict[int, int]:
     """xxh64 of tokens[:L] for each L in `lengths` (each at most len(tokens)), in one pass."""
     hasher, done, digests = xxhash.xxh64(), 0, {}
-    data = torch.tensor(tokens, dtype=torch.int64).numpy().tobytes()
+    # int64 in the machine's order, as torch lays them out (stored entries' keys are these digests);
+    # a request hashes its prompt a few times before its first token, and array converts a list of
+    # 32k ids in 0.5 ms where torch takes 2 (the VM)
+    data = array.array("q", tokens).tobytes()
     for length in sorted(set(lengths)):
         hasher.update(data[8 * done:8 * length])
         done = length

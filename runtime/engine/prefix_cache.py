@@ -101,12 +101,15 @@ class PrefixCache:
         """Restore into `state` the longest saved prefix of `tokens` that leaves a token to prefill;
         returns its length (0: nothing found, `state` untouched)."""
         start = time.perf_counter()
-        lengths = self._candidate_lengths(len(tokens) - 1)
+        stored_keys = set(self.stored.keys()) if self.stored is not None else set()
+        lengths = self._candidate_lengths(len(tokens) - 1, stored_keys)
         digests = prefix_digests(tokens, lengths) if lengths else {}
         for length in sorted(digests, reverse=True):
             key = entry_key(length, digests[length])
             saved, stored = self._live_state(key), False
-            if saved is None and self.stored is not None:
+            # only this prompt's own stored prefixes are read: other prompts' entries of the same
+            # lengths would each cost a failed open (thousands in a long-running server's folder)
+            if saved is None and key in stored_keys:
                 saved, stored = self._read_stored(key, state), True
             if saved is None:
                 continue
@@ -267,12 +270,11 @@ class PrefixCache:
             self._live.move_to_end(key)
             return entry.state
 
-    def _candidate_lengths(self, longest: int) -> list[int]:
+    def _candidate_lengths(self, longest: int, stored_keys: set[str]) -> list[int]:
         with self._lock:
             lengths = [length for length in self._lengths if length <= longest]
-        if self.stored is not None:
-            lengths += [length for length in (int(key.split("-", 1)[0]) for key in self.stored.keys()) if length <= longest]
-        return lengths
+        stored = (key.split("-", 1)[0] for key in stored_keys)  # a stray file's name need not parse
+        return lengths + [int(length) for length in stored if length.isdigit() and int(length) <= longest]
 
     def to_dict(self) -> dict:
         with self._lock:

@@ -245,6 +245,33 @@ def test_a_restarted_engine_restores_from_stored_states(tiny_pack, tmp_path):
     assert stored_states.SUFFIX == ".fpstate" and list(tmp_path.rglob("*.fpstate"))
 
 
+def test_a_lookup_reads_only_its_own_prefixes_entries(engine, tmp_path, monkeypatch):
+    """Other prompts' entries of the lengths a prompt could restore are never opened (each would be
+    a failed open and a stored miss: thousands in a long-running server's folder), nor is a stray
+    file; the prompt's own entry is. Control: an entry of this prompt's prefix is read and restored."""
+    from flashpack.runtime.engine.prefix_cache import PrefixCache
+
+    stored = StoredStates(tmp_path, 1 << 30, "pack")
+    cache = PrefixCache(ram_budget=0, stored=stored)  # nothing live: every hit comes from the disk
+    ids = lambda seed: torch.randint(5, 1000, (40,), generator=torch.Generator().manual_seed(seed)).tolist()  # noqa: E731
+    for seed in range(4):  # four other prompts' entries of lengths 10-40
+        other = ids(10 + seed)
+        cache.save(other[:10 * (seed + 1)], _state(engine, 10 * (seed + 1), seed))
+    mine = ids(1)
+    cache.save(mine[:20], _state(engine, 20, 7))
+    stored.flush()
+    (tmp_path / "notes.fpstate").write_bytes(b"a user's file")
+    opened = []
+    real_get = stored.get
+    monkeypatch.setattr(stored, "get", lambda key, *args, **kwargs: opened.append(key) or real_get(key, *args, **kwargs))
+    state = engine.step.new_state()
+    assert cache.restore_longest(mine + [3, 4], state) == 20
+    assert len(opened) == 1 and opened[0].startswith("20-") and stored.stats()["misses"] == 0
+    assert _equal(state, _state(engine, 20, 7))
+    assert (tmp_path / "notes.fpstate").exists()
+    stored.close()
+
+
 def test_strided_parts_are_encoded_as_torch_would_copy_them():
     """The codec copies an attention cache's filled part (strided) with numpy, off torch's thread
     pool: the bytes are torch's own contiguous copy's, for every dtype a state holds."""

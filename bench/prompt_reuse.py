@@ -21,7 +21,7 @@ Two scenarios, each skipped at 0:
 Replies go back as text, encoded again with the rest, as a chat client sends them. A trained
 model's reply text encodes back to the tokens it generated, so a follow-up finds the checkpoint at
 the end of the reply and prefills only the new turn; a synthetic pack's random replies do not
-survive decoding (run 79: a 32-token reply came back as 68), so there the follow-up prefills its
+survive decoding (a 32-token reply comes back as 68 tokens), so there the follow-up prefills its
 reply again. `--reply-ids` sends each reply back as the tokens generated instead (`chat_ids`): the
 follow-up a trained model's client would send.
 

@@ -51,7 +51,7 @@ def prefix_digests(tokens: list[int], lengths: list[int]) -> dict[int, int]:
     hasher, done, digests = xxhash.xxh64(), 0, {}
     # int64 in the machine's order, as torch lays them out (stored entries' keys are these digests);
     # a request hashes its prompt a few times before its first token, and array converts a list of
-    # 32k ids in 0.5 ms where torch takes 2 (the VM)
+    # ids several times faster than torch
     data = array.array("q", tokens).tobytes()
     for length in sorted(set(lengths)):
         hasher.update(data[8 * done:8 * length])

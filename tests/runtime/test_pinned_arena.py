@@ -90,8 +90,8 @@ def test_a_host_copy_is_exact_aligned_and_disjoint_from_the_next(engine):
 def test_a_restore_from_a_host_copy_reads_only_contiguous_sources(engine):
     """A snapshot's attention buffers round up to the block ratio, so after a length that is not a
     multiple of it all heads' keys together are strided; a strided pinned source is gathered into
-    pageable memory before it crosses to the GPU (live hits of 32,835 tokens restored at ~10 GB/s on
-    the H100 against 0.009 s for 32,804). Every copy the restore makes must read one contiguous run.
+    pageable memory before it crosses to the GPU, at a fraction of the link's rate. Every copy the
+    restore makes must read one contiguous run.
     Control: the filled keys of all heads at once are strided."""
     from torch.utils._python_dispatch import TorchDispatchMode
 

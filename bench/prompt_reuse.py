@@ -191,15 +191,30 @@ def reuse_off(engine):
         engine.generator.prefix_cache = cache
 
 
+# What the expert store did before a request's first token: where its records came from.
+STORE_COUNTS = ("requests", "device_hits", "host_hits", "disk_reads", "bytes_host_to_device", "bytes_disk_to_host",
+                "prefetch_issued", "prefetch_from_disk")
+
+
+def store_counts(engine) -> dict | None:
+    """The store's totals of STORE_COUNTS and its seconds waiting on loads (None without a store)."""
+    if engine.store is None:
+        return None
+    stats = engine.store.stats
+    total = stats.total()
+    return {**{name: getattr(total, name) for name in STORE_COUNTS}, "wait_s": stats.wait_seconds}
+
+
 def request(engine, ids: list[int], max_tokens: int, saves: SaveClock | None) -> dict:
     """Answer `ids` (checkpoints at its message boundaries, as the server does); its TTFT, tokens
     restored, the seconds of that restore, of the checkpoints saved and of the garbage collector's
-    pauses (all of them, and the longest) before the first token."""
+    pauses (all of them, and the longest), and what the expert store moved, before the first token."""
     cache = engine.generator.prefix_cache
+    counted_before = store_counts(engine)
     restored_before = cache.stats.restore_seconds if cache is not None else 0.0
     saved_before = saves.seconds if saves is not None else 0.0
     collected_before, mark = engine.collector.pauses(), engine.collector.mark()
-    saved = collected = longest = None
+    saved = collected = longest = counted = None
     pieces, generated, last = [], [], None
     for event in engine.generator.stream(ids, SamplingParams(max_tokens=max_tokens),
                                          checkpoints=engine.tokenizer.message_starts(ids)):
@@ -207,6 +222,7 @@ def request(engine, ids: list[int], max_tokens: int, saves: SaveClock | None) ->
             saved = saves.seconds - saved_before if saves is not None and cache is not None else 0.0
             collected = engine.collector.pauses().since(collected_before)
             longest = engine.collector.longest_since(mark)
+            counted = store_counts(engine)
         pieces.append(event.text)
         if event.token_id is not None:
             generated.append(event.token_id)
@@ -216,7 +232,8 @@ def request(engine, ids: list[int], max_tokens: int, saves: SaveClock | None) ->
             "ttft_s": last.timings["first_token_seconds"],
             "restore_s": cache.stats.restore_seconds - restored_before if cache is not None else 0.0,
             "saves_s": saved, "gc_s": sum(collected.seconds), "gc_full_collections": collected.counts[2],
-            "gc_longest_s": longest, "text": "".join(pieces), "reply_ids": generated}
+            "gc_longest_s": longest, "text": "".join(pieces), "reply_ids": generated,
+            "store": None if counted is None else {name: counted[name] - counted_before[name] for name in counted}}
 
 
 def chat_ids(tokenizer, messages: list[dict], replies: dict[int, list[int]] | None) -> list[int]:
@@ -688,6 +705,11 @@ def _bytes(value: float | None) -> str:
     return "-" if value is None else f"{value / 1e6:.1f} MB"
 
 
+def _moved(store: dict | None) -> str:
+    """A request's expert bytes to the device and its records read from disk (store_counts)."""
+    return "-" if store is None else f"{store['bytes_host_to_device'] / 1e9:.2f} ({store['disk_reads']})"
+
+
 def markdown(report: dict) -> str:
     """The report's tables."""
     settings, budgets = report["settings"], report["budgets"]
@@ -711,8 +733,9 @@ def markdown(report: dict) -> str:
     if document:
         lines += [f"## A follow-up on a {document['document_tokens']}-token document "
                   f"({document['question_tokens']}-token question)", "",
-                  f"| request | prompt tokens | restored | new tokens | TTFT s | restore s | saves s | GC s (longest) |{head}",
-                  f"| --- | --- | --- | --- | --- | --- | --- | --- |{rule}"]
+                  f"| request | prompt tokens | restored | new tokens | TTFT s | restore s | saves s | GC s (longest) | "
+                  f"experts to device GB (records read from disk) |{head}",
+                  f"| --- | --- | --- | --- | --- | --- | --- | --- | --- |{rule}"]
         for name, key in (("first turn (document)", "first_turn"), ("follow-up, no reuse", "no_reuse"),
                           ("follow-up, live hit", "live_hit"),
                           ("another question, live hit", "live_hit_again"),
@@ -720,7 +743,7 @@ def markdown(report: dict) -> str:
             row = document[key]
             lines.append(f"| {name} | {row['prompt_tokens']} | {row['cached_tokens']} | {row['new_tokens']} | "
                          f"{_seconds(row['ttft_s'])} | {_seconds(row['restore_s'])} | {_seconds(row['saves_s'])} | "
-                         f"{_seconds(row['gc_s'])} ({_seconds(row['gc_longest_s'])}) |"
+                         f"{_seconds(row['gc_s'])} ({_seconds(row['gc_longest_s'])}) | {_moved(row.get('store'))} |"
                          + (f" {_seconds(row['ttft_at_layers_s'])} |" if scaled else ""))
         entry, goals = document.get("stored_entry"), document["targets"]
         lines.append("")

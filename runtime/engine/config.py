@@ -89,10 +89,11 @@ class EngineConfig:
     # Start those prefetches while this layer's own loads land (True) or once they have (False).
     prefetch_during_loads: bool = True
     # A prompt step of up to this many tokens through a store (a follow-up's new tokens) prefetches
-    # the next layer's predicted experts too, once its own loads are queued: otherwise the link idles
-    # while each layer's mixer runs and its ids come back (two thirds of a 91-token extension at
-    # 24/64, PERFORMANCE.md). 0: off; a bench option until measured on the GPU
-    # (`--set prompt_prefetch_max_tokens=256`).
+    # the next layer's predicted experts too, once its own loads are queued, so the link works while
+    # each layer's mixer runs and its ids come back. 0: off, a bench option
+    # (`--set prompt_prefetch_max_tokens=256`): at 24/64 about half its guesses went unused, the
+    # follow-up's own reads from disk rose by half, and a live hit took longer with it
+    # (PERFORMANCE.md, *Prompt-state reuse*).
     prompt_prefetch_max_tokens: int = 0
     # Also read from disk into the host cache the records the layer after next is predicted to pick
     # (a disk read takes about as long as a layer).

@@ -101,3 +101,24 @@ def test_chat_ids_put_each_reply_back_as_its_generated_tokens():
     spaced = [*messages[:3], {"role": "assistant", "content": " yes"}, messages[4]]
     with pytest.raises(ValueError, match="not rendered"):
         chat_ids(_ChatTokenizer(strip_replies=True), spaced, {3: [903]})
+
+
+def test_store_counts_are_the_store_totals_over_its_layers():
+    """What a request's row subtracts: the totals over every layer, and the store's wait; none
+    without a store."""
+    from types import SimpleNamespace
+
+    from flashpack.bench.prompt_reuse import _moved, store_counts
+    from flashpack.runtime.store.stats import StoreStats
+
+    assert store_counts(SimpleNamespace(store=None)) is None
+    stats = StoreStats()
+    stats.bump(0, requests=10, device_hits=4, host_hits=5, disk_reads=1, bytes_host_to_device=6_000_000_000)
+    stats.bump(3, requests=2, disk_reads=2, bytes_disk_to_host=500)
+    stats.add_time("wait_seconds", 0.25)
+    counted = store_counts(SimpleNamespace(store=SimpleNamespace(stats=stats)))
+    assert counted == {"requests": 12, "device_hits": 4, "host_hits": 5, "disk_reads": 3,
+                       "bytes_host_to_device": 6_000_000_000, "bytes_disk_to_host": 500, "prefetch_issued": 0,
+                       "prefetch_from_disk": 0, "wait_s": 0.25}
+    assert _moved(counted) == "6.00 (3)"
+    assert _moved(None) == "-"

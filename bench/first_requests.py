@@ -40,6 +40,7 @@ import torch
 
 from flashpack.layout.pack import Pack
 from flashpack.runtime.bench.emulate import check_layers, scaled_budgets
+from flashpack.runtime.bench.first_use import device_segments_allocated
 from flashpack.runtime.bench.machine import machine_info
 from flashpack.runtime.bench.sizes import model_sizes
 from flashpack.runtime.engine.build import load_engine, parse_device, parse_dtype
@@ -79,15 +80,10 @@ def built_between(caches: list[Path], start: float, end: float) -> list[str]:
     return sorted(names)
 
 
-def _device_segments() -> int:
-    """Memory segments torch's CUDA allocator has taken from the driver so far (cudaMalloc calls)."""
-    return torch.cuda.memory_stats().get("segment.all.allocated", 0) if torch.cuda.is_available() else 0
-
-
 def request(engine, ids: list[int], reply_tokens: int, profiles: Path, name: str) -> dict:
     profiler = cProfile.Profile()
     pieces, last = [], None
-    segments, began = _device_segments(), time.time()
+    segments, began = device_segments_allocated(), time.time()
     profiler.enable()
     for event in engine.generator.stream(ids, SamplingParams(max_tokens=reply_tokens),
                                          checkpoints=engine.tokenizer.message_starts(ids)):
@@ -102,7 +98,7 @@ def request(engine, ids: list[int], reply_tokens: int, profiles: Path, name: str
     (profiles / f"profile-{name.replace(' ', '-')}.txt").write_text(text.getvalue())
     return {"request": name, "prompt_tokens": len(ids), "cached_tokens": last.timings["cached_tokens"],
             "ttft_s": last.timings["first_token_seconds"], "total_s": last.timings["total_seconds"],
-            "device_segments_allocated": _device_segments() - segments,
+            "device_segments_allocated": device_segments_allocated() - segments,
             "window": [began, ended], "text": "".join(pieces)}
 
 

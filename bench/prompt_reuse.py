@@ -65,12 +65,12 @@ from pathlib import Path
 import numpy
 import torch
 import transformers
-from torch._dynamo.utils import counters as dynamo_counters
 
 from flashpack.layout.pack import Pack
 from flashpack.runtime.bench.bandwidth import disk_read
 from flashpack.runtime.bench.gaps import gpu_gaps, load_trace
 from flashpack.runtime.bench.emulate import BUDGET_FORMULA, LayerKinds, check_layers, scale_to_layers, scaled_budgets
+from flashpack.runtime.bench.first_use import device_segments_allocated, frames_compiled
 from flashpack.runtime.bench.machine import machine_info
 from flashpack.runtime.bench.sizes import model_sizes
 from flashpack.runtime.engine.build import load_engine, parse_device, parse_dtype
@@ -206,23 +206,17 @@ def store_counts(engine) -> dict | None:
     return {**{name: getattr(total, name) for name in STORE_COUNTS}, "wait_s": stats.wait_seconds}
 
 
-def frames_compiled() -> int:
-    """Python frames TorchDynamo has compiled in this process so far (a request that adds some
-    traced and built, or loaded from the compile caches, a graph its warm-up did not leave)."""
-    return dynamo_counters["frames"]["ok"]
-
-
 def request(engine, ids: list[int], max_tokens: int, saves: SaveClock | None) -> dict:
     """Answer `ids` (checkpoints at its message boundaries, as the server does); its TTFT, tokens
     restored, the seconds of that restore, of the checkpoints saved and of the garbage collector's
-    pauses (all of them, and the longest), what the expert store moved and the frames compiled,
-    before the first token."""
+    pauses (all of them, and the longest), what the expert store moved, and the frames compiled and
+    device memory segments allocated (runtime/bench/first_use.py), before the first token."""
     cache = engine.generator.prefix_cache
-    counted_before, compiled_before = store_counts(engine), frames_compiled()
+    counted_before, first_use_before = store_counts(engine), (frames_compiled(), device_segments_allocated())
     restored_before = cache.stats.restore_seconds if cache is not None else 0.0
     saved_before = saves.seconds if saves is not None else 0.0
     collected_before, mark = engine.collector.pauses(), engine.collector.mark()
-    saved = collected = longest = counted = compiled = None
+    saved = collected = longest = counted = first_use = None
     pieces, generated, last = [], [], None
     for event in engine.generator.stream(ids, SamplingParams(max_tokens=max_tokens),
                                          checkpoints=engine.tokenizer.message_starts(ids)):
@@ -230,7 +224,7 @@ def request(engine, ids: list[int], max_tokens: int, saves: SaveClock | None) ->
             saved = saves.seconds - saved_before if saves is not None and cache is not None else 0.0
             collected = engine.collector.pauses().since(collected_before)
             longest = engine.collector.longest_since(mark)
-            counted, compiled = store_counts(engine), frames_compiled() - compiled_before
+            counted, first_use = store_counts(engine), (frames_compiled(), device_segments_allocated())
         pieces.append(event.text)
         if event.token_id is not None:
             generated.append(event.token_id)
@@ -240,7 +234,8 @@ def request(engine, ids: list[int], max_tokens: int, saves: SaveClock | None) ->
             "ttft_s": last.timings["first_token_seconds"],
             "restore_s": cache.stats.restore_seconds - restored_before if cache is not None else 0.0,
             "saves_s": saved, "gc_s": sum(collected.seconds), "gc_full_collections": collected.counts[2],
-            "gc_longest_s": longest, "frames_compiled": compiled, "text": "".join(pieces), "reply_ids": generated,
+            "gc_longest_s": longest, "frames_compiled": first_use[0] - first_use_before[0],
+            "device_segments_allocated": first_use[1] - first_use_before[1], "text": "".join(pieces), "reply_ids": generated,
             "store": None if counted is None else {name: counted[name] - counted_before[name] for name in counted}}
 
 
@@ -742,7 +737,7 @@ def markdown(report: dict) -> str:
         lines += [f"## A follow-up on a {document['document_tokens']}-token document "
                   f"({document['question_tokens']}-token question)", "",
                   f"| request | prompt tokens | restored | new tokens | TTFT s | restore s | saves s | GC s (longest) | "
-                  f"experts to device GB (records read from disk) | frames compiled |{head}",
+                  f"experts to device GB (records read from disk) | frames compiled, segments allocated |{head}",
                   f"| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |{rule}"]
         for name, key in (("first turn (document)", "first_turn"), ("follow-up, no reuse", "no_reuse"),
                           ("follow-up, live hit", "live_hit"),
@@ -752,7 +747,7 @@ def markdown(report: dict) -> str:
             lines.append(f"| {name} | {row['prompt_tokens']} | {row['cached_tokens']} | {row['new_tokens']} | "
                          f"{_seconds(row['ttft_s'])} | {_seconds(row['restore_s'])} | {_seconds(row['saves_s'])} | "
                          f"{_seconds(row['gc_s'])} ({_seconds(row['gc_longest_s'])}) | {_moved(row.get('store'))} | "
-                         f"{row.get('frames_compiled', '-')} |"
+                         f"{row.get('frames_compiled', '-')}, {row.get('device_segments_allocated', '-')} |"
                          + (f" {_seconds(row['ttft_at_layers_s'])} |" if scaled else ""))
         entry, goals = document.get("stored_entry"), document["targets"]
         lines.append("")

@@ -672,7 +672,8 @@ def notes(layers: int, target: int) -> dict[str, str]:
         "ttft": "TTFT is the generator's first_token_seconds: from the request to its first token chosen, the "
                 "restore, the prefill of what was not restored and the checkpoints saved before the first token "
                 "(a host copy of the state at each message boundary) included. restore_s and saves_s are those two "
-                "parts; gc_s the garbage collector's pauses before the first token (gc_longest_s the longest, "
+                "parts (a stored hit's state is restored as it arrives, layer by layer beside the prefill: its "
+                "restore_s is the opening and the waits for bytes the layers did not hide); gc_s the garbage collector's pauses before the first token (gc_longest_s the longest, "
                 "gc_full_collections the full ones), whatever thread they stopped: the heap is frozen after each "
                 "warm-up unless --set freeze_heap=false (runtime/engine/collector.py).",
         "document": "The follow-up (first turn, its reply, then the question) is the same prompt each way. The first "
@@ -693,8 +694,11 @@ def notes(layers: int, target: int) -> dict[str, str]:
                     "added as it is (a walk of the heap, whatever the layers); restore_s and saves_s move state bytes and are scaled by the state's bytes at the full layer count over its "
                     "bytes in the pack (at the row's prompt length): DeltaNet and attention layers' parts each by "
                     "their layer counts (layer_counts, the pack's attention pattern continued), PLE and MTP parts "
-                    "as they are. The stored entry's file scales by the same ratio; its target is max(1.0 s, its "
-                    "bytes at full layers / the O_DIRECT disk rate + 0.2 s).") if scaled else
+                    "as they are. A stored hit's read overlaps its prefill, so its scaled TTFT errs high: the "
+                    "layers' work it hid is scaled as layer time, and the waits left as state bytes, where the "
+                    "read at full layers would hide more of the (longer) prefill. The stored entry's file "
+                    "scales by the same ratio; its target is max(1.0 s, its bytes at full layers / the O_DIRECT "
+                    "disk rate + 0.2 s).") if scaled else
                    "Nothing scaled: --emulate-layers not given (or the pack's own count).",
         "budgets": f"Budgets typed for {target} layers, scaled to the pack's {layers}: {BUDGET_FORMULA}.",
     }

@@ -23,7 +23,7 @@ and are restored in place when they have room, because CUDA-graph decode reads t
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -264,6 +264,9 @@ class SequenceState:
     ple: dict[int, PLEState]
     mtp_input: torch.Tensor | None = None  # [1, hc * H]
     _tracked_from: tuple[int, dict[int, int]] | None = None  # (position, attention lengths) at track()
+    # A saved state still arriving (runtime/engine/arriving_state.py): its layers are restored as the
+    # model reaches them (`arrive`), the rest before anything else reads the state (`arrive_all`).
+    arriving: object | None = field(default=None, repr=False, compare=False)
 
     @classmethod
     def empty(cls, cfg: TextConfig, dtype: torch.dtype, device: torch.device | str) -> "SequenceState":
@@ -345,24 +348,59 @@ class SequenceState:
 
         State is copied into this state's own buffers (attention caches too, while they have
         room), so CUDA graphs captured against them (runtime/engine/decode_graphs.py) stay valid
-        across a rollback."""
-        device = self._device()
+        across a rollback. A state still arriving is let go first."""
+        self.begin_restore(snapshot)
+        for layer in snapshot.layers():
+            self.restore_layer(snapshot, layer)
+        self.end_restore(snapshot)
+
+    def begin_restore(self, snapshot: "SequenceState") -> None:
+        """The first part of `restore`: the position; each layer's parts follow (`restore_layer`),
+        then `end_restore`."""
+        if self.arriving is not None:
+            arriving, self.arriving = self.arriving, None
+            arriving.abandon()
         self.position = snapshot.position
-        self.mtp_input = None if snapshot.mtp_input is None else snapshot.mtp_input.to(device, copy=True, non_blocking=True)
+        self.mtp_input = None
         self._untrack()  # a step cut short while tracked (an error mid-verify) leaves nothing behind
-        # the copies are queued, not waited for one by one (a wait each holds the host ~46 times on
-        # 16 layers); a host snapshot is waited for once at the end, as its memory may be reused
-        # (another entry's, in the pinned arena) as soon as this returns
-        for layer, saved in snapshot.deltanet.items():
+
+    def restore_layer(self, snapshot: "SequenceState", layer: int) -> None:
+        """`snapshot`'s parts of `layer` copied in. The copies are queued, not waited for one by one
+        (a wait each holds the host ~46 times on 16 layers): `end_restore` waits for them once."""
+        if layer in snapshot.deltanet:
+            saved = snapshot.deltanet[layer]
             self.deltanet[layer].conv.copy_(saved.conv, non_blocking=True)
             self.deltanet[layer].recurrent.copy_(saved.recurrent, non_blocking=True)
-        for layer, saved in snapshot.ple.items():
+        if layer in snapshot.ple:
+            saved = snapshot.ple[layer]
             self.ple[layer].context = saved.context.clone()
             self.ple[layer].conv.copy_(saved.conv, non_blocking=True)
-        for layer, saved in snapshot.attention.items():
-            self.attention[layer].load(saved)
+        if layer in snapshot.attention:
+            self.attention[layer].load(snapshot.attention[layer])
+
+    def end_restore(self, snapshot: "SequenceState") -> None:
+        """The last part of `restore`: the MTP head's input, and a host snapshot's copies waited
+        for, as its memory may be reused (another entry's, in the pinned arena) once this returns."""
+        device = self._device()
+        self.mtp_input = None if snapshot.mtp_input is None else snapshot.mtp_input.to(device, copy=True, non_blocking=True)
         if device.type == "cuda" and snapshot._device().type == "cpu":
             torch.cuda.current_stream(device).synchronize()
+
+    def layers(self) -> list[int]:
+        """Every layer this state holds a part of, ascending (the MTP head's after the backbone's)."""
+        return sorted({*self.deltanet, *self.ple, *self.attention})
+
+    def arrive(self, layer: int) -> None:
+        """Before `layer` runs: its parts of a state still arriving, restored once its bytes are in."""
+        if self.arriving is not None:
+            self.arriving.layer(layer)
+
+    def arrive_all(self) -> None:
+        """Every part of a state still arriving restored (waiting for its last bytes): before
+        anything reads the state whole."""
+        if self.arriving is not None:
+            arriving, self.arriving = self.arriving, None
+            arriving.finish()
 
     def to(self, device: torch.device, pin: bool = False, allocate: Allocate | None = None) -> "SequenceState":
         """A copy on `device` (pinned host memory with `pin`: a GPU copies it back asynchronously).

@@ -34,6 +34,7 @@ import torch
 
 from flashpack.errors import FlashpackError
 from flashpack.runtime.detokenize import IncrementalDetokenizer, StopStringFilter
+from flashpack.runtime.engine.arriving_state import StoredStateLost
 from flashpack.runtime.engine.prefix_cache import PrefixCache
 from flashpack.runtime.engine.speculative import SpeculativeDecoder
 from flashpack.runtime.logprobs import LogprobRequest, TokenLogprob, prompt_logprobs, token_logprobs
@@ -119,7 +120,8 @@ class Generator:
         stop_ids = set(params.stop_token_ids) | set(self.tokenizer.stop_token_ids)
         detok = IncrementalDetokenizer(self.tokenizer.tokenizer)
         stops = StopStringFilter(params.stop_strings)
-        state = self._fresh_state(min(limit, len(prompt_ids) + min(params.max_tokens, RESERVE_MAX_TOKENS) + 1))
+        state_room = min(limit, len(prompt_ids) + min(params.max_tokens, RESERVE_MAX_TOKENS) + 1)
+        state = self._fresh_state(state_room)
         start = time.perf_counter()
         whole_prompt = logprobs is not None and logprobs.prompt
         cached = 0
@@ -132,8 +134,12 @@ class Generator:
         # drafters start once the first token is out: prompt lookup's index of a 32k-token prompt would
         # add ~70 ms to the time to first token
         drafting = False
-        logits, streams = self._prefill(prompt_ids, state, cached, checkpoints, keep_streams=whole_prompt,
-                                        observe=None if speculation is None else speculation.observe)
+        observe = None if speculation is None else speculation.observe
+        try:
+            logits, streams = self._prefill(prompt_ids, state, cached, checkpoints, whole_prompt, observe)
+        except StoredStateLost:  # a stored state failed partway through its read: prefill it all
+            state, cached = self._fresh_state(state_room), 0
+            logits, streams = self._prefill(prompt_ids, state, cached, checkpoints, whole_prompt, observe)
         if whole_prompt:
             yield GenerationEvent("", prompt_logprobs=prompt_logprobs(self.step, streams, prompt_ids, logprobs.top_n))
         # sampled where the logits are: on a GPU only the token id comes back (a top-p cut sorts the

@@ -22,8 +22,9 @@ hundreds of MB at 32k tokens: the request's first token does not wait for that c
 arena has no free range large enough, the least recently used host entries make room; an entry
 that still finds none, or whose copy fails, is dropped. With a StoredStates tier (stored_states.py)
 every saved entry is also written to disk in the background, and a prompt that finds nothing live
-looks there; on a GPU a stored entry is read straight into the arena, restored from there, and
-stays live there.
+looks there: a stored entry is restored layer by layer as the disk delivers it, beside the prefill
+of the new tokens (arriving_state.py), and stays live where it was read (on a GPU a block of the
+arena).
 """
 
 from __future__ import annotations
@@ -35,9 +36,11 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
+import numpy
 import torch
 import xxhash
 
+from flashpack.runtime.engine.arriving_state import ArrivingState
 from flashpack.runtime.engine.pinned_arena import PinnedArena
 from flashpack.runtime.state import SequenceState
 
@@ -99,7 +102,9 @@ class PrefixCache:
 
     def restore_longest(self, tokens: list[int], state: SequenceState) -> int:
         """Restore into `state` the longest saved prefix of `tokens` that leaves a token to prefill;
-        returns its length (0: nothing found, `state` untouched)."""
+        returns its length (0: nothing found, `state` untouched). A stored entry is restored as it
+        arrives (arriving_state.py): its layers land as the model reaches them, all of them at
+        `state.arrive_all()`, which raises StoredStateLost where the entry fails partway."""
         start = time.perf_counter()
         stored_keys = set(self.stored.keys()) if self.stored is not None else set()
         lengths = self._candidate_lengths(len(tokens) - 1, stored_keys)
@@ -110,7 +115,11 @@ class PrefixCache:
             # only this prompt's own stored prefixes are read: other prompts' entries of the same
             # lengths would each cost a failed open (thousands in a long-running server's folder)
             if saved is None and key in stored_keys:
-                saved, stored = self._read_stored(key, state), True
+                arriving = self._arrive_stored(key, length, state, start)
+                if arriving:
+                    return length
+                if arriving is None:  # no room in the arena: read whole onto the device
+                    saved, stored = self._read_stored(key, state), True
             if saved is None:
                 continue
             state.restore(saved)
@@ -197,6 +206,58 @@ class PrefixCache:
                 self.stored.put(key, length, host)
             self._copies.task_done()
         self._copies.task_done()
+
+    def _arrive_stored(self, key: str, length: int, state: SequenceState, started: float) -> bool | None:
+        """Restore the stored entry `key` into `state` as the disk delivers it (arriving_state.py):
+        read into a block of the arena on a GPU, a host buffer of its own on a CPU, and live from
+        there once read whole and checked. True once started; False where the entry is missing or
+        damaged before its tensors, None where the arena has no room: `state` untouched either way.
+        A request whose entry fails partway is counted a miss (its prefill then starts afresh: the
+        generator's)."""
+        gpu = self.pinned is not None and _on_device(state)
+        blocks, no_room = [], []
+
+        def buffer(nbytes: int):
+            if not gpu:
+                return numpy.empty(nbytes, dtype=numpy.uint8)
+            block = self._in_arena(key, lambda: self.pinned.block(nbytes))
+            if block is None:
+                no_room.append(nbytes)
+                return None
+            blocks.append(block)
+            return block.data.numpy()
+
+        found = self.stored.arriving(key, state, buffer)
+        if found is None:
+            for block in blocks:
+                block.release()
+            return None if no_room else False
+        saved, read, ends = found
+        opened = time.perf_counter() - started
+
+        def done(saved: SequenceState, waited: float) -> None:
+            for block in blocks:
+                block.held_by(saved)
+            self.stored.found(key)
+            self._keep(key, length, saved, write=False)  # a stored hit becomes live again
+            with self._lock:
+                self.stats.hits += 1
+                self.stats.stored_hits += 1
+                self.stats.tokens_reused += length
+                self.stats.restore_seconds += opened + waited
+
+        def lost(error: BaseException | None) -> None:
+            if gpu:  # copies out of the block may still be queued
+                torch.cuda.current_stream().synchronize()
+            for block in blocks:
+                block.release()
+            if error is not None:
+                self.stored.lost(key, error)
+                with self._lock:
+                    self.stats.misses += 1
+
+        ArrivingState(state, saved, read, ends, done, lost)
+        return True
 
     def _read_stored(self, key: str, like: SequenceState) -> SequenceState | None:
         """The stored entry `key`: with an arena and a GPU state, read straight into a block of it

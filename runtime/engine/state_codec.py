@@ -32,16 +32,20 @@ def encode_state(state: SequenceState) -> list[memoryview]:
     """The state's safetensors bytes in pieces: the header, then each tensor's bytes (views of the
     state's host tensors where they are contiguous, which a live entry's are)."""
     tensors: dict[str, torch.Tensor] = {}
-    for layer, part in state.deltanet.items():
-        tensors[f"deltanet.{layer}.conv"], tensors[f"deltanet.{layer}.recurrent"] = part.conv, part.recurrent
-    for layer, part in state.ple.items():
-        tensors[f"ple.{layer}.context"], tensors[f"ple.{layer}.conv"] = part.context, part.conv
     lengths = {}
-    for layer, cache in state.attention.items():
-        for name, tensor in zip(("keys", "values", "index_keys", "block_keys"),
-                                (cache.keys, cache.values, cache.index_keys, cache.block_keys)):
-            tensors[f"attention.{layer}.{name}"] = tensor
-        lengths[layer] = [cache.length, cache.blocks]
+    for layer in state.layers():  # layer by layer: a reader can restore each layer as its bytes land
+        if layer in state.deltanet:
+            part = state.deltanet[layer]
+            tensors[f"deltanet.{layer}.conv"], tensors[f"deltanet.{layer}.recurrent"] = part.conv, part.recurrent
+        if layer in state.ple:
+            part = state.ple[layer]
+            tensors[f"ple.{layer}.context"], tensors[f"ple.{layer}.conv"] = part.context, part.conv
+        if layer in state.attention:
+            cache = state.attention[layer]
+            for name, tensor in zip(("keys", "values", "index_keys", "block_keys"),
+                                    (cache.keys, cache.values, cache.index_keys, cache.block_keys)):
+                tensors[f"attention.{layer}.{name}"] = tensor
+            lengths[layer] = [cache.length, cache.blocks]
     if state.mtp_input is not None:
         tensors["mtp_input"] = state.mtp_input
     tensors = {name: _contiguous_on_host(tensor) for name, tensor in tensors.items()}
@@ -143,6 +147,25 @@ def _views(data) -> dict[str, torch.Tensor]:
         flat = torch.frombuffer(data, dtype=dtype, count=count, offset=start + begin) if count else torch.empty(0, dtype=dtype)
         tensors[name] = flat.view(shape)
     return tensors
+
+
+def header_end(data) -> int:
+    """Where the tensors' bytes begin: the bytes `decode_state` needs before any tensor's (`data`
+    holds at least the first 8)."""
+    return 8 + int.from_bytes(bytes(data[:8]), "little")
+
+
+def layer_ends(data) -> dict[int, int]:
+    """For each layer, where its last tensor's bytes end in `data` (whose header is in place): a
+    state encoded layer by layer can be restored layer by layer as these bytes land."""
+    start = header_end(data)
+    ends: dict[int, int] = {}
+    for name, entry in json.loads(bytes(data[8:start])).items():
+        part, _, rest = name.partition(".")
+        if part in ("deltanet", "ple", "attention"):
+            layer = int(rest.partition(".")[0])
+            ends[layer] = max(ends.get(layer, start), start + entry["data_offsets"][1])
+    return ends
 
 
 def _metadata(data) -> dict[str, str]:

@@ -55,6 +55,7 @@ class Step:
         checked = self.checked is not None and state.tracked and self.checked.takes(count)
         if depth is not None or marks or not (one_token or checked):
             return self.model.forward(tokens, state, last_only=last_only, depth=depth, marks=marks)
+        state.arrive_all()  # the graphs read every layer's state: a stored state still arriving lands first
         host_tokens = tokens.cpu()  # the PLE layers hash them on the host: no read-back mid-step
         streams = self.model.embed(tokens.to(self.model.device)).repeat(1, self.config.hc_count)  # [T, hc*H]
         if one_token:

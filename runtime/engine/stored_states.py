@@ -6,6 +6,9 @@
       get(key, like[, buffer])  the state, or None (missing, or damaged: then the file is removed);
                                 with `buffer(nbytes)` giving a writable uint8 array, read into it
                                 and left there, views all (the prefix cache's pinned arena)
+      arriving(key, like, buffer)  the state as it is read into the buffer, its read and each
+                                layer's end: the prefix cache restores each layer as its bytes land
+                                (arriving_state.py); then found(key) once whole, or lost(key, error)
 
 One file an entry, `<key>.fpstate`:
 
@@ -14,10 +17,10 @@ One file an entry, `<key>.fpstate`:
 The header names the format, the pack's fingerprint (its manifest's xxh64), the entry's key and
 token count, and each frame's length, decompressed length and xxh64; the frames are state_codec's
 bytes, its header and each tensor cut every `frame_bytes` (16 MiB), compressed with zstandard each
-on its own. A read
-decompresses each frame on a thread pool as soon as it is read and its checksum holds, so the
-decompression (a single zstd stream decodes about 1 GB/s, slower than a fast disk reads a 1 GB
-state) runs beside the disk and on several cores. A file is written under a temporary name and
+on its own. A read (StoredRead) reads the frames in order on a thread of its own and decompresses
+each on a thread pool as soon as it is read and its checksum holds, so the decompression (a single
+zstd stream decodes about 1 GB/s, slower than a fast disk reads a 1 GB state) runs beside the disk
+and on several cores, and a layer's bytes are there to use before the file's last are read. A file is written under a temporary name and
 renamed, so a half-written entry never looks like one. A read that finds anything wrong
 (truncated, a flipped bit, another pack's or an older format's entry, a key that is not its name)
 removes the file and returns None: the caller prefills instead, and no request fails because of a
@@ -28,6 +31,8 @@ the disk budget. Only `*.fpstate` files and this tier's own temporary files are 
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import json
 import os
 import queue
@@ -41,7 +46,7 @@ import xxhash
 import zstandard
 
 from flashpack.errors import FlashpackError
-from flashpack.runtime.engine.state_codec import StateFormatError, decode_state, encode_state
+from flashpack.runtime.engine.state_codec import StateFormatError, decode_state, encode_state, header_end, layer_ends
 from flashpack.runtime.state import SequenceState
 
 MAGIC = b"FPST"
@@ -89,24 +94,16 @@ class StoredStates:
         """The stored state of `key` on `like`'s devices, or None. `buffer(nbytes)`: a numpy uint8
         array of that size to decompress into (None: it has no room), the state then left in it on
         the host, its tensors views of it."""
-        path = self.folder / f"{key}{SUFFIX}"
-        try:
-            handle = open(path, "rb")
-        except OSError:
-            self._count("misses")
+        handle = self._open(key)
+        if handle is None:
             return None
         try:
             with handle:
                 state = self._read(handle, key, like, buffer)
-        except OSError:  # gone or unreadable mid-read: a miss, the file left to the disk budget
-            self._count("misses")
+        except (OSError, *_FAULTS) as error:  # a fault: dropped; gone or unreadable mid-read: a miss
+            self.lost(key, error)
             return None
-        except (StateFormatError, zstandard.ZstdError, ValueError, KeyError, TypeError, struct.error):
-            path.unlink(missing_ok=True)
-            self._count("dropped")
-            return None
-        os.utime(path)  # least recently used goes first
-        self._count("hits")
+        self.found(key)
         return state
 
     def keys(self) -> list[str]:
@@ -128,34 +125,91 @@ class StoredStates:
         self._writer.join()
         self._decoders.shutdown()
 
-    def _read(self, handle, key: str, like: SequenceState, buffer) -> SequenceState:
+    def arriving(self, key: str, like: SequenceState, buffer) -> "tuple[SequenceState, StoredRead, dict] | None":
+        """The stored state of `key` as it arrives: read into `buffer(nbytes)` (a writable uint8
+        array; None: no room) on a thread, its frames decompressed as they land. Returns the state
+        (views of the buffer, their bytes not yet all there: `StoredRead.wait` before reading one),
+        its read and each layer's end in the buffer (state_codec.layer_ends), or None (missing, no
+        room, or found wrong before any tensor's bytes: then dropped as `get` drops it). A fault
+        found later is raised by the read's `wait`: the caller then calls `lost`, or `found` once
+        the read is whole."""
+        handle = self._open(key)
+        if handle is None:
+            return None
+        read = None
+        try:
+            header = self._header(handle, key)
+            data = buffer(sum(raw_size for _, raw_size, _ in header["frames"]))
+            if data is None:  # the caller reads it otherwise
+                handle.close()
+                return None
+            read = StoredRead(self._decoders, handle, header["frames"], data)
+            read.wait(8)
+            read.wait(header_end(data))
+            state = decode_state(data, like, on_host=True)
+            if state.position != header["tokens"]:
+                raise StateFormatError("the state's position is not its token count")
+            ends = layer_ends(data)
+        except BaseException as error:
+            if read is not None:
+                read.cancel()
+            else:
+                handle.close()
+            self.lost(key, error)
+            if isinstance(error, (OSError, *_FAULTS)):
+                return None
+            raise
+        return state, read, ends
+
+    def lost(self, key: str, error: BaseException) -> None:
+        """An entry whose read failed with `error`: a fault in it removes the file (`dropped`), an
+        unreadable disk leaves it to the disk budget (`misses`). A hit completed is counted by `found`."""
+        if isinstance(error, _FAULTS):
+            (self.folder / f"{key}{SUFFIX}").unlink(missing_ok=True)
+            self._count("dropped")
+        else:
+            self._count("misses")
+
+    def found(self, key: str) -> None:
+        """An entry read whole and checked: a hit, and the most recently used."""
+        try:
+            os.utime(self.folder / f"{key}{SUFFIX}")  # least recently used goes first
+        except OSError:
+            pass
+        self._count("hits")
+
+    def _open(self, key: str):
+        """The entry's file open for reading, or None (counted a miss)."""
+        try:
+            return open(self.folder / f"{key}{SUFFIX}", "rb")
+        except OSError:
+            self._count("misses")
+            return None
+
+    def _header(self, handle, key: str) -> dict:
+        """The entry's header (its frames: length, decompressed length, xxh64; its tokens), the
+        prefix and header checked."""
         magic, version, length = _PREFIX.unpack(_exactly(handle, _PREFIX.size))
         if magic != MAGIC or version != FORMAT:
             raise StateFormatError(f"format {version}, not {FORMAT}")
         header = json.loads(_exactly(handle, length))
         if header["fingerprint"] != self.fingerprint or header["key"] != key:
             raise StateFormatError("an entry of another pack or key")
+        return header
+
+    def _read(self, handle, key: str, like: SequenceState, buffer) -> SequenceState:
+        header = self._header(handle, key)
         frames = header["frames"]
         total = sum(raw_size for _, raw_size, _ in frames)
         data = None if buffer is None else buffer(total)
         on_host = data is not None
         if data is None:
             data = bytearray(total)
-        view, parts, offset = memoryview(data), [], 0  # each frame decompressed into its place
+        read = StoredRead(self._decoders, handle, frames, data)
         try:
-            for size, raw_size, digest in frames:
-                frame = _exactly(handle, size)
-                if xxhash.xxh64(frame).hexdigest() != digest:  # checked before a byte is decompressed
-                    raise StateFormatError("a frame fails its checksum")
-                parts.append(self._decoders.submit(_decompress_into, frame, view[offset:offset + raw_size]))
-                offset += raw_size
-            if handle.read(1):
-                raise StateFormatError("bytes after the last frame")
-            for part in parts:
-                part.result()
+            read.wait_all()
         finally:
-            for part in parts:
-                part.cancel()
+            read.cancel()
         state = decode_state(data, like, on_host=on_host)
         if state.position != header["tokens"]:
             raise StateFormatError("the state's position is not its token count")
@@ -210,6 +264,79 @@ class StoredStates:
     def _count(self, name: str) -> None:
         with self._lock:
             self._counts[name] += 1
+
+
+# What a damaged, foreign or old-format entry raises as it is read and decoded (an OSError is the
+# disk's, not the entry's).
+_FAULTS = (StateFormatError, zstandard.ZstdError, ValueError, KeyError, TypeError, struct.error)
+
+
+class StoredRead:
+    """An entry's frames read in order on a thread of their own, each checked against its xxh64
+    before it is decompressed, on the decoder pool, into its place in `data`: `wait(end)` blocks
+    until the decoded bytes before `end` are in place, and raises what went wrong with them."""
+
+    def __init__(self, decoders: ThreadPoolExecutor, handle, frames: list, data):
+        self._ends = list(itertools.accumulate(raw_size for _, raw_size, _ in frames))
+        self._parts: list = []  # each frame's decompression, in order, as the reader submits them
+        self._checked = 0  # frames whose decompression is known to have succeeded
+        self._error: BaseException | None = None
+        self._reading, self._stop = True, False
+        self._changed = threading.Condition()
+        self._reader = threading.Thread(target=self._read, args=(decoders, handle, frames, memoryview(data)),
+                                        name="flashpack-state-read", daemon=True)
+        self._reader.start()
+
+    def wait(self, end: int) -> None:
+        needed = bisect.bisect_left(self._ends, end) + 1 if end > 0 else 0
+        with self._changed:
+            while len(self._parts) < needed and self._error is None and self._reading:
+                self._changed.wait()
+            if len(self._parts) < needed:
+                raise self._error or StateFormatError("the entry is truncated")
+        for part in self._parts[self._checked:needed]:
+            part.result()
+        self._checked = max(self._checked, needed)
+
+    def wait_all(self) -> None:
+        """Every byte in place, and nothing after the last frame."""
+        self.wait(self._ends[-1] if self._ends else 0)
+        self._reader.join()
+        if self._error is not None:
+            raise self._error
+
+    def cancel(self) -> None:
+        """Stop reading and wait until nothing writes into `data` any more (it may then be reused)."""
+        self._stop = True
+        self._reader.join()
+        for part in self._parts:
+            if not part.cancel():
+                part.exception()  # running or done: waited for, whatever it raised
+
+    def _read(self, decoders, handle, frames, view) -> None:
+        offset = 0
+        try:
+            with handle:
+                for size, raw_size, digest in frames:
+                    if self._stop:
+                        return
+                    frame = _exactly(handle, size)
+                    if xxhash.xxh64(frame).hexdigest() != digest:  # checked before a byte is decompressed
+                        raise StateFormatError("a frame fails its checksum")
+                    part = decoders.submit(_decompress_into, frame, view[offset:offset + raw_size])
+                    with self._changed:
+                        self._parts.append(part)
+                        self._changed.notify_all()
+                    offset += raw_size
+                if handle.read(1):
+                    raise StateFormatError("bytes after the last frame")
+        except BaseException as error:  # handed to whoever waits
+            with self._changed:
+                self._error = error
+        finally:
+            with self._changed:
+                self._reading = False
+                self._changed.notify_all()
 
 
 def _exactly(handle, size: int) -> bytes:

@@ -106,7 +106,9 @@ class Qwen4ExpModel(nn.Module):
         streams = self.embed(tokens.to(self.device)).repeat(1, self.config.hc_count)  # [T, hc*H]
         marked = [SequenceState(position=state.position + mark, deltanet={}, attention={}, ple={}) for mark in marks]
         for layer in self.layers[:depth]:
+            state.arrive(layer.layer)  # a stored state still being read: this layer's parts
             streams = layer(streams, host_tokens, state, marks=marks, marked=marked)
+        state.arrive_all()
         for at in marked:
             # the MTP head's caches (layers past the backbone's) start empty: its drafter fills them in
             # where it is caught up (MTPDrafter.observe), else the state gets no MTP drafts

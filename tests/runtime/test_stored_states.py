@@ -262,10 +262,12 @@ def test_a_lookup_reads_only_its_own_prefixes_entries(engine, tmp_path, monkeypa
     stored.flush()
     (tmp_path / "notes.fpstate").write_bytes(b"a user's file")
     opened = []
-    real_get = stored.get
-    monkeypatch.setattr(stored, "get", lambda key, *args, **kwargs: opened.append(key) or real_get(key, *args, **kwargs))
+    for name in ("get", "arriving"):  # read whole, or as it arrives
+        real = getattr(stored, name)
+        monkeypatch.setattr(stored, name, lambda key, *args, real=real, **kwargs: opened.append(key) or real(key, *args, **kwargs))
     state = engine.step.new_state()
     assert cache.restore_longest(mine + [3, 4], state) == 20
+    state.arrive_all()
     assert len(opened) == 1 and opened[0].startswith("20-") and stored.stats()["misses"] == 0
     assert _equal(state, _state(engine, 20, 7))
     assert (tmp_path / "notes.fpstate").exists()

@@ -188,7 +188,8 @@ def _prefix_cache(pack: Pack, config: EngineConfig, device: torch.device, states
         # a folder per pack: one pack's states never evict or collide with another's
         stored = StoredStates(Path(config.prompt_cache_dir).expanduser() / fingerprint,
                               parse_budget(config.prompt_cache_disk), fingerprint)
-    return PrefixCache(states_ram, stored, pinned)
+    arriving = config.restore_as_it_arrives
+    return PrefixCache(states_ram, stored, pinned, arriving=device.type == "cuda" if arriving is None else arriving)
 
 
 def prompt_cache_bytes(config: EngineConfig, device: torch.device, through_store: bool) -> int:

@@ -116,6 +116,12 @@ class EngineConfig:
     prompt_cache_dir: str | None = None
     # The stored entries' disk budget, least recently used removed first.
     prompt_cache_disk: str | int = "20GiB"
+    # A stored hit restored layer by layer as its bytes land, beside the prefill of the new tokens
+    # (runtime/engine/arriving_state.py), or read whole first. None: as it arrives on a GPU, whose
+    # host mostly launches kernels while the read's threads run on other cores; whole first on a
+    # CPU, where decompression and the prefill would share the same cores (slower overlapped on the
+    # 2-core VM: bench/HISTORY.md, session 32).
+    restore_as_it_arrives: bool | None = None
     # A prompt's checkpoints taken in one step as the layers pass them (Qwen4ExpModel.forward's
     # marks), or a step a segment. None: one step on a GPU, where each segment's step costs its
     # ~150 kernel launches a layer, and through a tiered store, where it fetches every layer's

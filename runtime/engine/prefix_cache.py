@@ -91,6 +91,7 @@ class PrefixCache:
     ram_budget: int  # bytes of live entries
     stored: object | None = None  # stored_states.StoredStates
     pinned: PinnedArena | None = None  # where a GPU state's host copies go (needed to save one)
+    arriving: bool = False  # a stored hit restored as it arrives (EngineConfig.restore_as_it_arrives)
     stats: CacheStats = field(default_factory=CacheStats)
 
     def __post_init__(self) -> None:
@@ -115,10 +116,10 @@ class PrefixCache:
             # only this prompt's own stored prefixes are read: other prompts' entries of the same
             # lengths would each cost a failed open (thousands in a long-running server's folder)
             if saved is None and key in stored_keys:
-                arriving = self._arrive_stored(key, length, state, start)
+                arriving = self._arrive_stored(key, length, state, start) if self.arriving else None
                 if arriving:
                     return length
-                if arriving is None:  # no room in the arena: read whole onto the device
+                if arriving is None:  # read whole first (as configured, or no room in the arena)
                     saved, stored = self._read_stored(key, state), True
             if saved is None:
                 continue

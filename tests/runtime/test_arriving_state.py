@@ -41,7 +41,7 @@ def folder(tiny_pack, tmp_path, monkeypatch):
 def _config(folder) -> EngineConfig:
     # nothing live: a follow-up restores from the disk, as after a restart
     return EngineConfig(device="cpu", dtype="float32", prompt_cache_ram="1KiB", prompt_cache_dir=str(folder),
-                        speculate="off")
+                        speculate="off", restore_as_it_arrives=True)
 
 
 def _follow_up(tiny_pack, folder, reuse: bool = True, whole: bool = False):

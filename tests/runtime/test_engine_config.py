@@ -64,7 +64,7 @@ def test_every_key_can_be_set_and_reads_back():
         else:
             value = {"device": "cuda", "dtype": "bfloat16", "experts": "store", "store.policy": "lru",
                      "speculate": "lookup", "prompt_cache_ram": "2GiB", "prompt_cache_dir": "/tmp/states", "prompt_cache_disk": "1GiB", "decoded_experts_ram": "64MiB",
-                     "checkpoints_in_one_step": True,
+                     "checkpoints_in_one_step": True, "restore_as_it_arrives": True,
                      "store.vram_budget": "8GiB", "store.ram_budget": "32GiB", "store.hot_set": "chat"}[key]
         text = str(value).lower() if isinstance(value, bool) else str(value)
         config = with_settings(EngineConfig(), [f"{key}={text}"])

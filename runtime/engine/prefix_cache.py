@@ -22,9 +22,9 @@ hundreds of MB at 32k tokens: the request's first token does not wait for that c
 arena has no free range large enough, the least recently used host entries make room; an entry
 that still finds none, or whose copy fails, is dropped. With a StoredStates tier (stored_states.py)
 every saved entry is also written to disk in the background, and a prompt that finds nothing live
-looks there: a stored entry is restored layer by layer as the disk delivers it, beside the prefill
-of the new tokens (arriving_state.py), and stays live where it was read (on a GPU a block of the
-arena).
+looks there. A stored entry stays live where it was read (on a GPU a block of the arena); with
+`arriving` (a GPU's default) it is restored layer by layer as the disk delivers it, beside the
+prefill of the new tokens (arriving_state.py), else read whole first.
 """
 
 from __future__ import annotations
@@ -103,9 +103,9 @@ class PrefixCache:
 
     def restore_longest(self, tokens: list[int], state: SequenceState) -> int:
         """Restore into `state` the longest saved prefix of `tokens` that leaves a token to prefill;
-        returns its length (0: nothing found, `state` untouched). A stored entry is restored as it
-        arrives (arriving_state.py): its layers land as the model reaches them, all of them at
-        `state.arrive_all()`, which raises StoredStateLost where the entry fails partway."""
+        returns its length (0: nothing found, `state` untouched). With `arriving` a stored entry is
+        restored as it arrives (arriving_state.py): its layers land as the model reaches them, all
+        of them at `state.arrive_all()`, which raises StoredStateLost where the entry fails partway."""
         start = time.perf_counter()
         stored_keys = set(self.stored.keys()) if self.stored is not None else set()
         lengths = self._candidate_lengths(len(tokens) - 1, stored_keys)

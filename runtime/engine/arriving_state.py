@@ -11,8 +11,9 @@ or for the prefill, not for both in turn.
 
 A fault found partway (a frame failing its checksum, a truncated file) leaves the state part
 restored: `layer` and `finish` then raise StoredStateLost, having let the read and its memory go,
-and the generator prefills the prompt afresh. So no request fails, and none computes with a state
-that was not read whole and checked (tests/runtime/test_arriving_state.py).
+and the generator prefills the prompt afresh, throwing away what the layers computed before. So no
+request fails, and no answer comes from a state that was not read whole and checked (each layer's
+frames pass their checksums before it is restored; tests/runtime/test_arriving_state.py).
 """
 
 from __future__ import annotations

@@ -119,8 +119,8 @@ class EngineConfig:
     # A stored hit restored layer by layer as its bytes land, beside the prefill of the new tokens
     # (runtime/engine/arriving_state.py), or read whole first. None: as it arrives on a GPU, whose
     # host mostly launches kernels while the read's threads run on other cores; whole first on a
-    # CPU, where decompression and the prefill would share the same cores (slower overlapped on the
-    # 2-core VM: bench/HISTORY.md, session 32).
+    # CPU, where decompression and the prefill would share the same few cores, and the read the
+    # overlap hides is less than the prefill loses to them.
     restore_as_it_arrives: bool | None = None
     # A prompt's checkpoints taken in one step as the layers pass them (Qwen4ExpModel.forward's
     # marks), or a step a segment. None: one step on a GPU, where each segment's step costs its

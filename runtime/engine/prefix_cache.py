@@ -216,23 +216,14 @@ class PrefixCache:
         A request whose entry fails partway is counted a miss (its prefill then starts afresh: the
         generator's)."""
         gpu = self.pinned is not None and _on_device(state)
-        blocks, no_room = [], []
-
-        def buffer(nbytes: int):
-            if not gpu:
-                return numpy.empty(nbytes, dtype=numpy.uint8)
-            block = self._in_arena(key, lambda: self.pinned.block(nbytes))
-            if block is None:
-                no_room.append(nbytes)
-                return None
-            blocks.append(block)
-            return block.data.numpy()
-
+        taken = []  # the arena's blocks asked for: None where it had no room
+        buffer = self._arena_buffer(key, taken) if gpu else (lambda nbytes: numpy.empty(nbytes, dtype=numpy.uint8))
         found = self.stored.arriving(key, state, buffer)
+        blocks = [block for block in taken if block is not None]
         if found is None:
             for block in blocks:
                 block.release()
-            return None if no_room else False
+            return None if None in taken else False
         saved, read, ends = found
         opened = time.perf_counter() - started
 
@@ -266,22 +257,24 @@ class PrefixCache:
         `like`'s device."""
         if self.pinned is None or not _on_device(like):
             return self.stored.get(key, like)
-        blocks = []
-
-        def buffer(nbytes: int):
-            block = self._in_arena(key, lambda: self.pinned.block(nbytes))
-            if block is None:
-                return None
-            blocks.append(block)
-            return block.data.numpy()
-
-        found = self.stored.get(key, like, buffer=buffer)
-        for block in blocks:
+        taken = []
+        found = self.stored.get(key, like, buffer=self._arena_buffer(key, taken))
+        for block in (block for block in taken if block is not None):
             if found is not None and not _on_device(found):
                 block.held_by(found)
             else:
                 block.release()
         return found
+
+    def _arena_buffer(self, key: str, taken: list):
+        """A stored read's `buffer(nbytes)`: a block of the arena (other host entries than `key`
+        evicted for room), its bytes as a numpy array, or None where there is none; each block asked
+        for (or None) is appended to `taken`, for the caller to keep or release."""
+        def buffer(nbytes: int):
+            block = self._in_arena(key, lambda: self.pinned.block(nbytes))
+            taken.append(block)
+            return None if block is None else block.data.numpy()
+        return buffer
 
     def _host_copy(self, key: str, saved: SequenceState) -> SequenceState | None:
         return self._in_arena(key, lambda: self.pinned.host_copy(saved))

@@ -471,22 +471,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 @contextmanager
 def traced(folder: Path | None, name: str, found: dict):
     """Run the block under torch.profiler (host and, on a GPU, device) where `folder` is given:
-    folder/trace-NAME.json.gz, folder/profile-NAME.txt (the operators by host and by device time)
-    and, on a GPU, in found[name] the GPU's idle time by what the host was doing."""
+    folder/trace-NAME.json.gz (with the Python calls, so a span of host time can be put down to the
+    module that spent it), folder/profile-NAME.txt (operators and Python calls by host time,
+    operators by device time) and, on a GPU, in found[name] the GPU's idle time by what the host
+    was doing."""
     if folder is None:
         yield
         return
     activities = [torch.profiler.ProfilerActivity.CPU]
     if torch.cuda.is_available():
         activities.append(torch.profiler.ProfilerActivity.CUDA)
-    with torch.profiler.profile(activities=activities) as prof:
+    with torch.profiler.profile(activities=activities, with_stack=True) as prof:
         yield
     folder.mkdir(parents=True, exist_ok=True)
     trace = folder / f"trace-{name}.json"
     prof.export_chrome_trace(str(trace))
     events = prof.key_averages()
     (folder / f"profile-{name}.txt").write_text("\n\n".join(
-        events.table(sort_by=key, row_limit=30) for key in ("cpu_time_total", "self_cpu_time_total", "self_device_time_total")))
+        events.table(sort_by=key, row_limit=rows) for key, rows in (
+            ("cpu_time_total", 100), ("self_cpu_time_total", 30), ("self_device_time_total", 30))))
     if torch.cuda.is_available():
         found[name] = gpu_gaps(load_trace(trace), 1)
     with trace.open("rb") as raw, gzip.open(f"{trace}.gz", "wb") as packed:

@@ -60,6 +60,13 @@ class EngineConfig:
     # TorchInductor's combo kernels: independent small kernels of a piece launched as one (a decode
     # step's kernels are mostly launch and tail, not work).
     combo_kernels: bool = True
+    # Steps the model runs eagerly (prompts; decode without graphs) take the code around each layer's
+    # sequence mixer and routed experts (its hyper-connection mixes and combines, router and shared
+    # expert) compiled by torch.compile, one compile for every layer and step length, instead of
+    # several dozen small kernels a layer, each launched by the host: a short prompt's layer (a
+    # follow-up's new tokens) is bound by its launches, not by its GPU work. A bench option until
+    # measured on the GPU (`--set compile_prompt_pieces=true`).
+    compile_prompt_pieces: bool = False
     # Decoder layers per CUDA graph: one a layer keeps the GPU on layer L while the host launches L + 1.
     layers_per_graph: int = 1
     # One-token hyper-connection mixes as two Triton kernels each (GPU only) instead of the module's code.

@@ -9,7 +9,7 @@ import torch
 
 from flashpack.runtime.experts import LATE_ROWS, ON_DISK, HostRecords, host_code, host_slot_of
 from flashpack.runtime.kernels import stage_records
-from flashpack.runtime.model.decoder_layer import DecoderLayer
+from flashpack.runtime.model.decoder_layer import DecoderLayer, mixer_input, moe_input, moe_output
 
 
 def layer_front(layer: DecoderLayer, streams, position, ple_rows, ple_state, mixer_state):
@@ -27,8 +27,11 @@ def layer_front(layer: DecoderLayer, streams, position, ple_rows, ple_state, mix
 
 
 def attention_mix(layer: DecoderLayer, streams):
-    """The attention-side hyper-connection mix: (block input, inject)."""
-    return layer.attn_hc.mix(streams)
+    """The attention-side hyper-connection mix: (block input, inject). This and `mixed_route` and
+    `expert_combine` call the model's pieces (decoder_layer.py) from code objects of their own:
+    dynamo keeps its compiled variants per code object, up to a limit, and a checked step's lengths
+    are variants a prompt's compiled pieces never meet."""
+    return mixer_input(layer, streams)
 
 
 def checked_mixer(layer: DecoderLayer, block_input, position, mixer_state):
@@ -49,10 +52,9 @@ def checked_mixer(layer: DecoderLayer, block_input, position, mixer_state):
 
 
 def mixed_route(layer: DecoderLayer, streams, mixed, inject):
-    """The mixer's output combined, then `tiered_route` without a prediction: (streams, MoE input,
+    """The mixer's output combined, the MoE-side mix, router and shared expert: (streams, MoE input,
     its inject, routing weights, expert ids, shared expert output)."""
-    streams = layer.attn_hc.combine(streams, mixed, inject)
-    return (streams, *tiered_route(layer, None, streams)[:5])
+    return moe_input(layer, streams, mixed, inject)
 
 
 def _host_offsets(codes: torch.Tensor, wanted: torch.Tensor, host: HostRecords) -> torch.Tensor:
@@ -112,4 +114,4 @@ def tiered_route(layer: DecoderLayer, next_moe, streams):
 
 def expert_combine(layer: DecoderLayer, streams, routed, shared, inject):
     """The routed and the shared experts' outputs into the streams (one fused kernel compiled)."""
-    return layer.mlp_hc.combine(streams, routed + shared, inject)
+    return moe_output(layer, streams, routed, shared, inject)

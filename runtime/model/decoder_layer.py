@@ -3,11 +3,19 @@
 Works on the hc-stream residual [T, hc * H]. Each layer finds its own recurrent pieces in the
 `SequenceState` by its layer index; the MTP head's layer is built by the same class at index
 num_hidden_layers + j (QSA, no PLE).
+
+The code between the sequence mixer and the routed experts is three module-level functions of the
+layer (`mixer_input`, `moe_input`, `moe_output`): pure tensor code that never reads the layer's
+index, so `compiled_pieces` compiles each once for every layer and every step length
+(torch.compile, the length dynamic), fusing a prompt step's norms, mixes and combines into a few
+kernels instead of several dozen launches a layer. The plain functions are the reference.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from functools import cache
 
 import torch
 from torch import nn
@@ -22,6 +30,40 @@ from flashpack.runtime.model.qsa_attention import QSAAttention
 from flashpack.runtime.model.rope import Rotary
 from flashpack.runtime.state import SequenceState
 from flashpack.runtime.weights import WeightSource
+
+
+def mixer_input(layer: DecoderLayer, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The attention-side hyper-connection mix: (the sequence mixer's input [T, H], inject [T, hc])."""
+    return layer.attn_hc.mix(streams)
+
+
+def moe_input(layer: DecoderLayer, streams: torch.Tensor, mixed: torch.Tensor, inject: torch.Tensor):
+    """The mixer's output combined into the streams, the MoE-side mix, the router and the shared
+    expert: (streams, MoE input, its inject, routing weights, expert ids, shared expert output)."""
+    streams = layer.attn_hc.combine(streams, mixed, inject)
+    x, inject = layer.mlp_hc.mix(streams)
+    return (streams, x, inject, *layer.moe.gate(x))
+
+
+def moe_output(layer: DecoderLayer, streams: torch.Tensor, routed: torch.Tensor, shared: torch.Tensor,
+               inject: torch.Tensor) -> torch.Tensor:
+    """The routed and the shared experts' outputs combined into the streams."""
+    return layer.mlp_hc.combine(streams, routed + shared, inject)
+
+
+@dataclass(frozen=True)
+class LayerPieces:
+    mixer_input: Callable = mixer_input
+    moe_input: Callable = moe_input
+    moe_output: Callable = moe_output
+
+
+@cache
+def compiled_pieces() -> LayerPieces:
+    """The pieces compiled by torch.compile with the step length dynamic: one set for the process,
+    shared by every layer (the layer is an argument; its weights are inputs, not constants)."""
+    compile_ = lambda fn: torch.compile(fn, dynamic=True)  # noqa: E731
+    return LayerPieces(compile_(mixer_input), compile_(moe_input), compile_(moe_output))
 
 
 class DecoderLayer(nn.Module):
@@ -41,6 +83,7 @@ class DecoderLayer(nn.Module):
             self.mixer = QSAAttention(cfg, source, prefix + "self_attn.", rotary, dtype, device)
         self.mlp_hc = GatedResidual(cfg, source, prefix + "mlp_hyper_connection.", dtype, device)
         self.moe = SparseMoE(cfg, source, prefix + "mlp.", layer, routed, dtype, device)
+        self.pieces = LayerPieces()  # the model sets compiled_pieces() where it compiles them
 
     def forward(
         self, streams: torch.Tensor, tokens: torch.Tensor, state: SequenceState,
@@ -55,7 +98,7 @@ class DecoderLayer(nn.Module):
         if marks:
             return self._marked(streams, tokens, state, marks, marked)
         streams = self.add_inputs(streams, tokens, state, pending)
-        block_input, inject = self.attn_hc.mix(streams)
+        block_input, inject = self.pieces.mixer_input(self, streams)
         return self.feed_forward(streams, self.sequence_mixer(block_input, state), inject)
 
     def _marked(self, streams, tokens, state: SequenceState, marks: Sequence[int], marked: Sequence[SequenceState]
@@ -71,7 +114,7 @@ class DecoderLayer(nn.Module):
             for at, mark in zip(marked, marks):
                 at.ple[self.layer] = ple.at(mark)
             ple.rewind(tokens.shape[0])  # the state it holds already, untracked
-        block_input, inject = self.attn_hc.mix(streams)
+        block_input, inject = self.pieces.mixer_input(self, streams)
         if not self.linear:
             return self.feed_forward(streams, self.mixer(block_input, state.attention[self.layer]), inject)
         states: list = []
@@ -98,6 +141,5 @@ class DecoderLayer(nn.Module):
 
     def feed_forward(self, streams: torch.Tensor, block_output: torch.Tensor, inject: torch.Tensor) -> torch.Tensor:
         """Combine the mixer's output into the streams, then the MoE block around its own mix."""
-        streams = self.attn_hc.combine(streams, block_output, inject)
-        block_input, inject = self.mlp_hc.mix(streams)
-        return self.mlp_hc.combine(streams, self.moe(block_input), inject)
+        streams, x, inject, weights, experts, shared = self.pieces.moe_input(self, streams, block_output, inject)
+        return self.pieces.moe_output(self, streams, self.moe.routed_output(x, weights, experts), shared, inject)

@@ -56,6 +56,10 @@ class SparseMoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, H] -> [T, H]."""
         weights, experts, shared = self.gate(x)
+        return self.routed_output(x, weights, experts) + shared
+
+    def routed_output(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        """The routed experts' weighted sum [T, H] for the routing `gate` gave (told to the observer)."""
         if self.routing_observer is not None:
             self.routing_observer(self.layer, experts)
-        return self.routed(self.layer, x, weights, experts) + shared
+        return self.routed(self.layer, x, weights, experts)

@@ -1,0 +1,79 @@
+"""Compiled layer pieces (decoder_layer.py's `compiled_pieces`, EngineConfig.compile_prompt_pieces):
+the code around each layer's sequence mixer and routed experts, compiled by torch.compile with the
+step length dynamic, computes what the plain pieces do (FP32 on the CPU: within TorchInductor's
+fused summation order; BF16 on a GPU: the same greedy tokens), for prompts of several lengths, a
+follow-up and a step with checkpoints, and is compiled once for every layer, not once a layer.
+Control: a piece that reads its layer's index is compiled again for each layer, so the count can
+tell."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flashpack.runtime.bench.first_use import frames_compiled
+from flashpack.runtime.engine.build import load_engine
+from flashpack.runtime.engine.config import EngineConfig
+from flashpack.runtime.model.decoder_layer import LayerPieces, mixer_input
+
+TOLERANCE = dict(rtol=1e-4, atol=1e-4)  # float32: the fused kernels sum a norm's squares in another order
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+def _ids(count: int, seed: int) -> torch.Tensor:
+    return torch.randint(5, 1000, (count,), generator=torch.Generator().manual_seed(seed))
+
+
+def _engines(tiny_pack, device: str):
+    dtype = "float32" if device == "cpu" else "bfloat16"
+    made = [load_engine(tiny_pack, EngineConfig(device=device, dtype=dtype, compile_prompt_pieces=compiled,
+                                                prompt_cache_ram=0, speculate="off", cuda_graphs=False))
+            for compiled in (False, True)]
+    return made
+
+
+def _steps(engine, lengths: list[int], marks: list[int]) -> list[torch.Tensor]:
+    """Logits of a prompt and its follow-ups (the last of them with checkpoints `marks`)."""
+    step, state, logits = engine.step, engine.step.new_state(), []
+    for index, length in enumerate(lengths):
+        last = index == len(lengths) - 1
+        out = step.forward(_ids(length, index).to(engine.config.device), state, marks=marks if last else ())
+        logits.append(out.logits.float().cpu())
+    return logits
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_compiled_pieces_compute_what_the_plain_pieces_do(tiny_pack, device):
+    plain, compiled = _engines(tiny_pack, device)
+    lengths, marks = [70, 25, 7, 1, 40], [9, 30]
+    expected, found = _steps(plain, lengths, marks), _steps(compiled, lengths, marks)
+    for want, got in zip(expected, found):
+        if device == "cpu":
+            torch.testing.assert_close(got, want, **TOLERANCE)
+        else:  # BF16: the fused kernels round once where the plain ones round after each operation
+            assert torch.equal(got.argmax(-1), want.argmax(-1))
+
+
+def test_each_piece_is_compiled_once_for_every_layer_and_length(tiny_pack):
+    _, compiled = _engines(tiny_pack, "cpu")
+    layers = len(compiled.model.layers)
+    assert layers > 2
+    _steps(compiled, [70], [])  # the first length compiles each piece once, for every layer
+    before = frames_compiled()
+    _steps(compiled, [90, 33], [])  # other lengths past the tile kernels' 16 tokens: nothing new
+    assert frames_compiled() == before
+
+
+def test_control_a_piece_that_reads_its_layer_index_compiles_once_a_layer(tiny_pack):
+    plain, _ = _engines(tiny_pack, "cpu")
+
+    def indexed_input(layer, streams):
+        block_input, inject = mixer_input(layer, streams)
+        return block_input * (1 + layer.layer * 0), inject
+
+    pieces = LayerPieces(mixer_input=torch.compile(indexed_input, dynamic=True, backend="eager"))
+    for layer in plain.model.layers:
+        layer.pieces = pieces
+    before = frames_compiled()
+    _steps(plain, [70], [])
+    assert frames_compiled() - before == len(plain.model.layers)

@@ -5,22 +5,18 @@ Works on the hc-stream residual [T, hc * H]. Each layer finds its own recurrent 
 num_hidden_layers + j (QSA, no PLE).
 
 The code between the sequence mixer and the routed experts is three module-level functions of the
-layer (`mixer_input`, `moe_input`, `moe_output`): pure tensor code that never reads the layer's
-index, so `compiled_pieces` compiles each once for every layer and every step length
-(torch.compile, the length dynamic), fusing a prompt step's norms, mixes and combines into a few
-kernels instead of several dozen launches a layer. The plain functions are the reference.
+layer (`mixer_input`, `moe_input`, `moe_output`), compiled with `compile_pieces` (compiled.py).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from functools import cache
+from collections.abc import Sequence
 
 import torch
 from torch import nn
 
 from flashpack.layout.model_config import TextConfig
+from flashpack.runtime.model.compiled import piece
 from flashpack.runtime.model.routed_experts import RoutedExperts
 from flashpack.runtime.model.deltanet import GatedDeltaNet
 from flashpack.runtime.model.hyper_connection import GatedResidual
@@ -51,21 +47,6 @@ def moe_output(layer: DecoderLayer, streams: torch.Tensor, routed: torch.Tensor,
     return layer.mlp_hc.combine(streams, routed + shared, inject)
 
 
-@dataclass(frozen=True)
-class LayerPieces:
-    mixer_input: Callable = mixer_input
-    moe_input: Callable = moe_input
-    moe_output: Callable = moe_output
-
-
-@cache
-def compiled_pieces() -> LayerPieces:
-    """The pieces compiled by torch.compile with the step length dynamic: one set for the process,
-    shared by every layer (the layer is an argument; its weights are inputs, not constants)."""
-    compile_ = lambda fn: torch.compile(fn, dynamic=True)  # noqa: E731
-    return LayerPieces(compile_(mixer_input), compile_(moe_input), compile_(moe_output))
-
-
 class DecoderLayer(nn.Module):
     def __init__(
         self, cfg: TextConfig, source: WeightSource, routed: RoutedExperts, layer: int, prefix: str,
@@ -83,7 +64,7 @@ class DecoderLayer(nn.Module):
             self.mixer = QSAAttention(cfg, source, prefix + "self_attn.", rotary, dtype, device)
         self.mlp_hc = GatedResidual(cfg, source, prefix + "mlp_hyper_connection.", dtype, device)
         self.moe = SparseMoE(cfg, source, prefix + "mlp.", layer, routed, dtype, device)
-        self.pieces = LayerPieces()  # the model sets compiled_pieces() where it compiles them
+        self.compile_pieces = False  # the model sets it (compiled.py)
 
     def forward(
         self, streams: torch.Tensor, tokens: torch.Tensor, state: SequenceState,
@@ -98,7 +79,7 @@ class DecoderLayer(nn.Module):
         if marks:
             return self._marked(streams, tokens, state, marks, marked)
         streams = self.add_inputs(streams, tokens, state, pending)
-        block_input, inject = self.pieces.mixer_input(self, streams)
+        block_input, inject = piece(mixer_input, self.compile_pieces)(self, streams)
         return self.feed_forward(streams, self.sequence_mixer(block_input, state), inject)
 
     def _marked(self, streams, tokens, state: SequenceState, marks: Sequence[int], marked: Sequence[SequenceState]
@@ -114,7 +95,7 @@ class DecoderLayer(nn.Module):
             for at, mark in zip(marked, marks):
                 at.ple[self.layer] = ple.at(mark)
             ple.rewind(tokens.shape[0])  # the state it holds already, untracked
-        block_input, inject = self.pieces.mixer_input(self, streams)
+        block_input, inject = piece(mixer_input, self.compile_pieces)(self, streams)
         if not self.linear:
             return self.feed_forward(streams, self.mixer(block_input, state.attention[self.layer]), inject)
         states: list = []
@@ -141,5 +122,7 @@ class DecoderLayer(nn.Module):
 
     def feed_forward(self, streams: torch.Tensor, block_output: torch.Tensor, inject: torch.Tensor) -> torch.Tensor:
         """Combine the mixer's output into the streams, then the MoE block around its own mix."""
-        streams, x, inject, weights, experts, shared = self.pieces.moe_input(self, streams, block_output, inject)
-        return self.pieces.moe_output(self, streams, self.moe.routed_output(x, weights, experts), shared, inject)
+        streams, x, inject, weights, experts, shared = piece(moe_input, self.compile_pieces)(
+            self, streams, block_output, inject)
+        routed = self.moe.routed_output(x, weights, experts)
+        return piece(moe_output, self.compile_pieces)(self, streams, routed, shared, inject)

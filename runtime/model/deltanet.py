@@ -3,7 +3,9 @@
 The projections feed `gated_delta_rule` (delta_rule.py: the recurrence itself, plain or
 flash-linear-attention's kernels) with g_t = -exp(A_log) * softplus(a_t + dt_bias) and
 beta_t = sigmoid(b_t); q, k, v first pass a depthwise causal conv (kernel 4) + SiLU whose input
-tail lives in the state, and the output is normed, gated by z and projected back.
+tail lives in the state, and the output is normed, gated by z and projected back. The code before
+and after the recurrence is two module-level functions, `step_inputs` and `step_output`, compiled
+with `compile_pieces` (compiled.py).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from flashpack.layout.model_config import TextConfig
+from flashpack.runtime.model.compiled import piece
 from flashpack.runtime.model.delta_rule import delta_rule_positions, gated_delta_rule_for
 from flashpack.runtime.model.linear import DenseLinear, StackedLinear
 from flashpack.runtime.model.norms import GatedRMSNorm, activation
@@ -31,6 +34,7 @@ class GatedDeltaNet(nn.Module):
         self.act = activation(cfg.hidden_act)
         self.delta_rule = gated_delta_rule_for(device)
         self.recurrent_max_tokens = 1  # steps of up to this many tokens by the recurrence (Qwen4ExpModel sets it)
+        self.compile_pieces = False  # the model sets it (compiled.py)
         load = lambda name: load_dense(source, prefix + name, dtype, device)  # noqa: E731
         # qkv [2Kd + Vd, H], z [Vd, H], b and a [Hv, H]: one stacked projection of x
         projections = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")
@@ -47,17 +51,11 @@ class GatedDeltaNet(nn.Module):
         token counts inside the T (ascending) after which the state is also wanted, appended to
         `marked`: the recurrence runs segment by segment (each a separate step's arithmetic), the
         rest once over all T, each mark's conv tail a slice of the step's conv window."""
-        length = x.shape[0]
-        qkv, z, b, a = self.in_proj(x)
-        qkv, window = self.causal_conv(qkv, state)
-        q, k, v = torch.split(qkv, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
-        q = q.reshape(length, self.key_heads, self.key_head_dim)
-        k = k.reshape(length, self.key_heads, self.key_head_dim)
-        v = v.reshape(length, self.value_heads, self.value_head_dim)
-        beta = torch.sigmoid(b)
-        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
-
-        if state.tracked:  # a speculative step: the state after each token, to stand after any of them
+        # a speculative step's conv is the plain code's (each token's float32 dot as decode's)
+        q, k, v, g, beta, z, window = piece(step_inputs, self.compile_pieces and not state.tracked)(
+            self, x, state.conv, state.tracked)
+        if state.tracked:  # the state after each token, to stand after any of them
+            state.window = window
             out, state.positions = delta_rule_positions(self.delta_rule, q, k, v, g, beta, state.recurrent)
             recurrent = state.positions[-1]
         elif marks:
@@ -65,9 +63,7 @@ class GatedDeltaNet(nn.Module):
         else:
             out, recurrent = self.delta_rule(q, k, v, g, beta, state.recurrent, self.recurrent_max_tokens)
         state.recurrent.copy_(recurrent)  # in place: a captured CUDA graph keeps reading this buffer
-        z = z.reshape(length, self.value_heads, self.value_head_dim)
-        out = self.norm(out.to(x.dtype), z).reshape(length, self.value_dim)
-        return self.out_proj(out)
+        return piece(step_output, self.compile_pieces)(self, out, z)
 
     def _segments(self, q, k, v, g, beta, state: DeltaNetState, marks: Sequence[int], window: torch.Tensor,
                   marked: list[DeltaNetState]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -83,18 +79,18 @@ class GatedDeltaNet(nn.Module):
                 marked.append(DeltaNetState(window[:, end:end + tail].clone(), state.recurrent.clone()))
         return torch.cat(outputs), state.recurrent
 
-    def causal_conv(self, x: torch.Tensor, state: DeltaNetState) -> tuple[torch.Tensor, torch.Tensor]:
-        """Depthwise causal conv + activation over x [T, C], continuing from state.conv [C, K - 1]:
-        (the output [T, C], the window [C, K - 1 + T]: the tail before the step, then its inputs)."""
-        full = torch.cat([state.conv, x.transpose(0, 1)], dim=-1)  # [C, K - 1 + T]
-        if state.tracked:
-            state.window = full
-        state.conv.copy_(full[:, full.shape[1] - state.conv.shape[1]:])
+    def causal_conv(self, x: torch.Tensor, conv: torch.Tensor, tracked: bool = False
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Depthwise causal conv + activation over x [T, C], continuing from the conv tail `conv`
+        [C, K - 1], advanced in place: (the output [T, C], the window [C, K - 1 + T]: the tail before
+        the step, then its inputs). `tracked`: a speculative step's, each token's dot as decode's."""
+        full = torch.cat([conv, x.transpose(0, 1)], dim=-1)  # [C, K - 1 + T]
+        conv.copy_(full[:, full.shape[1] - conv.shape[1]:])
         if x.shape[0] == 1:
             # One token is a K-tap dot a channel: as a product and a sum, torch.compile fuses it with
             # the cat, the state update and the activation (a conv1d is a kernel of its own).
             out = (full.float() * self.conv_weight[:, 0].float()).sum(-1, keepdim=True).to(x.dtype)
-        elif state.tracked:
+        elif tracked:
             # A speculative step's few tokens: each the same float32 dot as a token decoded alone, so
             # that the step rounds as plain decoding does
             windows = full.unfold(1, self.conv_weight.shape[-1], 1)  # [C, T, K]
@@ -102,3 +98,25 @@ class GatedDeltaNet(nn.Module):
         else:
             out = F.conv1d(full[None], self.conv_weight, groups=full.shape[0])[0]
         return self.act(out).transpose(0, 1), full
+
+
+def step_inputs(mixer: GatedDeltaNet, x: torch.Tensor, conv: torch.Tensor, tracked: bool):
+    """A step's projections and causal conv (the conv tail `conv` advanced in place), the
+    recurrence's inputs: (q, k [T, Hk, Dk], v [T, Hv, Dv], g (float32), beta [T, Hv], the output
+    gate z [T, Hv, Dv], the conv window [C, K - 1 + T])."""
+    length = x.shape[0]
+    qkv, z, b, a = mixer.in_proj(x)
+    qkv, window = mixer.causal_conv(qkv, conv, tracked)
+    q, k, v = torch.split(qkv, [mixer.key_dim, mixer.key_dim, mixer.value_dim], dim=-1)
+    q = q.reshape(length, mixer.key_heads, mixer.key_head_dim)
+    k = k.reshape(length, mixer.key_heads, mixer.key_head_dim)
+    v = v.reshape(length, mixer.value_heads, mixer.value_head_dim)
+    beta = torch.sigmoid(b)
+    g = -mixer.A_log.float().exp() * F.softplus(a.float() + mixer.dt_bias)
+    return q, k, v, g, beta, z.reshape(length, mixer.value_heads, mixer.value_head_dim), window
+
+
+def step_output(mixer: GatedDeltaNet, out: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+    """The recurrence's output [T, Hv, Dv], normed and gated by z, projected back: [T, H]."""
+    out = mixer.norm(out.to(z.dtype), z).reshape(out.shape[0], mixer.value_dim)
+    return mixer.out_proj(out)

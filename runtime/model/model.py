@@ -13,8 +13,8 @@ only), `dense_matvec_max_tokens` and `dense_tile_max_tokens` (BF16 projections o
 tokens take the matvec kernel on CUDA, then the tile kernel's few-token tiles, more cuBLAS;
 dense_linear says which matrices), `fp8_matvec_max_tokens` (FP8 projections: the matvec kernel, more the tile kernel) and
 `delta_rule_recurrent_max_tokens` (DeltaNet steps of up to that many tokens by the recurrence) and
-`compile_pieces` (the code around each layer's sequence mixer and routed experts compiled by
-torch.compile for every step length: decoder_layer.py's `compiled_pieces`).
+`compile_pieces` (the plain tensor code between the layers' kernels of their own compiled by
+torch.compile, one compile for every layer and step length: compiled.py).
 """
 
 from __future__ import annotations
@@ -28,9 +28,10 @@ from torch import nn
 
 from flashpack.runtime.experts import ExpertFetcher
 from flashpack.runtime.kernels.dispatch import DENSE_MATVEC_MAX_TOKENS, DENSE_TILE_MAX_TOKENS, FP8_MATVEC_MAX_TOKENS
-from flashpack.runtime.model.decoder_layer import DecoderLayer, compiled_pieces
+from flashpack.runtime.model.decoder_layer import DecoderLayer
 from flashpack.runtime.model.deltanet import GatedDeltaNet
 from flashpack.runtime.model.hyper_connection import GatedResidual
+from flashpack.runtime.model.qsa_attention import QSAAttention
 from flashpack.runtime.model.linear import StackedLinear
 from flashpack.runtime.model.routed_experts import RoutedExperts, as_routed_experts
 from flashpack.runtime.model.rope import Rotary
@@ -79,8 +80,8 @@ class Qwen4ExpModel(nn.Module):
                 module.tile_max_tokens = dense_tile_max_tokens
             if isinstance(module, GatedDeltaNet):
                 module.recurrent_max_tokens = delta_rule_recurrent_max_tokens
-            if isinstance(module, DecoderLayer) and compile_pieces:
-                module.pieces = compiled_pieces()
+            if isinstance(module, (DecoderLayer, GatedDeltaNet, QSAAttention)):
+                module.compile_pieces = compile_pieces
 
     def observe_routing(self, observer: Callable[[int, torch.Tensor], None] | None) -> None:
         """Call `observer(layer, expert ids [T, k])` with every MoE block's routing, as the layers

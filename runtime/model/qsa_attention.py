@@ -33,6 +33,7 @@ from torch import nn
 
 from flashpack.layout.model_config import TextConfig
 from flashpack.runtime.kernels import decode_attention, prompt_attention
+from flashpack.runtime.model.compiled import piece
 from flashpack.runtime.model.linear import DenseLinear, StackedLinear
 from flashpack.runtime.model.norms import RMSNorm
 from flashpack.runtime.model.rope import Rotary, apply_rotary
@@ -158,12 +159,14 @@ class QSAAttention(nn.Module):
         self.q_norm = RMSNorm(load("q_norm.weight"), cfg.rms_norm_eps)
         self.k_norm = RMSNorm(load("k_norm.weight"), cfg.rms_norm_eps)
         self.indexer = BlockIndexer(cfg, source, prefix + "indexer.", dtype, device)
+        self.compile_pieces = False  # the model sets it (compiled.py): `projected` and `gated_output`
 
     def forward(self, x: torch.Tensor, cache: AttentionCache) -> torch.Tensor:
         """x [T, H] at positions cache.length.. -> [T, H]; appends the T tokens to `cache`."""
         positions = torch.arange(cache.length, cache.length + x.shape[0], device=x.device)
-        q, gate, k, v, index_q, index_k = self.project(x, positions)
-        return self.output(self.attend_cache(q, k, v, index_q, index_k, cache), gate)
+        q, gate, k, v, index_q, index_k = piece(projected, self.compile_pieces)(self, x, positions)
+        attended = self.attend_cache(q, k, v, index_q, index_k, cache)
+        return piece(gated_output, self.compile_pieces)(self, attended, gate)
 
     def project(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """What depends on x and the positions alone (decode replays it from a CUDA graph):
@@ -216,3 +219,13 @@ class QSAAttention(nn.Module):
     def output(self, attended: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         """attended [T, heads * hd] gated by sigmoid(gate) -> o_proj -> [T, H]."""
         return self.o_proj(attended * torch.sigmoid(gate))
+
+
+def projected(attention: QSAAttention, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """`QSAAttention.project` as a module-level function, compiled with `compile_pieces`."""
+    return attention.project(x, positions)
+
+
+def gated_output(attention: QSAAttention, attended: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """`QSAAttention.output` as a module-level function, compiled with `compile_pieces`."""
+    return attention.output(attended, gate)

@@ -1,6 +1,7 @@
-"""Compiled layer pieces (decoder_layer.py's `compiled_pieces`, EngineConfig.compile_prompt_pieces):
-the code around each layer's sequence mixer and routed experts, compiled by torch.compile with the
-step length dynamic, computes what the plain pieces do (FP32 on the CPU: within TorchInductor's
+"""Compiled pieces (runtime/model/compiled.py, EngineConfig.compile_prompt_pieces): the plain tensor
+code between the layers' kernels of their own (mixes, combines, router and shared expert, DeltaNet's
+projections, conv and output norm, attention's projections and output), compiled by torch.compile
+with the step length dynamic, computes what the plain pieces do (FP32 on the CPU: within TorchInductor's
 fused summation order; BF16 on a GPU: the same greedy tokens), for prompts of several lengths, a
 follow-up and a step with checkpoints, and is compiled once for every layer, not once a layer.
 Control: a piece that reads its layer's index is compiled again for each layer, so the count can
@@ -14,7 +15,7 @@ import torch
 from flashpack.runtime.bench.first_use import frames_compiled
 from flashpack.runtime.engine.build import load_engine
 from flashpack.runtime.engine.config import EngineConfig
-from flashpack.runtime.model.decoder_layer import LayerPieces, mixer_input
+from flashpack.runtime.model.decoder_layer import mixer_input
 
 TOLERANCE = dict(rtol=1e-4, atol=1e-4)  # float32: the fused kernels sum a norm's squares in another order
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
@@ -71,9 +72,9 @@ def test_control_a_piece_that_reads_its_layer_index_compiles_once_a_layer(tiny_p
         block_input, inject = mixer_input(layer, streams)
         return block_input * (1 + layer.layer * 0), inject
 
-    pieces = LayerPieces(mixer_input=torch.compile(indexed_input, dynamic=True, backend="eager"))
-    for layer in plain.model.layers:
-        layer.pieces = pieces
+    compiled = torch.compile(indexed_input, dynamic=True, backend="eager")
+    streams = torch.randn(9, plain.model.config.hc_count * plain.model.config.hidden_size)
     before = frames_compiled()
-    _steps(plain, [70], [])
+    for layer in plain.model.layers:
+        compiled(layer, streams)
     assert frames_compiled() - before == len(plain.model.layers)

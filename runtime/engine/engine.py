@@ -84,13 +84,15 @@ class Engine:
 
 
 def warm_up_lengths(cfg: TextConfig, limit: int) -> list[int]:
-    """Prompt lengths of every shape class a first request may bring, none over `limit`: every power
-    of two from 16 up to the QSA indexer's budget (the prompt attention kernel is built once for
-    each power of two of the key blocks its queries read, key_block_steps, and a chat turn's few
-    hundred tokens would otherwise build one on its first request), just past the budget, and
-    several query chunks past it."""
+    """Prompt lengths of every shape class a first request may bring, none over `limit`: 2 and 4
+    tokens (a few-token projection takes the matvec kernel up to 3 tokens, the tile kernel up to 16:
+    runtime/kernels/dispatch.py; compiled pieces are compiled once for each of those classes too),
+    every power of two from 16 up to the QSA indexer's budget (the prompt attention kernel is built
+    once for each power of two of the key blocks its queries read, key_block_steps, and a chat
+    turn's few hundred tokens would otherwise build one on its first request), just past the
+    budget, and several query chunks past it."""
     past_budget = cfg.indexer_budget + 2 * cfg.indexer_compress_ratio + 1
-    candidates = [past_budget, max(2 * past_budget, 4 * QUERY_CHUNK) + 37]
+    candidates = [2, 4, past_budget, max(2 * past_budget, 4 * QUERY_CHUNK) + 37]
     power = 16
     while power < past_budget:
         candidates.append(power)

@@ -65,7 +65,8 @@ class EngineConfig:
     # expert) compiled by torch.compile, one compile for every layer and step length, instead of
     # several dozen small kernels a layer, each launched by the host: a short prompt's layer (a
     # follow-up's new tokens) is bound by its launches, not by its GPU work. A bench option until
-    # measured on the GPU (`--set compile_prompt_pieces=true`).
+    # measured on the GPU (`--set compile_prompt_pieces=true`); on a CPU a compiled call's own
+    # overhead loses to the eager operations it replaces (PERFORMANCE.md, *Prompt-state reuse*).
     compile_prompt_pieces: bool = False
     # Decoder layers per CUDA graph: one a layer keeps the GPU on layer L while the host launches L + 1.
     layers_per_graph: int = 1

@@ -11,7 +11,8 @@
 
 Files: norms, rope, linear (BF16 or FP8-row projections), hyper_connection, ple, deltanet, qsa_attention,
 moe, routed_experts (the interface the MoE block gets its experts through, and its plain form),
-decoder_layer, model, mtp, host_copy (pinned staging for host-built tensors). How a step runs
+decoder_layer, model, mtp, host_copy (pinned staging for host-built tensors), compiled (the plain code
+between the layers' own kernels, compiled by torch.compile where the model is told to). How a step runs
 (CUDA graphs, the expert store, generation) is the engine's: runtime/engine/.
 """
 

@@ -27,6 +27,11 @@
 #              collector  bench/collector_pauses.py on a tiny synthetic pack: a warmed GPU engine's full garbage
 #                       collection, unfrozen and frozen, and the collections twenty requests of mixed lengths met
 #                       (their checked steps captured as the attention caches grow); collector-pauses.json
+#              step     a short prompt step's time on a tiny synthetic pack (bench/prompt_step.py: its layers'
+#                       arithmetic is microseconds, so the step is the host's time a layer), each of
+#                       STEP_VARIANTS="NAME=KEY=VALUE,...;NAME=..." (default base against compile_prompt_pieces, both
+#                       without CUDA graphs or speculation) alternated STEP_REPEATS (3) rounds in one process;
+#                       prompt-step-tiny.{json,md}. Needs no benchmark pack: a call of only tests and step builds none
 #              reuse    prompt-state reuse at each of REUSE_BUDGETS (default 24-64; bench/prompt_reuse.py): a
 #                       follow-up on a 32,768-token document with no reuse, a live hit and a stored hit after
 #                       a restart, and a 10-turn conversation; the stored states on the pack's disk;
@@ -53,7 +58,11 @@ mkdir -p $R
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee $OUT/gpu.txt
 df -h "$(dirname "$W")" | tail -1 | tee -a $OUT/gpu.txt
 start=$(date +%s)
-if [ -f $W/full.pack/manifest.json ]; then
+needs_pack=0
+for stage in $STAGES; do [[ " tests step " == *" $stage "* ]] || needs_pack=1; done
+if [ $needs_pack = 0 ]; then
+  echo "no stage needs the benchmark pack" > $OUT/build.log
+elif [ -f $W/full.pack/manifest.json ]; then
   echo "pack kept from an earlier call: $W/full.pack" | tee $OUT/build.log
 else
   ( DENSE_FP8=1 KEEP_SNAPSHOT=0 timeout 420 bash bench/build_pack.sh $W $LAYERS > $OUT/build.log 2>&1
@@ -72,7 +81,7 @@ if has tests; then
 fi
 [ -n "$building" ] && wait $building
 cat $OUT/build.log
-[ -f $W/full.pack/manifest.json ] || exit 1
+[ $needs_pack = 0 ] || [ -f $W/full.pack/manifest.json ] || exit 1
 tree_path() {  # the PYTHONPATH that imports flashpack from tree $1 (none: this one)
   if [ -z "$1" ]; then echo "$PYTHONPATH"; return; fi
   mkdir -p /tmp/tree && ln -sfn "$(realpath "$1")" /tmp/tree/flashpack && echo /tmp/tree:/tmp/site
@@ -104,6 +113,13 @@ for stage in $STAGES; do
         tar czf $OUT/results.tgz -C $R .
       done ;;
     long) PROMPT=32768 GEN=4 bench 24-64-32k 24GiB 64GiB ;;
+    step)
+      echo "== step at $(( $(date +%s) - start )) s"
+      IFS=';' read -ra variants <<< "${STEP_VARIANTS:-base=cuda_graphs=false,speculate=off;pieces=cuda_graphs=false,speculate=off,compile_prompt_pieces=true}"
+      timeout ${STEP_TIMEOUT:-240} python3 bench/prompt_step.py --device cuda "${variants[@]/#/--variant=}" --new 92 --new 16 \
+        --repeats ${STEP_REPEATS:-3} --json $R/prompt-step-tiny.json > $OUT/step.log 2>&1
+      echo "step rc=$? $(( $(date +%s) - start )) s" >> $OUT/step.log
+      grep -v '^{' $OUT/step.log | tail -24 ;;
     speculation)
       IFS=';' read -ra variants <<< "${SPEC_VARIANTS:-${SPEC_NAME:-}=}"
       for b in ${SPEC_BUDGETS:-$BUDGETS}; do

@@ -53,7 +53,7 @@ def timed_step(engine, saved, tokens: torch.Tensor) -> float:
     return time.perf_counter() - start
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("pack", nargs="?", help="a pack (default: a tiny synthetic one)")
     parser.add_argument("--device", default="cpu")
@@ -64,7 +64,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3, help="rounds over the variants (default 3)")
     parser.add_argument("--steps", type=int, default=5, help="timed steps a round, the median kept (default 5)")
     parser.add_argument("--json", type=Path, required=True)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     lengths = args.new or [92]
     with tempfile.TemporaryDirectory() as folder:
         pack = args.pack or tiny_pack(Path(folder))

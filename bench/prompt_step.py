@@ -24,17 +24,10 @@ from pathlib import Path
 
 import torch
 
+from flashpack.bench.collector_pauses import tiny_pack
 from flashpack.runtime.engine.build import load_engine
 from flashpack.runtime.engine.config import EngineConfig
 from flashpack.runtime.engine.settings import with_settings
-
-
-def tiny_pack(folder: Path) -> Path:
-    from flashpack.convert.pipeline import convert
-    from flashpack.convert.synth import synthesize
-
-    snapshot = synthesize("tiny", folder / "snapshot", format="nvfp4", seed=0)
-    return convert(str(snapshot), folder / "tiny.pack", progress=False)
 
 
 def parse_variant(text: str) -> tuple[str, list[str]]:
@@ -84,10 +77,9 @@ def main(argv: list[str] | None = None) -> None:
             for name, engine in engines.items():
                 for length in lengths:
                     tokens = torch.arange(length).mul_(31).remainder_(900).add_(11).to(args.device)
-                    times = [timed_step(engine, saved[name], tokens) for _ in range(args.steps)]
-                    layers = engine.model_config.num_hidden_layers
-                    rows.append({"variant": name, "round": round_ + 1, "new_tokens": length,
-                                 "step_s": statistics.median(times), "per_layer_ms": 1e3 * statistics.median(times) / layers})
+                    step_s = statistics.median(timed_step(engine, saved[name], tokens) for _ in range(args.steps))
+                    rows.append({"variant": name, "round": round_ + 1, "new_tokens": length, "step_s": step_s,
+                                 "per_layer_ms": 1e3 * step_s / engine.model_config.num_hidden_layers})
                     print(json.dumps(rows[-1]), flush=True)
     device = torch.cuda.get_device_name() if args.device.startswith("cuda") else platform.machine()
     report = {"pack": str(args.pack or "tiny synthetic"), "device": device, "context": args.context,

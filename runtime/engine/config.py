@@ -60,9 +60,10 @@ class EngineConfig:
     # TorchInductor's combo kernels: independent small kernels of a piece launched as one (a decode
     # step's kernels are mostly launch and tail, not work).
     combo_kernels: bool = True
-    # Steps the model runs eagerly (prompts; decode without graphs) take the code around each layer's
-    # sequence mixer and routed experts (its hyper-connection mixes and combines, router and shared
-    # expert) compiled by torch.compile, one compile for every layer and step length, instead of
+    # Steps the model runs eagerly (prompts; decode without graphs) take the plain code between each
+    # layer's kernels of its own (hyper-connection mixes and combines, router and shared expert,
+    # DeltaNet's projections, conv and output norm, attention's projections and gated output)
+    # compiled by torch.compile, one compile for every layer and step length, instead of
     # several dozen small kernels a layer, each launched by the host: a short prompt's layer (a
     # follow-up's new tokens) is bound by its launches, not by its GPU work. A bench option until
     # measured on the GPU (`--set compile_prompt_pieces=true`); on a CPU a compiled call's own

@@ -63,7 +63,11 @@ class GatedDeltaNet(nn.Module):
         else:
             out, recurrent = self.delta_rule(q, k, v, g, beta, state.recurrent, self.recurrent_max_tokens)
         state.recurrent.copy_(recurrent)  # in place: a captured CUDA graph keeps reading this buffer
-        return piece(step_output, self.compile_pieces)(self, out, z)
+        # One layout for every step, so that a compiled step_output is one variant: the rule's output
+        # may be a transposed view of a padded buffer (the plain chunked rule), a view of a batch of
+        # one (fla's) or a concatenation (segments); contiguous (a copy only off the GPU: fla's is
+        # already) and detached from its base, whose sizes dynamo would otherwise guard on.
+        return piece(step_output, self.compile_pieces)(self, out.contiguous().detach(), z)
 
     def _segments(self, q, k, v, g, beta, state: DeltaNetState, marks: Sequence[int], window: torch.Tensor,
                   marked: list[DeltaNetState]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -42,6 +42,8 @@
 #   BEFORE   another flashpack tree (e.g. .before, carried): each budget is benched with this tree and with
 #            that one alternately, REPEATS (default 2) times each (A/B/A/B), on the same pack; in the reuse
 #            and speculation stages each variant runs with this tree, then with that one (NAME-before)
+#   BUILD_PACK  non-empty: build the benchmark pack even when no stage needs it (for the next call on a
+#            warm machine, which keeps it)
 #   PACK_DIR where the pack is built (default .bench-pack in the repository, which a warm machine keeps
 #            between calls: a pack already there is used as it is)
 # A bench of a call's first process compiles the decode graphs' kernels (~100 s on empty compile caches);
@@ -60,6 +62,7 @@ df -h "$(dirname "$W")" | tail -1 | tee -a $OUT/gpu.txt
 start=$(date +%s)
 needs_pack=0
 for stage in $STAGES; do [[ " tests step " == *" $stage "* ]] || needs_pack=1; done
+[ -n "$BUILD_PACK" ] && needs_pack=1
 if [ $needs_pack = 0 ]; then
   echo "no stage needs the benchmark pack" > $OUT/build.log
 elif [ -f $W/full.pack/manifest.json ]; then

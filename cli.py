@@ -58,7 +58,8 @@ def _prompt_cache_options(serving: bool):
              "a restart finds them; --no-prompt-cache-dir keeps them in RAM only" if serving else "default: none")
     options = [
         click.option("--prompt-cache-ram", help="Host memory for saved prompt states, e.g. 4GiB; 0 turns prompt reuse "
-                     "off (default: on a GPU a tenth of the expert RAM budget, taken from it; on a CPU 1GiB)."),
+                     "off (default: on a GPU what the RAM budget leaves beyond the experts' records, at least one "
+                     "32k-token state, at most a tenth of it; on a CPU 1GiB)."),
         click.option("--prompt-cache-dir", type=click.Path(path_type=Path), help="Keep saved prompt states here "
                      f"across restarts, zstd-compressed ({where})."),
         click.option("--prompt-cache-disk", default="20GiB", show_default=True,

@@ -442,8 +442,9 @@ def engine_arguments(description: str) -> argparse.ArgumentParser:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = engine_arguments(__doc__.split("\n\n")[0])
     parser.add_argument("--prompt-cache-ram",
-                        help="live states' host memory (default: the engine's: on a GPU a tenth of the RAM "
-                             "budget, taken from it; on a CPU 1 GiB)")
+                        help="live states' host memory (default: the engine's, EngineConfig.prompt_cache_ram: on "
+                             "a GPU what the RAM budget leaves beyond the experts' records, at least one "
+                             "32k-token state, at most a tenth; on a CPU 1 GiB)")
     parser.add_argument("--states-dir", type=Path,
                         help="where the stored states go: a fresh folder inside it, removed at the end "
                              "(default: the system's temporary folder; put it on the disk to measure)")

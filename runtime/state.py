@@ -433,6 +433,14 @@ class SequenceState:
         return sum(t.numel() * t.element_size() for t in tensors)
 
 
+def state_bytes(cfg: TextConfig, dtype: torch.dtype, tokens: int) -> int:
+    """The bytes of a state holding `tokens` positions (its buffers at that capacity, built on the
+    meta device: nothing is allocated)."""
+    state = SequenceState.empty(cfg, dtype, "meta")
+    state.reserve(tokens)
+    return state.nbytes()
+
+
 def _attention_cache(cfg: TextConfig, dtype: torch.dtype, device: torch.device | str) -> AttentionCache:
     return AttentionCache(
         cfg.num_key_value_heads, cfg.head_dim, cfg.indexer_head_dim, cfg.indexer_compress_ratio, dtype, device,

@@ -34,10 +34,16 @@ from flashpack.runtime.experts import ExpertFetcher
 from flashpack.runtime.model.model import Qwen4ExpModel
 from flashpack.runtime.model.mtp import MTPHead
 from flashpack.runtime.pack_source import PackExperts, PackWeights
-from flashpack.runtime.store.budget import parse_budget
+from flashpack.runtime.state import state_bytes
+from flashpack.runtime.store.budget import parse_budget, served_records
 from flashpack.runtime.store.config import StoreConfig
 from flashpack.runtime.tokenizer import PackTokenizer
 from flashpack.runtime.weights import WeightSource
+
+# The live prompt states' default takes at least room for one state of this many tokens (about
+# 1 GB at the real model's dimensions), even where the RAM budget has little to spare beyond the
+# experts' records (EngineConfig.prompt_cache_ram)
+LIVE_STATES_LEAST_TOKENS = 32_768
 
 DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32, "fp32": torch.float32}
 
@@ -90,7 +96,7 @@ def load_engine(
     dtype = parse_dtype(config.dtype, device)
     store = None
     through_store = fetcher is None and uses_store(config, device)
-    states_ram = prompt_cache_bytes(config, device, through_store)
+    states_ram = prompt_cache_bytes(pack, config, device, dtype, through_store)
     host_reserved = states_ram if config.prompt_cache_ram is None and device.type == "cuda" else 0
     mtp = runs_mtp(pack, config, device, dtype, host_reserved if through_store else None)
     if fetcher is not None:
@@ -154,7 +160,6 @@ def runs_mtp(pack: Pack, config: EngineConfig, device: torch.device, dtype: torc
     if config.speculate == "mtp" or not found or host_reserved is None:
         return found
     from flashpack.runtime.store.build import holds_every_record, store_plan
-    from flashpack.runtime.store.budget import served_records
 
     cfg = pack.manifest.config
     layers = list(range(cfg.num_hidden_layers + cfg.mtp_num_hidden_layers))
@@ -192,8 +197,10 @@ def _prefix_cache(pack: Pack, config: EngineConfig, device: torch.device, states
     return PrefixCache(states_ram, stored, pinned, arriving=device.type == "cuda" if arriving is None else arriving)
 
 
-def prompt_cache_bytes(config: EngineConfig, device: torch.device, through_store: bool) -> int:
-    """The live prompt states' host memory (EngineConfig.prompt_cache_ram says how it is chosen)."""
+def prompt_cache_bytes(pack: Pack, config: EngineConfig, device: torch.device, dtype: torch.dtype,
+                       through_store: bool, least_tokens: int = LIVE_STATES_LEAST_TOKENS) -> int:
+    """The live prompt states' host memory (EngineConfig.prompt_cache_ram says how it is chosen);
+    by default at least a state of `least_tokens` tokens."""
     given = parse_budget(config.prompt_cache_ram, "--prompt-cache-ram")
     if given is not None:
         return given
@@ -203,7 +210,11 @@ def prompt_cache_bytes(config: EngineConfig, device: torch.device, through_store
 
     ram = parse_budget(config.store.ram_budget, "--ram-budget")
     ram = machine_free_bytes(device)[1] if ram is None else ram
-    return min(ram // 10, 8 << 30)
+    cfg = pack.manifest.config
+    records = len(served_records(pack, list(range(cfg.num_hidden_layers))))
+    spare = ram - records * pack.manifest.document["experts"]["record_stride"]
+    least = state_bytes(cfg, dtype, least_tokens)
+    return min(ram // 10, 8 << 30, max(spare, least))
 
 
 def engine_model(weights: WeightSource, source, config: EngineConfig, dtype: torch.dtype, device: torch.device

@@ -115,11 +115,13 @@ class EngineConfig:
     # its end back; none leaves the link idle through the experts.
     staged_beside_experts: int = 1
     # Prompt-state reuse (runtime/engine/prefix_cache.py). Live entries: host memory for saved
-    # sequence states, e.g. "4GiB"; 0 turns reuse off. None: on a GPU a tenth of the expert host
-    # cache's budget (8 GiB at most), taken from it, so experts and states share the RAM the user
-    # gave (a state is worth more than the experts it displaces once a prompt is long: a 32k-token
-    # state of the real model, about 1 GB, saves its whole prefill); on a CPU 1 GiB. On a GPU it is
-    # pinned when the engine is built (runtime/engine/pinned_arena.py).
+    # sequence states, e.g. "4GiB"; 0 turns reuse off. None: on a GPU through a store, the RAM
+    # budget's spare beyond every decoder layer's expert record, at least one 32k-token state (about
+    # 1 GB at the real model's dimensions) and at most a tenth of the budget and 8 GiB, taken from
+    # it. A record pushed out of RAM is read from the disk by every prompt and every token that
+    # picks it, where a state saves one prefill of a long prompt: at 24/64, where the records fill
+    # the RAM budget, a tenth would put ~9 % of the records on the disk, the floor under 1 %. On a CPU
+    # 1 GiB. On a GPU it is pinned when the engine is built (runtime/engine/pinned_arena.py).
     prompt_cache_ram: str | int | None = None
     # Stored entries: a folder that keeps saved states across restarts (zstd-compressed), None: none.
     prompt_cache_dir: str | None = None

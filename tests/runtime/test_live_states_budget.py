@@ -1,0 +1,86 @@
+"""The live prompt states' default host memory (build.prompt_cache_bytes): on a GPU through a store it
+takes the RAM budget's spare beyond the decoder layers' expert records, at least one 32k-token state
+and at most a tenth of the budget, so the states never push records to the disk where the budget
+holds them all and a floor's worth of spare."""
+
+from __future__ import annotations
+
+import torch
+
+from flashpack.layout.pack import Pack
+from flashpack.runtime.engine.build import LIVE_STATES_LEAST_TOKENS, prompt_cache_bytes
+from flashpack.runtime.engine.config import EngineConfig
+from flashpack.runtime.state import SequenceState, state_bytes
+from flashpack.runtime.store.budget import plan_store, served_records
+from flashpack.runtime.store.config import StoreConfig
+
+GPU = torch.device("cuda")  # only its type is read: no GPU is needed
+
+
+def records_bytes(pack: Pack) -> tuple[int, int, int]:
+    """(decoder records, their stride, their bytes)."""
+    records = len(served_records(pack, list(range(pack.manifest.config.num_hidden_layers))))
+    stride = pack.manifest.document["experts"]["record_stride"]
+    return records, stride, records * stride
+
+
+def default_states(pack: Pack, ram: int, device=GPU, through_store: bool = True,
+                   least_tokens: int = LIVE_STATES_LEAST_TOKENS) -> int:
+    config = EngineConfig(store=StoreConfig(ram_budget=str(ram)))
+    return prompt_cache_bytes(pack, config, device, torch.bfloat16, through_store, least_tokens)
+
+
+def host_holds_every_record(pack: Pack, ram: int, states: int) -> bool:
+    records, stride, _ = records_bytes(pack)
+    plan = plan_store(record_stride=stride, total_records=records, top_k=pack.manifest.config.num_experts_per_tok,
+                      vram_budget=None, ram_budget=ram, host_reserved=states)
+    return plan.host_slots >= records
+
+
+def test_state_bytes_is_a_state_of_that_many_positions(tiny_pack):
+    cfg = Pack.open(tiny_pack).manifest.config
+    state = SequenceState.empty(cfg, torch.float32, "cpu")
+    state.reserve(256)
+    assert state_bytes(cfg, torch.float32, 256) == state.nbytes()
+    assert state_bytes(cfg, torch.float32, 512) > state_bytes(cfg, torch.float32, 256)  # the keys grow with tokens
+
+
+def test_a_large_budget_gives_the_states_a_tenth(tiny_pack):
+    pack = Pack.open(tiny_pack)
+    _, _, held = records_bytes(pack)
+    ram = 4 * held + (1 << 30)
+    assert default_states(pack, ram) == ram // 10
+    assert host_holds_every_record(pack, ram, ram // 10)
+
+
+def test_the_states_take_only_the_spare_where_the_records_fill_the_budget(tiny_pack):
+    pack = Pack.open(tiny_pack)
+    _, stride, held = records_bytes(pack)
+    # the tiny model's records are small beside a long state of its own: a floor of 64 tokens here
+    least = state_bytes(pack.manifest.config, torch.bfloat16, 64)
+    spare = least + stride  # more than the floor, less than a tenth of the budget
+    ram = held + spare
+    assert least < spare < ram // 10
+    states = default_states(pack, ram, least_tokens=64)
+    assert states == spare
+    assert host_holds_every_record(pack, ram, states)
+    # control: a tenth, as the states once took, pushes records out of the RAM budget
+    assert not host_holds_every_record(pack, ram, ram // 10)
+
+
+def test_the_states_keep_their_floor_where_the_budget_has_no_spare(tiny_pack):
+    pack = Pack.open(tiny_pack)
+    _, _, held = records_bytes(pack)
+    least = state_bytes(pack.manifest.config, torch.bfloat16, LIVE_STATES_LEAST_TOKENS)
+    for ram in (held, held // 2, held + least // 2):  # records fill it, or do not all fit anyway
+        assert default_states(pack, ram) == min(ram // 10, least)
+    assert default_states(pack, 1000 * least) == min(8 << 30, 100 * least)  # the cap
+
+
+def test_a_cpu_an_engine_without_a_store_and_a_given_value(tiny_pack):
+    pack = Pack.open(tiny_pack)
+    _, _, held = records_bytes(pack)
+    assert default_states(pack, held, device=torch.device("cpu")) == 1 << 30
+    assert default_states(pack, held, through_store=False) == 1 << 30
+    config = EngineConfig(prompt_cache_ram="3MiB", store=StoreConfig(ram_budget=str(held)))
+    assert prompt_cache_bytes(pack, config, GPU, torch.bfloat16, True) == 3 << 20

@@ -5,6 +5,7 @@
     engine.warm_up()                              compile, tune and capture before the first request,
                                                   then freeze Python's heap (runtime/engine/collector.py)
     engine.stats()                                the expert store's counters (None without a store)
+    engine.memory()                               how the budgets were split, in a line (the server logs it)
     engine.collector                              the process's garbage collections, timed
     engine.close()                                stop the store's and the stored states' threads
 """
@@ -21,6 +22,7 @@ from flashpack.runtime.engine.generate import Generator
 from flashpack.runtime.engine.step import Step
 from flashpack.runtime.model.model import Qwen4ExpModel
 from flashpack.runtime.model.qsa_attention import QUERY_CHUNK
+from flashpack.runtime.store.budget import format_bytes, served_records
 from flashpack.runtime.tokenizer import PackTokenizer
 
 
@@ -67,6 +69,23 @@ class Engine:
     def stats(self) -> dict | None:
         self.step.settle()
         return self.store.stats.to_dict() if self.store is not None else None
+
+    def memory(self) -> str:
+        """Where the routed experts and the live prompt states are held, in a line: the budgets as
+        the engine split them (the server logs it once loaded)."""
+        plan = getattr(self.store, "plan", None)
+        if plan is not None:
+            records = len(served_records(self.pack, getattr(self.store, "layers", None)))
+            experts = (f"experts: {records:,} records of {format_bytes(plan.record_stride)}, "
+                       f"{min(plan.device_slots, records):,} of them on the device, "
+                       f"{min(plan.host_slots, records):,} in host memory")
+        elif self.store is not None:
+            experts = "experts: every record resident on the device"
+        else:
+            experts = "experts: decoded from the pack as they are used"
+        cache = self.generator.prefix_cache
+        states = f"live prompt states: {format_bytes(cache.ram_budget)}" if cache is not None else "prompt reuse off"
+        return f"{experts}; {states}"
 
     def time_layers(self, clock) -> None:
         """Have decode steps replayed from CUDA graphs call `clock.begin()` before their layers and

@@ -100,6 +100,9 @@ class ServerContext:
             return
         now = time.perf_counter()
         self.health.ready()
+        memory = getattr(self.engine, "memory", None)
+        if callable(memory):  # how the budgets were split: what a user tunes them by
+            log.info("memory: %s", memory())
         log.info("ready in %.1f s (warm-up %.1f s)", now - self.loading_since, now - start)
 
 

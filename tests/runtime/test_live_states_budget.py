@@ -1,17 +1,17 @@
 """The live prompt states' default host memory (build.prompt_cache_bytes): on a GPU through a store it
 takes the RAM budget's spare beyond the decoder layers' expert records, at least one 32k-token state
 and at most a tenth of the budget, so the states never push records to the disk where the budget
-holds them all and a floor's worth of spare."""
+holds them all and a floor's worth of spare. The engine says how it split the budgets in a line."""
 
 from __future__ import annotations
 
 import torch
 
 from flashpack.layout.pack import Pack
-from flashpack.runtime.engine.build import LIVE_STATES_LEAST_TOKENS, prompt_cache_bytes
+from flashpack.runtime.engine.build import LIVE_STATES_LEAST_TOKENS, load_engine, prompt_cache_bytes
 from flashpack.runtime.engine.config import EngineConfig
 from flashpack.runtime.state import SequenceState, state_bytes
-from flashpack.runtime.store.budget import plan_store, served_records
+from flashpack.runtime.store.budget import format_bytes, plan_store, served_records
 from flashpack.runtime.store.config import StoreConfig
 
 GPU = torch.device("cuda")  # only its type is read: no GPU is needed
@@ -84,3 +84,24 @@ def test_a_cpu_an_engine_without_a_store_and_a_given_value(tiny_pack):
     assert default_states(pack, held, through_store=False) == 1 << 30
     config = EngineConfig(prompt_cache_ram="3MiB", store=StoreConfig(ram_budget=str(held)))
     assert prompt_cache_bytes(pack, config, GPU, torch.bfloat16, True) == 3 << 20
+
+
+def test_the_engine_says_how_it_split_the_budgets(tiny_pack):
+    pack = Pack.open(tiny_pack)
+    _, stride, held = records_bytes(pack)
+    config = EngineConfig(prompt_cache_ram="3MiB", store=StoreConfig(vram_budget="3MiB", ram_budget=str(held // 2)))
+    engine = load_engine(tiny_pack, config)
+    try:
+        line = engine.memory()
+        served = len(served_records(pack, engine.store.layers))  # the MTP head's layer too, where it drafts
+        device = engine.store.plan.device_slots
+    finally:
+        engine.close()
+    assert device < served  # the budgets hold some records only: the line's counts are the plan's
+    assert line == (f"experts: {served:,} records of {format_bytes(stride)}, {device:,} of them on the device, "
+                    f"{(held // 2) // stride:,} in host memory; live prompt states: 3.00 MiB")
+    engine = load_engine(tiny_pack, EngineConfig(prompt_cache_ram=0))
+    try:
+        assert engine.memory() == "experts: decoded from the pack as they are used; prompt reuse off"
+    finally:
+        engine.close()

@@ -76,6 +76,22 @@ def test_health_says_loading_until_warm_up_is_done(tiny_tokenizer, caplog):
                for record in caplog.records)
 
 
+@dataclass
+class SaysMemory(FakeEngine):
+    def memory(self) -> str:
+        return "experts: 9 records; live prompt states: 1.00 GiB"
+
+
+def test_the_memory_split_is_logged_before_ready(tiny_tokenizer, caplog):
+    caplog.set_level(logging.INFO, logger="flashpack")
+    fake = fake_engine(tiny_tokenizer)
+    with serving(SaysMemory(fake.model, fake.tokenizer, fake.generator), SETTINGS):
+        pass
+    lines = [record.getMessage() for record in caplog.records]
+    said = lines.index("memory: experts: 9 records; live prompt states: 1.00 GiB")
+    assert lines[said + 1].startswith("ready in ")
+
+
 def test_a_failed_warm_up_is_an_error_on_health(tiny_tokenizer):
     engine = gated(tiny_tokenizer, failure=RuntimeError("no device"))
     engine.go.set()

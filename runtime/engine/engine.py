@@ -23,6 +23,7 @@ from flashpack.runtime.engine.step import Step
 from flashpack.runtime.model.model import Qwen4ExpModel
 from flashpack.runtime.model.qsa_attention import QUERY_CHUNK
 from flashpack.runtime.store.budget import format_bytes, served_records
+from flashpack.runtime.store.resident import ResidentExperts
 from flashpack.runtime.tokenizer import PackTokenizer
 
 
@@ -73,14 +74,13 @@ class Engine:
     def memory(self) -> str:
         """Where the routed experts and the live prompt states are held, in a line: the budgets as
         the engine split them (the server logs it once loaded)."""
-        plan = getattr(self.store, "plan", None)
-        if plan is not None:
-            records = len(served_records(self.pack, getattr(self.store, "layers", None)))
+        if isinstance(self.store, ResidentExperts):
+            experts = "experts: every record resident on the device"
+        elif self.store is not None:
+            plan, records = self.store.plan, len(served_records(self.pack, self.store.layers))
             experts = (f"experts: {records:,} records of {format_bytes(plan.record_stride)}, "
                        f"{min(plan.device_slots, records):,} of them on the device, "
                        f"{min(plan.host_slots, records):,} in host memory")
-        elif self.store is not None:
-            experts = "experts: every record resident on the device"
         else:
             experts = "experts: decoded from the pack as they are used"
         cache = self.generator.prefix_cache

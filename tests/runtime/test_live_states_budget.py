@@ -5,6 +5,8 @@ holds them all and a floor's worth of spare. The engine says how it split the bu
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from flashpack.layout.pack import Pack
@@ -13,6 +15,7 @@ from flashpack.runtime.engine.config import EngineConfig
 from flashpack.runtime.state import SequenceState, state_bytes
 from flashpack.runtime.store.budget import format_bytes, plan_store, served_records
 from flashpack.runtime.store.config import StoreConfig
+from flashpack.runtime.store.resident import ResidentExperts
 
 GPU = torch.device("cuda")  # only its type is read: no GPU is needed
 
@@ -103,5 +106,7 @@ def test_the_engine_says_how_it_split_the_budgets(tiny_pack):
     engine = load_engine(tiny_pack, EngineConfig(prompt_cache_ram=0))
     try:
         assert engine.memory() == "experts: decoded from the pack as they are used; prompt reuse off"
+        resident = dataclasses.replace(engine, store=ResidentExperts(pack, "cpu", progress=False))  # a GPU's, unbounded
+        assert resident.memory() == "experts: every record resident on the device; prompt reuse off"
     finally:
         engine.close()

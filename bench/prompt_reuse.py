@@ -421,7 +421,7 @@ def started(pack: str, config: EngineConfig) -> tuple[object, dict]:
     # no first request pays for first use (the pack's pages mapped, the linear algebra set up).
     lengths, depth = engine.warm_up_plan()
     warm = engine.generator.warm_up(lengths, prompt_depth=depth) | engine.freeze_heap()
-    return engine, {"load_s": loaded, "warm_up_s": sum(warm.values()), "warm_up": warm}
+    return engine, {"load_s": loaded, "warm_up_s": sum(warm.values()), "warm_up": warm, "memory": engine.memory()}
 
 
 def engine_arguments(description: str) -> argparse.ArgumentParser:
@@ -737,7 +737,7 @@ def markdown(report: dict) -> str:
              + (", sent back as the tokens generated" if settings.get("reply_ids") else ", sent back as text")
              + ". Warm engines (load + warm-up): "
              + ", ".join(f"{name} {e['load_s']:.1f} + {e['warm_up_s']:.1f} s" for name, e in report["engines"].items())
-             + ".", ""]
+             + f". Memory: {report['engines']['live'].get('memory', '-')}.", ""]
     head = f" TTFT at {target} layers s |" if scaled else ""
     rule = " --- |" if scaled else ""
     document = report.get("document")

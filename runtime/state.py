@@ -435,7 +435,8 @@ class SequenceState:
 
 def state_bytes(cfg: TextConfig, dtype: torch.dtype, tokens: int) -> int:
     """The bytes of a state holding `tokens` positions (its buffers at that capacity, built on the
-    meta device: nothing is allocated)."""
+    meta device: nothing is allocated). The MTP head's cache is counted whether or not the head
+    runs: an upper bound on what a saved state of that many tokens holds."""
     state = SequenceState.empty(cfg, dtype, "meta")
     state.reserve(tokens)
     return state.nbytes()

@@ -40,12 +40,23 @@ def host_holds_every_record(pack: Pack, ram: int, states: int) -> bool:
     return plan.host_slots >= records
 
 
-def test_state_bytes_is_a_state_of_that_many_positions(tiny_pack):
-    cfg = Pack.open(tiny_pack).manifest.config
-    state = SequenceState.empty(cfg, torch.float32, "cpu")
-    state.reserve(256)
-    assert state_bytes(cfg, torch.float32, 256) == state.nbytes()
-    assert state_bytes(cfg, torch.float32, 512) > state_bytes(cfg, torch.float32, 256)  # the keys grow with tokens
+def test_state_bytes_holds_a_prompts_saved_state_and_grows_by_the_keys(tiny_pack):
+    engine = load_engine(tiny_pack, EngineConfig(prompt_cache_ram=0, speculate="off"))
+    try:
+        cfg = engine.model_config
+        for tokens in (256, 300):  # a whole number of the caches' 64-position growth steps, and not
+            state = engine.step.new_state()
+            engine.step.forward(torch.arange(tokens) % 500 + 5, state, last_only=True)
+            assert state.snapshot().nbytes() <= state_bytes(cfg, torch.float32, tokens)  # what a live entry holds
+    finally:
+        engine.close()
+    # by hand: each attention layer (the MTP head's too) keeps keys and values of every head, an indexer
+    # key, and a pooled block key every `ratio` positions, for each position
+    attention = sum(not cfg.is_linear(layer) for layer in range(cfg.num_hidden_layers)) + cfg.mtp_num_hidden_layers
+    per_position = 2 * cfg.num_key_value_heads * cfg.head_dim + cfg.indexer_head_dim
+    per_block = cfg.indexer_head_dim
+    grown = attention * (256 * per_position + 256 // cfg.indexer_compress_ratio * per_block) * 2  # bf16
+    assert state_bytes(cfg, torch.bfloat16, 512) - state_bytes(cfg, torch.bfloat16, 256) == grown
 
 
 def test_a_large_budget_gives_the_states_a_tenth(tiny_pack):
@@ -74,10 +85,12 @@ def test_the_states_take_only_the_spare_where_the_records_fill_the_budget(tiny_p
 def test_the_states_keep_their_floor_where_the_budget_has_no_spare(tiny_pack):
     pack = Pack.open(tiny_pack)
     _, _, held = records_bytes(pack)
-    least = state_bytes(pack.manifest.config, torch.bfloat16, LIVE_STATES_LEAST_TOKENS)
-    for ram in (held, held // 2, held + least // 2):  # records fill it, or do not all fit anyway
-        assert default_states(pack, ram) == min(ram // 10, least)
-    assert default_states(pack, 1000 * least) == min(8 << 30, 100 * least)  # the cap
+    least = state_bytes(pack.manifest.config, torch.bfloat16, 64)  # as above: under a tenth of these budgets
+    assert least < held // 10
+    assert default_states(pack, held, least_tokens=64) == least  # the records fill it: the floor, not a tenth
+    assert default_states(pack, held + least // 2, least_tokens=64) == least
+    assert default_states(pack, held // 2, least_tokens=64) == held // 2 // 10  # the records do not all fit: a tenth caps it
+    assert default_states(pack, 100 << 30) == 8 << 30  # a budget far over the records: the 8 GiB cap
 
 
 def test_a_cpu_an_engine_without_a_store_and_a_given_value(tiny_pack):

@@ -78,7 +78,8 @@ if has tests; then
     tests/runtime/test_host_copy.py tests/runtime/test_engine_config.py tests/store/test_store_stream.py \
     tests/store/test_store_fetch.py tests/store/test_store_slot_table.py tests/store/test_store_config.py \
     tests/test_sampling.py tests/runtime/test_speculative.py tests/runtime/test_rejection.py tests/runtime/test_checked_graphs.py \
-    tests/runtime/test_prefix_cache.py tests/runtime/test_stored_states.py tests/runtime/test_arriving_state.py} -q --tb=short -p no:cacheprovider -p no:logging > $OUT/tests.log 2>&1
+    tests/runtime/test_prefix_cache.py tests/runtime/test_stored_states.py tests/runtime/test_arriving_state.py \
+    tests/runtime/test_prompt_chunks.py} -q --tb=short -p no:cacheprovider -p no:logging > $OUT/tests.log 2>&1
   echo "tests rc=$? $(( $(date +%s) - start )) s" >> $OUT/tests.log
   tail -25 $OUT/tests.log
 fi

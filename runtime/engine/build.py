@@ -125,7 +125,8 @@ def load_engine(
         if config.checked_graphs:
             checked = CheckedGraphs(model.layers, model.experts, compiled=config.compile_checked,
                                     compile_mixers=config.compile_checked_mixers)
-    step = Step(model, graphs, checked)
+    step = Step(model, graphs, checked,
+                prompt_graphs_max_tokens=config.prompt_graphs_max_tokens if checked is not None else 0)
     tokenizer = PackTokenizer.load(pack.root)
     speculation = _speculation(step, model, PackWeights(pack), config, mtp)
     one_step = config.checkpoints_in_one_step

@@ -52,6 +52,31 @@ from flashpack.runtime.model.decoder_layer import DecoderLayer
 from flashpack.runtime.state import SequenceState
 
 MAX_CHECKED_TOKENS = DECODE_MAX_TOKENS  # more rows would leave the decode kernels: such a step runs eagerly
+# the step lengths a short prompt is cut into (chunk_lengths): a few, so that few graphs are compiled
+# and captured for it, all of them at the warm-up (Generator.warm_up)
+PROMPT_CHUNKS = (16, 8, 4, 3, 2)
+
+
+def chunk_lengths(count: int) -> list[int]:
+    """A prompt of `count` >= 2 tokens as checked steps of PROMPT_CHUNKS' lengths, longest first:
+    16s, then the rest in eights, fours and twos, with a 3 where the count is odd (an odd rest of 1
+    takes a 16 with it: 17 = 8 + 4 + 3 + 2)."""
+    if count < 2:
+        raise ValueError(f"a prompt in checked steps takes 2 or more tokens, got {count}")
+    sixteens, rest = divmod(count, 16)
+    if rest == 1:
+        sixteens, rest = sixteens - 1, 17
+    lengths = [16] * sixteens
+    if rest % 2:
+        rest -= 3
+        odd = [3]
+    else:
+        odd = []
+    for length in (8, 4, 2):
+        while rest >= length:
+            lengths.append(length)
+            rest -= length
+    return lengths + odd
 
 
 def _ids(predicted: torch.Tensor) -> torch.Tensor | None:

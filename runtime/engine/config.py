@@ -69,6 +69,14 @@ class EngineConfig:
     # measured on the GPU (`--set compile_prompt_pieces=true`); on a CPU a compiled call's own
     # overhead loses to the eager operations it replaces (PERFORMANCE.md, *Prompt-state reuse*).
     compile_prompt_pieces: bool = False
+    # Prompts of 2 to this many new tokens (a follow-up's question and markers after a restored
+    # state) run as checked steps from CUDA graphs (`checked_graphs`), in chunks of 16, 8, 4, 3 and
+    # 2 tokens, all warmed up at start, where every expert is resident: a chunk's layer is one
+    # replay, where an eager layer of ~100 tokens is several hundred launches from the host. A chunk
+    # of T tokens does more GPU work than a T-token share of one step (attention token by token, the
+    # decode kernels' few rows), so past some length the eager step wins. 0: off, a bench option
+    # until measured on the GPU (`--set prompt_graphs_max_tokens=128`).
+    prompt_graphs_max_tokens: int = 0
     # Decoder layers per CUDA graph: one a layer keeps the GPU on layer L while the host launches L + 1.
     layers_per_graph: int = 1
     # One-token hyper-connection mixes as two Triton kernels each (GPU only) instead of the module's code.
@@ -163,7 +171,8 @@ class EngineConfig:
             raise FlashpackError(f"unknown expert source {self.experts!r}: use one of {', '.join(EXPERT_SOURCES)}")
         minimums = {"layers_per_graph": 1, "staging_programs": 1, "graphs_min_layer_tokens": 0,
                     "dense_matvec_max_tokens": 0, "dense_tile_max_tokens": 0, "fp8_matvec_max_tokens": 0, "staged_beside_experts": 0,
-                    "draft_tokens": 1, "delta_rule_recurrent_max_tokens": 1, "prompt_prefetch_max_tokens": 0}
+                    "draft_tokens": 1, "delta_rule_recurrent_max_tokens": 1, "prompt_prefetch_max_tokens": 0,
+                    "prompt_graphs_max_tokens": 0}
         for name, least in minimums.items():
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < least:

@@ -35,6 +35,7 @@ import torch
 from flashpack.errors import FlashpackError
 from flashpack.runtime.detokenize import IncrementalDetokenizer, StopStringFilter
 from flashpack.runtime.engine.arriving_state import StoredStateLost
+from flashpack.runtime.engine.checked_graphs import PROMPT_CHUNKS
 from flashpack.runtime.engine.prefix_cache import PrefixCache
 from flashpack.runtime.engine.speculative import SpeculativeDecoder
 from flashpack.runtime.logprobs import LogprobRequest, TokenLogprob, prompt_logprobs, token_logprobs
@@ -279,7 +280,8 @@ class Generator:
         each length through the first `prompt_depth` layers (on a GPU the prompt kernels are built
         per shape class, and layers of a kind share them), then a short prompt and `decode_steps`
         one-token steps through every layer (a decode graph runs eagerly, is captured, then
-        replayed), twice: first on a state of its own whose attention caches have another size than
+        replayed; where short prompts run as checked steps, a prompt of each chunk length twice
+        before them), twice: first on a state of its own whose attention caches have another size than
         the generator's, then on the generator's (the graphs are left bound to it; the next request
         resets it). TorchInductor builds a decode graph for the caches' size it first sees and
         again, for every size, at the second; without that second size here, the first request
@@ -292,9 +294,15 @@ class Generator:
             ids = torch.arange(length, dtype=torch.int64).mul_(7919).remainder_(vocab)  # any ids will do
             return int(self.step.forward(ids, state, last_only=True, depth=depth).logits[-1].argmax())  # waits
 
+        # prompts run as checked steps (Step.prompt_graphs_max_tokens): each chunk length, eagerly
+        # (compiling), then captured
+        chunks = [length for length in PROMPT_CHUNKS if length <= getattr(self.step, "prompt_graphs_max_tokens", 0)]
+
         def decode(name: str, state) -> None:
             start = time.perf_counter()
             token = prompt(16, None, state)
+            for length in chunks + chunks:
+                token = prompt(length, None, state)
             for _ in range(decode_steps):
                 token = int(self.step.forward(torch.tensor([token]), state, last_only=True).logits[-1].argmax())
             seconds[name] = time.perf_counter() - start
@@ -303,7 +311,7 @@ class Generator:
             start = time.perf_counter()
             prompt(length, prompt_depth, self._fresh_state(length + decode_steps + 1))
             seconds[f"prompt_{length}"] = time.perf_counter() - start
-        own = self._fresh_state(16 + decode_steps + 1)
+        own = self._fresh_state(16 + 2 * sum(chunks) + decode_steps + 1)
         room = max((cache.capacity for cache in own.attention.values()), default=0)
         # the other size: half, where decode still scores the indexer's blocks there (the branch a
         # long context takes), else twice (room for tokens costs device memory: half costs less)

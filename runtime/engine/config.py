@@ -71,8 +71,9 @@ class EngineConfig:
     compile_prompt_pieces: bool = False
     # Prompts of 2 to this many new tokens (a follow-up's question and markers after a restored
     # state) run as checked steps from CUDA graphs (`checked_graphs`), in chunks of 16, 8, 4, 3 and
-    # 2 tokens, all warmed up at start, where every expert is resident: a chunk's layer is one
-    # replay, where an eager layer of ~100 tokens is several hundred launches from the host. A chunk
+    # 2 tokens, all warmed up at start (and at the end of a request whose state's buffers moved),
+    # where every expert is resident: a chunk's layer is one replay, where an eager layer of ~100
+    # tokens is several hundred launches from the host. A chunk
     # of T tokens does more GPU work than a T-token share of one step (attention token by token, the
     # decode kernels' few rows), so past some length the eager step wins. 0: off, a bench option
     # until measured on the GPU (`--set prompt_graphs_max_tokens=128`).

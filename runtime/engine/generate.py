@@ -203,6 +203,7 @@ class Generator:
             fed.append(token)
         if self.prefix_cache is not None and fed:
             self.prefix_cache.save(prompt_ids + fed, state)
+        self._warm_prompt_chunks(state)
         timings = {"first_token_seconds": first_token_seconds, "total_seconds": time.perf_counter() - start,
                    "cached_tokens": cached}
         yield GenerationEvent(stops.flush(), None, finish, timings, logprob=stop_logprob)
@@ -255,6 +256,28 @@ class Generator:
         timings = {"first_token_seconds": 0.0, "total_seconds": time.perf_counter() - start}
         yield GenerationEvent("", None, "length", timings, prompt_logprobs=found)
 
+    def _prompt_chunk_lengths(self) -> list[int]:
+        """The step lengths short prompts are cut into, where they run as checked steps
+        (Step.prompt_graphs_max_tokens), else none."""
+        return [length for length in PROMPT_CHUNKS if length <= getattr(self.step, "prompt_graphs_max_tokens", 0)]
+
+    def _warm_prompt_chunks(self, state) -> None:
+        """At a request's end (its state saved), where short prompts run as checked steps and their
+        graphs would be made again for this state (its attention caches grew and moved): make them
+        now, each length run twice on what is left of the state, so that the next follow-up's first
+        token does not wait for it. Only where the caches have room for those tokens as they are
+        (growing them would move the buffers again)."""
+        lengths = self._prompt_chunk_lengths()
+        if not lengths or not any(self.step.warming(length, state) for length in lengths):
+            return
+        if state.position + 2 * sum(lengths) > min(cache.capacity for cache in state.attention.values()):
+            return
+        ids = torch.arange(max(lengths), dtype=torch.int64).mul_(7919).remainder_(self.step.config.vocab_size)
+        for length in lengths + lengths:  # eagerly (compiling for the buffers' size), then captured
+            state.track()
+            self.step.forward(ids[:length], state)
+            state.rewind(length)
+
     def _checked_limit(self, prompt_ids: list[int], room: int) -> int:
         """The context limit, once the prompt is known to fit it with `room` tokens to spare."""
         limit = self.max_context or self.step.config.max_position_embeddings
@@ -296,7 +319,7 @@ class Generator:
 
         # prompts run as checked steps (Step.prompt_graphs_max_tokens): each chunk length, eagerly
         # (compiling), then captured
-        chunks = [length for length in PROMPT_CHUNKS if length <= getattr(self.step, "prompt_graphs_max_tokens", 0)]
+        chunks = self._prompt_chunk_lengths()
 
         def decode(name: str, state) -> None:
             start = time.perf_counter()

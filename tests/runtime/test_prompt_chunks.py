@@ -171,6 +171,40 @@ def test_the_warm_up_runs_each_chunk_length_twice_on_the_generators_state(tiny_p
     assert checked.warming(5, generator._state)  # a length no chunk takes
 
 
+def _recorded_checked_steps(step) -> list[int]:
+    counts, run = [], step.checked.run
+
+    def recorded(streams, tokens, state):
+        counts.append(tokens.shape[0])
+        return run(streams, tokens, state)
+
+    step.checked.run = recorded
+    return counts
+
+
+def test_a_request_on_a_state_the_chunk_graphs_are_cold_for_makes_them_at_its_end(tiny_pack, monkeypatch):
+    """Where the state's buffers moved (attention caches that grew), the chunk lengths' graphs are
+    made again at the request's end, each length twice, not at the next follow-up's first token;
+    where they are warm, nothing runs; and nothing where the caches have no room for them."""
+    _, pieces = _chunked_steps(tiny_pack, most=16)
+    generator = Generator(pieces, PackTokenizer.load(tiny_pack))
+    steps = _recorded_checked_steps(pieces)
+    cold = True
+    monkeypatch.setattr(pieces, "warming", lambda tokens, state: cold)
+    params = SamplingParams(max_tokens=3)
+    prompt = _tokens(3, 30).tolist()  # past the setting: one eager step
+    generator._state = pieces.new_state()
+    generator._state.reserve(256)  # room for the prompt, its reply and the chunks' 2 x 33 tokens
+    reply = generator.generate(prompt, params).token_ids
+    assert steps == list(PROMPT_CHUNKS) * 2
+    cold, steps[:] = False, []
+    assert generator.generate(prompt, params).token_ids == reply
+    assert steps == []
+    cold, generator._state = True, None  # a new state's caches of 64 positions: 30 + 3 + 66 do not fit
+    assert generator.generate(prompt, params).token_ids == reply
+    assert steps == []
+
+
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 
 

@@ -101,7 +101,8 @@ class Step:
         for end in [*marks, tokens.shape[0]]:
             for length in chunk_lengths(end - start):
                 state.track()
-                streams.append(self._checked(tokens[start:start + length], state))
+                # cloned: a replay writes its outputs into the same tensors every time
+                streams.append(self._checked(tokens[start:start + length], state).clone())
                 state.position += length
                 state.rewind(length)  # keeps every token: copies nothing
                 start += length

@@ -17,13 +17,13 @@ import pytest
 import torch
 
 from flashpack.runtime.engine.build import load_engine
-from flashpack.runtime.engine.checked_graphs import PROMPT_CHUNKS, chunk_lengths
+from flashpack.runtime.engine.checked_graphs import PROMPT_CHUNKS, CheckedGraphs, chunk_lengths
 from flashpack.runtime.engine.config import EngineConfig
 from flashpack.runtime.engine.generate import Generator
 from flashpack.runtime.sampling import SamplingParams
 from flashpack.runtime.state import DeltaNetState, SequenceState
 from flashpack.runtime.tokenizer import PackTokenizer
-from tests.runtime.test_checked_graphs import TOLERANCE, _steps, _tiered_steps, _worst
+from tests.runtime.test_checked_graphs import TOLERANCE, ReplayLikeCall, _steps, _tiered_steps, _worst
 
 ROOM = 128  # no attention cache grows within a run: the pieces stay bound
 
@@ -32,24 +32,48 @@ def _tokens(seed: int, count: int) -> torch.Tensor:
     return torch.randint(0, 1000, (count,), generator=torch.Generator().manual_seed(seed))
 
 
+class StaticOutputs(ReplayLikeCall):
+    """A replay-like call (test_checked_graphs.ReplayLikeCall) whose every call returns its outputs
+    in the same tensors, as a captured graph's replays do."""
+
+    outputs = None
+
+    def __call__(self, *inputs):
+        found = super().__call__(*inputs)
+        if self.outputs is None:
+            self.outputs = tuple(tensor.clone() for tensor in found)
+        else:
+            for kept, tensor in zip(self.outputs, found):
+                kept.copy_(tensor)
+        return self.outputs
+
+
 def _chunked_steps(tiny_pack, device: str = "cpu", most: int = 64):
+    """(a step decoding from graph pieces, the same with short prompts in checked steps); on a CPU
+    the checked pieces' outputs are static, as a replay's."""
     plain, pieces = _steps(tiny_pack, device)
+    if device == "cpu":
+        checked = pieces.checked
+        pieces.checked = CheckedGraphs(checked.layers, checked.experts,
+                                       make_call=lambda fn, kept: StaticOutputs(fn, lambda: pieces.checked._state))
     pieces.prompt_graphs_max_tokens = most
     return plain, pieces
 
 
 def _decoded(step, prompt, follow_up, after: int, marks=()):
     """The prompt, then the follow-up one token a step, then `after` tokens decoded greedily:
-    (the follow-up's last logits, the decoded steps' logits, a copy of the state at each mark)."""
+    (the follow-up's last logits, the decoded steps' logits, a copy of the state at each mark,
+    the follow-up's streams)."""
     state = step.new_state()
     state.reserve(ROOM)
     step.forward(prompt, state, last_only=True)
-    at_marks = []
+    at_marks, streams = [], []
     for index, token in enumerate(follow_up):
-        logits = step.forward(token[None], state).logits
+        out = step.forward(token[None], state)
+        streams.append(out.streams.clone())
         if index + 1 in marks:
             at_marks.append(state.snapshot())
-    return logits[-1:], _decode(step, state, logits, after), at_marks
+    return out.logits[-1:], _decode(step, state, out.logits, after), at_marks, torch.cat(streams)
 
 
 def _chunked(step, prompt, follow_up, after: int, marks=()):
@@ -57,7 +81,7 @@ def _chunked(step, prompt, follow_up, after: int, marks=()):
     state.reserve(ROOM)
     step.forward(prompt, state, last_only=True)
     out = step.forward(follow_up, state, last_only=True, marks=list(marks))
-    return out.logits, _decode(step, state, out.logits, after), out.marked or []
+    return out.logits, _decode(step, state, out.logits, after), out.marked or [], out.streams
 
 
 def _decode(step, state, logits, count: int) -> list[torch.Tensor]:
@@ -92,9 +116,10 @@ def test_chunk_lengths_cut_a_prompt_into_the_warmed_lengths():
 def test_a_prompt_in_checked_steps_computes_plain_decoding_on_cpu(tiny_pack, count):
     plain, pieces = _chunked_steps(tiny_pack)
     prompt, follow_up = _tokens(2, 20), _tokens(count, count)  # the prompt past the indexer budget
-    expected_last, expected_after, _ = _decoded(plain, prompt, follow_up, after=4)
-    got_last, got_after, _ = _chunked(pieces, prompt, follow_up, after=4)
+    expected_last, expected_after, _, expected_streams = _decoded(plain, prompt, follow_up, after=4)
+    got_last, got_after, _, got_streams = _chunked(pieces, prompt, follow_up, after=4)
     assert _worst([got_last, *got_after], [expected_last, *expected_after]) < TOLERANCE
+    assert _worst(got_streams, expected_streams) < TOLERANCE  # every position's (the MTP head reads them)
     # both prompts ran as checked steps
     assert set(pieces.checked._pieces) == {*chunk_lengths(20), *chunk_lengths(count)}
 
@@ -103,8 +128,8 @@ def test_a_prompt_in_checked_steps_computes_plain_decoding_on_cpu(tiny_pack, cou
 def test_marks_inside_a_chunked_prompt_hold_the_state_decoding_reaches_there(tiny_pack):
     plain, pieces = _chunked_steps(tiny_pack)
     prompt, follow_up, marks = _tokens(2, 20), _tokens(5, 41), [9, 30]
-    _, _, expected = _decoded(plain, prompt, follow_up, after=0, marks=marks)
-    _, _, got = _chunked(pieces, prompt, follow_up, after=0, marks=marks)
+    _, _, expected, _ = _decoded(plain, prompt, follow_up, after=0, marks=marks)
+    _, _, got, _ = _chunked(pieces, prompt, follow_up, after=0, marks=marks)
     assert [at.position for at in got] == [20 + mark for mark in marks]
     backbone = pieces.config.num_hidden_layers
     assert all(cache.length == 0 for at in got for layer, cache in at.attention.items() if layer >= backbone)
@@ -121,8 +146,8 @@ def test_control_chunks_kept_a_token_short_go_wrong(tiny_pack, monkeypatch):
     rewind = SequenceState.rewind
     monkeypatch.setattr(SequenceState, "rewind", lambda self, kept: rewind(self, max(1, kept - 1)))
     prompt, follow_up = _tokens(2, 20), _tokens(37, 37)
-    expected_last, expected_after, _ = _decoded(plain, prompt, follow_up, after=4)
-    got_last, got_after, _ = _chunked(pieces, prompt, follow_up, after=4)
+    expected_last, expected_after, _, _ = _decoded(plain, prompt, follow_up, after=4)
+    got_last, got_after, _, _ = _chunked(pieces, prompt, follow_up, after=4)
     assert _worst(got_after, expected_after) > 1e-3
 
 
@@ -132,9 +157,9 @@ def test_control_marks_that_share_the_live_state_go_wrong(tiny_pack, monkeypatch
     the step's end."""
     plain, pieces = _chunked_steps(tiny_pack)
     prompt, follow_up, marks = _tokens(2, 20), _tokens(5, 41), [9, 30]
-    _, _, expected = _decoded(plain, prompt, follow_up, after=0, marks=marks)
+    _, _, expected, _ = _decoded(plain, prompt, follow_up, after=0, marks=marks)
     monkeypatch.setattr(DeltaNetState, "copy", lambda self: DeltaNetState(self.conv, self.recurrent))
-    _, _, got = _chunked(pieces, prompt, follow_up, after=0, marks=marks)
+    _, _, got, _ = _chunked(pieces, prompt, follow_up, after=0, marks=marks)
     token = int(follow_up[0])
     assert _worst([_next_after(pieces, at, token) for at in got],
                   [_next_after(plain, at, token) for at in expected]) > 1e-3
@@ -213,9 +238,10 @@ def test_captured_chunks_compute_plain_decoding(tiny_pack):
     plain, pieces = _chunked_steps(tiny_pack, "cuda")
     prompt, follow_up = _tokens(2, 20).cuda(), _tokens(37, 37).cuda()
     for _ in range(3):  # the chunks' lengths run eagerly, are captured, then replayed
-        got_last, got_after, _ = _chunked(pieces, prompt, follow_up, after=4)
-    expected_last, expected_after, _ = _decoded(plain, prompt, follow_up, after=4)
+        got_last, got_after, _, got_streams = _chunked(pieces, prompt, follow_up, after=4)
+    expected_last, expected_after, _, expected_streams = _decoded(plain, prompt, follow_up, after=4)
     assert _worst([got_last, *got_after], [expected_last, *expected_after]) < 1e-4
+    assert _worst(got_streams, expected_streams) < 1e-4
     assert all(call.graph is not None for _, call in pieces.checked._pieces[16])
 
 

@@ -96,6 +96,10 @@ class CheckedGraphs:
         self.combine = compile_(pieces.expert_combine)
         # a loop over the step's tokens: specialised on T (a few values), not dynamic
         self.mixer = torch.compile(pieces.checked_mixer, dynamic=False) if compile_mixers else pieces.checked_mixer
+        if compile_mixers:
+            # one compile a step length and layer kind: TorchDynamo's default of 8 a function is
+            # reached by speculation's four lengths alone, and a length past it would run uncompiled
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 2 * MAX_CHECKED_TOKENS)
         self.experts = experts
         self.make_call = make_call
         self._pool = None

@@ -165,6 +165,18 @@ def test_control_marks_that_share_the_live_state_go_wrong(tiny_pack, monkeypatch
                   [_next_after(plain, at, token) for at in expected]) > 1e-3
 
 
+def test_compiled_mixers_may_compile_every_step_length_of_both_layer_kinds(tiny_pack, monkeypatch):
+    """checked_mixer is compiled once a step length and layer kind (its token loop unrolled): the
+    chunks' lengths beside speculation's are more than TorchDynamo's default 8 compiles a function,
+    past which a length would run uncompiled (seen on the CPU: lengths 8 and 16 after 2-5)."""
+    import torch._dynamo
+
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 8)
+    _, pieces = _steps(tiny_pack)
+    CheckedGraphs(pieces.checked.layers, pieces.checked.experts, compiled=True, compile_mixers=True)
+    assert torch._dynamo.config.recompile_limit >= 2 * (len({*PROMPT_CHUNKS, 5}))
+
+
 def test_which_prompts_run_in_chunks(tiny_pack):
     _, pieces = _chunked_steps(tiny_pack, most=24)
     state = pieces.new_state()

@@ -29,8 +29,9 @@
 #                       (their checked steps captured as the attention caches grow); collector-pauses.json
 #              step     a short prompt step's time on a tiny synthetic pack (bench/prompt_step.py: its layers'
 #                       arithmetic is microseconds, so the step is the host's time a layer), each of
-#                       STEP_VARIANTS="NAME=KEY=VALUE,...;NAME=..." (default base against compile_prompt_pieces, both
-#                       without CUDA graphs or speculation) alternated STEP_REPEATS (3) rounds in one process;
+#                       STEP_VARIANTS="NAME=KEY=VALUE,...;NAME=..." (default: base, compile_prompt_pieces and
+#                       prompt_graphs_max_tokens=128, all without speculation) alternated STEP_REPEATS (3)
+#                       rounds in one process;
 #                       prompt-step-tiny.{json,md}. Needs no benchmark pack: a call of only tests and step builds none
 #              reuse    prompt-state reuse at each of REUSE_BUDGETS (default 24-64; bench/prompt_reuse.py): a
 #                       follow-up on a 32,768-token document with no reuse, a live hit and a stored hit after
@@ -119,7 +120,7 @@ for stage in $STAGES; do
     long) PROMPT=32768 GEN=4 bench 24-64-32k 24GiB 64GiB ;;
     step)
       echo "== step at $(( $(date +%s) - start )) s"
-      IFS=';' read -ra variants <<< "${STEP_VARIANTS:-base=cuda_graphs=false,speculate=off;pieces=cuda_graphs=false,speculate=off,compile_prompt_pieces=true}"
+      IFS=';' read -ra variants <<< "${STEP_VARIANTS:-base=speculate=off;pieces=speculate=off,compile_prompt_pieces=true;chunks=speculate=off,prompt_graphs_max_tokens=128}"
       timeout ${STEP_TIMEOUT:-240} python3 bench/prompt_step.py --device cuda "${variants[@]/#/--variant=}" --new 92 --new 16 \
         --repeats ${STEP_REPEATS:-3} --json $R/prompt-step-tiny.json > $OUT/step.log 2>&1
       echo "step rc=$? $(( $(date +%s) - start )) s" >> $OUT/step.log

@@ -11,34 +11,13 @@ from __future__ import annotations
 import inspect
 
 import torch
-from transformers import Qwen4ExpForCausalLM
 from transformers.models.qwen4_exp import modeling_qwen4_exp as hf
 
 from flashpack.convert.source import SourceCheckpoint
 from flashpack.verify.expected import ExpectedWeights
 from flashpack.verify.inputs import default_sequences
-from flashpack.verify.reference import DELTA_RULE_FUNCTIONS, LayerwiseReference, transformers_config
-
-def _full_model(weights: ExpectedWeights) -> Qwen4ExpForCausalLM:
-    cfg = weights.config
-    model = Qwen4ExpForCausalLM(transformers_config(cfg.raw)).eval()
-    state = {}
-    for key, tensor in model.state_dict().items():
-        name = key.removeprefix("model.")
-        if ".mlp.experts." in name or "ngram_embedding" in name:
-            continue
-        state[key] = weights.dense(name) if tensor.is_floating_point() else weights.buffer(name)
-    model.load_state_dict(state, strict=False)
-    with torch.no_grad():
-        for layer, block in enumerate(model.model.layers):
-            for expert in range(cfg.num_experts):
-                w = weights.expert(layer, expert)
-                block.mlp.experts.gate_up_proj[expert] = torch.cat([w.gate, w.up])
-                block.mlp.experts.down_proj[expert] = w.down
-            if block.ple is not None:
-                table = block.ple.ple_embedding.ngram_embedding.weight
-                table.copy_(weights.ple_rows(cfg.ple_index(layer), torch.arange(table.shape[0])))
-    return model
+from flashpack.verify.reference import DELTA_RULE_FUNCTIONS, LayerwiseReference
+from tests.transformers_model import full_model
 
 
 def _run_full(model, sequence) -> tuple[list[torch.Tensor], torch.Tensor]:
@@ -64,7 +43,7 @@ def test_layerwise_reference_equals_full_transformers_model(tiny_nvfp4_snapshot)
     sequences = default_sequences(weights.config, decode_tokens=4)
     layers: dict[int, list[torch.Tensor]] = {}
     logits = LayerwiseReference(weights).run(sequences, lambda layer, outs: layers.__setitem__(layer, outs))
-    model = _full_model(weights)
+    model = full_model(weights)
     for index, sequence in enumerate(sequences):
         full_layers, full_logits = _run_full(model, sequence)
         for layer, expected in enumerate(full_layers):

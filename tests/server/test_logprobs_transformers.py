@@ -23,7 +23,7 @@ from flashpack.runtime.engine.config import EngineConfig
 from flashpack.runtime.store.config import StoreConfig
 from flashpack.runtime.server import ServerSettings
 from flashpack.verify.expected import ExpectedWeights
-from flashpack.verify.reference import transformers_config
+from tests.transformers_model import full_model
 
 PROMPT = "def forward(self, hidden_states):\n    hidden_states = self.dense(hidden_states)\n    return"
 
@@ -35,25 +35,7 @@ def demo_engine(tmp_path_factory):
 
 
 def _transformers_model() -> Qwen4ExpForCausalLM:
-    weights = ExpectedWeights(SourceCheckpoint.open(demo_model.snapshot_path()), dense_fp8_rows=False)
-    cfg = weights.config
-    model = Qwen4ExpForCausalLM(transformers_config(cfg.raw)).eval()
-    state = {}
-    for key, tensor in model.state_dict().items():
-        name = key.removeprefix("model.")
-        if ".mlp.experts." not in name and "ngram_embedding" not in name:
-            state[key] = weights.dense(name) if tensor.is_floating_point() else weights.buffer(name)
-    model.load_state_dict(state, strict=False)
-    with torch.no_grad():
-        for layer, block in enumerate(model.model.layers):
-            for expert in range(cfg.num_experts):
-                w = weights.expert(layer, expert)
-                block.mlp.experts.gate_up_proj[expert] = torch.cat([w.gate, w.up])
-                block.mlp.experts.down_proj[expert] = w.down
-            if block.ple is not None:
-                table = block.ple.ple_embedding.ngram_embedding.weight
-                table.copy_(weights.ple_rows(cfg.ple_index(layer), torch.arange(table.shape[0])))
-    return model
+    return full_model(ExpectedWeights(SourceCheckpoint.open(demo_model.snapshot_path()), dense_fp8_rows=False))
 
 
 def test_prompt_logprobs_equal_transformers_own_model(demo_engine):

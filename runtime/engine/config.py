@@ -76,7 +76,8 @@ class EngineConfig:
     # tokens is several hundred launches from the host. A chunk
     # of T tokens does more GPU work than a T-token share of one step (attention token by token, the
     # decode kernels' few rows), so past some length the eager step wins. 0: off, a bench option
-    # until measured on the GPU (`--set prompt_graphs_max_tokens=128`).
+    # until timed at real dimensions (`--set prompt_graphs_max_tokens=128`; PERFORMANCE.md,
+    # *Prompt-state reuse*, has the host's part).
     prompt_graphs_max_tokens: int = 0
     # Decoder layers per CUDA graph: one a layer keeps the GPU on layer L while the host launches L + 1.
     layers_per_graph: int = 1

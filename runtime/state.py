@@ -386,6 +386,14 @@ class SequenceState:
         if device.type == "cuda" and snapshot._device().type == "cpu":
             torch.cuda.current_stream(device).synchronize()
 
+    def checkpoint_attention(self, position: int, backbone_layers: int) -> dict[int, "AttentionCache"]:
+        """Copies of the attention caches as a checkpoint at `position` holds them: the backbone's
+        first `position` keys (a causal layer's earlier keys never change); the MTP head's caches
+        (layers past the backbone's) empty, for its drafter to fill where it is caught up
+        (MTPDrafter.observe), else the checkpoint gets no MTP drafts."""
+        return {layer: cache.prefix(position if layer < backbone_layers else 0)
+                for layer, cache in self.attention.items()}
+
     def layers(self) -> list[int]:
         """Every layer this state holds a part of, ascending (the MTP head's after the backbone's)."""
         return sorted({*self.deltanet, *self.ple, *self.attention})

@@ -270,10 +270,14 @@ class Generator:
         lengths = self._prompt_chunk_lengths()
         if not lengths or not any(self.step.warming(length, state) for length in lengths):
             return
-        if state.position + 2 * sum(lengths) > min(cache.capacity for cache in state.attention.values()):
-            return
+        if state.position + 2 * sum(lengths) <= min(cache.capacity for cache in state.attention.values()):
+            self._run_prompt_chunks(state, lengths)
+
+    def _run_prompt_chunks(self, state, lengths: list[int]) -> None:
+        """A checked step of each length, twice, on `state` (which they advance): eagerly (compiling
+        for its buffers' size), then captured."""
         ids = torch.arange(max(lengths), dtype=torch.int64).mul_(7919).remainder_(self.step.config.vocab_size)
-        for length in lengths + lengths:  # eagerly (compiling for the buffers' size), then captured
+        for length in lengths + lengths:
             state.track()
             self.step.forward(ids[:length], state)
             state.rewind(length)
@@ -317,15 +321,13 @@ class Generator:
             ids = torch.arange(length, dtype=torch.int64).mul_(7919).remainder_(vocab)  # any ids will do
             return int(self.step.forward(ids, state, last_only=True, depth=depth).logits[-1].argmax())  # waits
 
-        # prompts run as checked steps (Step.prompt_graphs_max_tokens): each chunk length, eagerly
-        # (compiling), then captured
-        chunks = self._prompt_chunk_lengths()
+        chunks = self._prompt_chunk_lengths()  # where prompts run as checked steps
 
         def decode(name: str, state) -> None:
             start = time.perf_counter()
             token = prompt(16, None, state)
-            for length in chunks + chunks:
-                token = prompt(length, None, state)
+            if chunks:
+                self._run_prompt_chunks(state, chunks)
             for _ in range(decode_steps):
                 token = int(self.step.forward(torch.tensor([token]), state, last_only=True).logits[-1].argmax())
             seconds[name] = time.perf_counter() - start

@@ -69,15 +69,16 @@ class Step:
             streams = self.model.embed(tokens.to(self.model.device)).repeat(1, self.config.hc_count)  # [T, hc*H]
             streams, logits = self.graphs.run(streams, host_tokens, state, head=self.model.logits)
         else:
-            streams = self._checked(tokens, state)
+            # the PLE layers hash the tokens on the host: no read-back mid-step
+            streams = self._checked(tokens.cpu(), tokens.to(self.model.device), state)
             logits = self.model.logits(streams[-1:] if last_only else streams)
         state.position += count
         return StepOutput(logits=logits, streams=streams)
 
-    def _checked(self, tokens: torch.Tensor, state: SequenceState) -> torch.Tensor:
-        """A tracked step's streams [T, hc*H] from the checked graphs (the position not advanced)."""
-        host_tokens = tokens.cpu()  # the PLE layers hash them on the host: no read-back mid-step
-        streams = self.model.embed(tokens.to(self.model.device)).repeat(1, self.config.hc_count)
+    def _checked(self, host_tokens: torch.Tensor, tokens: torch.Tensor, state: SequenceState) -> torch.Tensor:
+        """A tracked step's streams [T, hc*H] from the checked graphs (the position not advanced);
+        the T tokens on the host and on the device."""
+        streams = self.model.embed(tokens).repeat(1, self.config.hc_count)
         if self.graphs is not None:
             self.graphs.settle()  # the store sees the decode steps before it, in order
         return self.checked.run(streams, host_tokens, state)
@@ -87,8 +88,8 @@ class Step:
         step of 2 or more tokens, every expert resident (through a store each chunk would fetch
         its experts again), not on a stored state still arriving (whose layers the eager step
         restores beside its work), and no mark closer than 2 tokens to the one before."""
-        if not (self.checked is not None and not self.checked.through_store and not state.tracked
-                and state.arriving is None and 2 <= count <= self.prompt_graphs_max_tokens):
+        if not (2 <= count <= self.prompt_graphs_max_tokens and self.checked is not None
+                and not self.checked.through_store and not state.tracked and state.arriving is None):
             return False
         bounds = [0, *marks, count]
         return all(end - start >= 2 for start, end in zip(bounds, bounds[1:]))
@@ -97,31 +98,29 @@ class Step:
                  marks: Sequence[int]) -> StepOutput:
         """The step as checked steps of chunk_lengths, each kept whole, cut at the marks (whose states
         are copied as each is reached, as Qwen4ExpModel.forward returns them)."""
-        streams, marked, start = [], [], 0
-        for end in [*marks, tokens.shape[0]]:
+        count = tokens.shape[0]
+        # one copy each way for the whole prompt (a copy from pageable memory waits for the device)
+        host_tokens, tokens = tokens.cpu(), tokens.to(self.model.device)
+        streams, marked, start = None, [], 0
+        for end in [*marks, count]:
             for length in chunk_lengths(end - start):
                 state.track()
-                # cloned: a replay writes its outputs into the same tensors every time
-                streams.append(self._checked(tokens[start:start + length], state).clone())
+                chunk = slice(start, start + length)
+                out = self._checked(host_tokens[chunk], tokens[chunk], state)
+                if streams is None:
+                    streams = out.new_empty((count, out.shape[1]))
+                streams[chunk] = out  # copied out: a replay writes its outputs into the same tensors every time
                 state.position += length
                 state.rewind(length)  # keeps every token: copies nothing
                 start += length
-            if end < tokens.shape[0]:
-                marked.append(self._mark(state))
-        streams = torch.cat(streams)
+            if end < count:
+                marked.append(SequenceState(
+                    position=state.position,
+                    deltanet={layer: part.copy() for layer, part in state.deltanet.items()},
+                    attention=state.checkpoint_attention(state.position, self.config.num_hidden_layers),
+                    ple={layer: part.copy() for layer, part in state.ple.items()}))
         logits = self.model.logits(streams[-1:] if last_only else streams)
         return StepOutput(logits=logits, streams=streams, marked=marked or None)
-
-    def _mark(self, state: SequenceState) -> SequenceState:
-        """A copy of the state at a mark: the backbone's parts; the MTP head's caches empty, as
-        Qwen4ExpModel.forward leaves them for its drafter to fill."""
-        backbone = self.config.num_hidden_layers
-        return SequenceState(
-            position=state.position,
-            deltanet={layer: part.copy() for layer, part in state.deltanet.items()},
-            attention={layer: cache.prefix(state.position if layer < backbone else 0)
-                       for layer, cache in state.attention.items()},
-            ple={layer: part.copy() for layer, part in state.ple.items()})
 
     def warming(self, tokens: int, state: SequenceState) -> bool:
         """Whether a tracked step of `tokens` on `state` would compile or capture its graphs rather

@@ -116,10 +116,7 @@ class Qwen4ExpModel(nn.Module):
             streams = layer(streams, host_tokens, state, marks=marks, marked=marked)
         state.arrive_all()
         for at in marked:
-            # the MTP head's caches (layers past the backbone's) start empty: its drafter fills them in
-            # where it is caught up (MTPDrafter.observe), else the state gets no MTP drafts
-            at.attention = {layer: cache.prefix(at.position if layer < len(self.layers) else 0)
-                            for layer, cache in state.attention.items()}
+            at.attention = state.checkpoint_attention(at.position, len(self.layers))
         logits = self.logits(streams[-1:] if last_only else streams)
         state.position += tokens.shape[0]
         return StepOutput(logits=logits, streams=streams, marked=marked or None)

@@ -253,9 +253,11 @@ def test_captured_chunks_compute_plain_decoding(tiny_pack):
         got_last, got_after, _, got_streams = _chunked(pieces, prompt, follow_up, after=4)
     expected_last, expected_after, _, expected_streams = _decoded(plain, prompt, follow_up, after=4)
     assert _worst([got_last, *got_after], [expected_last, *expected_after]) < 1e-4
-    # the streams before the final norm drift further between the two paths' kernels (3.7e-4 on
-    # an H100 in float32): the logits above and the tokens are what must agree
-    assert _worst(got_streams, expected_streams) < 2e-3
+    # every position's streams before the final norm: one row was 3.7e-4 off on an H100 in
+    # float32, where the last row's logits agree within 1e-4; not yet explained, so the bound is
+    # the measured figure's order and the message names the rows for the next look
+    rows = [float((a - b).norm() / b.norm()) for a, b in zip(got_streams, expected_streams)]
+    assert max(rows) < 1e-3, [f"{row}: {error:.1e}" for row, error in enumerate(rows) if error > 1e-4]
     assert all(call.graph is not None for _, call in pieces.checked._pieces[16])
 
 

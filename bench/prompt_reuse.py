@@ -54,11 +54,12 @@ import json
 import mmap
 import os
 import shlex
+import statistics
 import sys
 import tempfile
 import time
 from collections.abc import Iterable
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -93,6 +94,8 @@ QUESTION = ("Going back to the document above: which functions in it decide when
 ANOTHER_QUESTION = ("Still about the document above: which functions in it prepare the inputs before the first "
                     "forward pass, and what do they do with the attention mask and the cache they are given? Answer "
                     "with a short list, one line for each function, naming the arguments it reads.")
+# --chunk-rounds' questions are QUESTION numbered 10, 11, ...: two digits each, so every one is as long.
+MAX_CHUNK_ROUNDS = 45
 # The targets issue 25 sets for the full model (48 layers): seconds.
 LIVE_HIT_TARGET = 0.25
 STORED_HIT_TARGET = 1.0
@@ -180,6 +183,17 @@ class SaveClock:
             self._save(tokens, state, **options)
         finally:
             self.seconds += time.perf_counter() - start
+
+
+@contextmanager
+def chunks_off(engine):
+    """The engine's prompts without checked-step chunks for a while (Step.prompt_graphs_max_tokens
+    0): each runs as one eager step, its graphs kept warm for the next request that takes them."""
+    limit, engine.step.prompt_graphs_max_tokens = engine.step.prompt_graphs_max_tokens, 0
+    try:
+        yield
+    finally:
+        engine.step.prompt_graphs_max_tokens = limit
 
 
 @contextmanager
@@ -460,6 +474,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="send each reply back as the tokens generated, as a trained model's reply text "
                              "encodes back to them (a synthetic pack's random replies do not: without this "
                              "their follow-ups prefill the reply again)")
+    parser.add_argument("--chunk-rounds", type=int, default=0,
+                        help="after the document's live hits, this many pairs more, each a new question asked "
+                             "with the engine's prompt chunks (--set prompt_graphs_max_tokens=N, a GPU's) and "
+                             "with them off, alternately in one process (default %(default)s: none)")
     parser.add_argument("--trace", type=Path,
                         help="profile the document's first live hit: its Chrome trace into this folder")
     parser.add_argument("--set", dest="settings", action="append", default=[], metavar="KEY=VALUE",
@@ -521,14 +539,35 @@ def document_scenario(engine, args, saves: SaveClock) -> tuple[dict, list[int]]:
     messages[-1] = {"role": "user", "content": ANOTHER_QUESTION}
     again = request(engine, chat_ids(engine.tokenizer, messages, replies), 1, saves)
     engine.generator.prefix_cache.flush()
-    forget_stored(stored, first_turn_keys, min(hit["cached_tokens"], again["cached_tokens"]))
+    rounds = chunk_rounds(engine, messages, replies, args.chunk_rounds, saves)
+    forget_stored(stored, first_turn_keys, min(row["cached_tokens"] for row in (hit, again, *rounds)))
     for row in (plain, hit, again):
         row.pop("text")
         row.pop("reply_ids")
     return {"document_tokens": len(engine.tokenizer.encode(text)),
             "question_tokens": len(engine.tokenizer.encode(QUESTION)),
             "first_turn": first, "no_reuse": plain, "live_hit": hit, "live_hit_again": again,
+            "chunk_rounds": rounds, "chunks_limit": engine.step.prompt_graphs_max_tokens,
             "profiles": profiles}, follow_up
+
+
+def chunk_rounds(engine, messages: list[dict], replies: dict | None, rounds: int, saves: SaveClock) -> list[dict]:
+    """`rounds` pairs of live hits on the document, in each pair one as the engine is set (its prompt
+    chunks where it has them) and one with the chunks off (chunks_off), the first of a pair on, then
+    off, in turn, in one process: the chunks' A/B with the engine, its store and its state the same. Each hit asks a question of
+    its own (the same length: a numbered QUESTION), since a prompt's own checkpoint would answer it
+    again with nothing left to prefill."""
+    rows = []
+    for number in range(rounds):
+        for chunks in (True, False) if number % 2 == 0 else (False, True):  # ABBA: a place in the pair favours neither
+            messages[-1] = {"role": "user", "content": f"Question {10 + len(rows)}: {QUESTION}"}
+            with nullcontext() if chunks else chunks_off(engine):
+                row = request(engine, chat_ids(engine.tokenizer, messages, replies), 1, saves)
+            engine.generator.prefix_cache.flush()
+            row.pop("text")
+            row.pop("reply_ids")
+            rows.append({**row, "chunks": chunks, "round": number + 1})
+    return rows
 
 
 def turns_scenario(engine, args, saves: SaveClock) -> tuple[dict, list[int], set[str]]:
@@ -556,6 +595,8 @@ def main() -> None:
     args = parse_args()
     if args.turns < 0 or args.document_tokens < 0 or not args.turns and not args.document_tokens:
         raise SystemExit("give --turns or --document-tokens a positive count")
+    if not 0 <= args.chunk_rounds <= MAX_CHUNK_ROUNDS or args.chunk_rounds and not args.document_tokens:
+        raise SystemExit(f"--chunk-rounds takes 0 to {MAX_CHUNK_ROUNDS} and needs --document-tokens")
     device = parse_device(args.device)
     manifest = Pack.open(args.pack).manifest
     cfg = manifest.config
@@ -615,6 +656,7 @@ def main() -> None:
     timed = []  # every timed request
     if document is not None:
         timed += [document[key] for key in ("first_turn", "no_reuse", "live_hit", "live_hit_again", "stored_hit")]
+        timed += document["chunk_rounds"]
     if turns is not None:
         timed += turns["rows"] + [row["no_reuse"] for row in turns["rows"]] + [turns["restart"]]
     scale_rows(timed, document, entry, by_part, counts, layers, target)
@@ -757,6 +799,19 @@ def markdown(report: dict) -> str:
                          f"{_seconds(row['gc_s'])} ({_seconds(row['gc_longest_s'])}) | {_moved(row.get('store'))} | "
                          f"{row.get('frames_compiled', '-')}, {row.get('device_segments_allocated', '-')} |"
                          + (f" {_seconds(row['ttft_at_layers_s'])} |" if scaled else ""))
+        rounds = document["chunk_rounds"]
+        if rounds:
+            lines += ["", f"Live hits with the prompt chunks (prompt_graphs_max_tokens {document['chunks_limit']}"
+                      + ("" if document["chunks_limit"] else ": none in this engine, both ways eager") + ") and "
+                      "without, alternately, each a question of its own:", "",
+                      f"| round | chunks | new tokens | TTFT s |{head}", f"| --- | --- | --- | --- |{rule}"]
+            for row in rounds:
+                lines.append(f"| {row['round']} | {'on' if row['chunks'] else 'off'} | {row['new_tokens']} | "
+                             f"{_seconds(row['ttft_s'])} |" + (f" {_seconds(row['ttft_at_layers_s'])} |" if scaled else ""))
+            median = lambda chunks: statistics.median(  # noqa: E731
+                row["ttft_s"] for row in rounds if row["chunks"] == chunks)
+            lines += ["", f"Median TTFT: chunks on {median(True):.3f} s, off {median(False):.3f} s "
+                          f"(on / off {median(True) / median(False):.2f})."]
         entry, goals = document.get("stored_entry"), document["targets"]
         lines.append("")
         met = lambda value: "-" if value is None else "met" if value else "missed"  # noqa: E731

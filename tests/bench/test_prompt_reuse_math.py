@@ -122,3 +122,26 @@ def test_store_counts_are_the_store_totals_over_its_layers():
                        "prefetch_from_disk": 0, "wait_s": 0.25}
     assert _moved(counted) == "6.00 (3)"
     assert _moved(None) == "-"
+
+
+def test_chunks_off_sets_the_steps_limit_aside_and_back():
+    """--chunk-rounds' other arm: the step's limit 0 inside, the engine's own after, an error too."""
+    from types import SimpleNamespace
+
+    from flashpack.bench.prompt_reuse import chunks_off
+
+    engine = SimpleNamespace(step=SimpleNamespace(prompt_graphs_max_tokens=128))
+    with chunks_off(engine):
+        assert engine.step.prompt_graphs_max_tokens == 0
+    assert engine.step.prompt_graphs_max_tokens == 128
+    with pytest.raises(RuntimeError), chunks_off(engine):
+        raise RuntimeError
+    assert engine.step.prompt_graphs_max_tokens == 128
+
+
+def test_chunk_rounds_questions_are_all_as_long():
+    """Each round's question is QUESTION numbered with two digits: the A/B's hits prefill as many tokens."""
+    from flashpack.bench.prompt_reuse import MAX_CHUNK_ROUNDS
+
+    numbers = range(10, 10 + 2 * MAX_CHUNK_ROUNDS)
+    assert {len(str(number)) for number in numbers} == {2}

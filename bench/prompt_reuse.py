@@ -69,6 +69,7 @@ import transformers
 
 from flashpack.layout.pack import Pack
 from flashpack.runtime.bench.bandwidth import disk_read
+from flashpack.runtime.bench.clock import LayerSpan
 from flashpack.runtime.bench.gaps import gpu_gaps, load_trace
 from flashpack.runtime.bench.emulate import BUDGET_FORMULA, LayerKinds, check_layers, scale_to_layers, scaled_budgets
 from flashpack.runtime.bench.first_use import device_segments_allocated, frames_compiled
@@ -167,22 +168,26 @@ class StateBytes:
         return total
 
 
-class SaveClock:
-    """The seconds a prefix cache spends saving checkpoints: a request's prefill saves the state at
-    each checkpoint before its first token, so that is part of its TTFT (on a GPU a device copy,
-    moved to the host off the request's path)."""
+class RequestClocks:
+    """What a bench times inside an engine's requests beside their TTFT: the seconds its prefix cache
+    spends saving checkpoints (a request's prefill saves the state at each checkpoint before its first
+    token, so that is part of its TTFT; on a GPU a device copy, moved to the host off the request's
+    path), and its decoder layers' span (runtime/bench/clock.py, LayerSpan), the part of a TTFT
+    that grows with the layers."""
 
-    def __init__(self, cache):
-        self.seconds = 0.0
+    def __init__(self, engine):
+        self.saves = 0.0
+        cache = engine.generator.prefix_cache
         self._save = cache.save
         cache.save = self._timed
+        self.layers = LayerSpan(engine.step.model, engine.step.checked)
 
     def _timed(self, tokens, state, **options) -> None:
         start = time.perf_counter()
         try:
             self._save(tokens, state, **options)
         finally:
-            self.seconds += time.perf_counter() - start
+            self.saves += time.perf_counter() - start
 
 
 @contextmanager
@@ -220,34 +225,42 @@ def store_counts(engine) -> dict | None:
     return {**{name: getattr(total, name) for name in STORE_COUNTS}, "wait_s": stats.wait_seconds}
 
 
-def request(engine, ids: list[int], max_tokens: int, saves: SaveClock | None) -> dict:
+def request(engine, ids: list[int], max_tokens: int, clocks: RequestClocks) -> dict:
     """Answer `ids` (checkpoints at its message boundaries, as the server does); its TTFT, tokens
-    restored, the seconds of that restore, of the checkpoints saved and of the garbage collector's
-    pauses (all of them, and the longest), what the expert store moved, and the frames compiled and
-    device memory segments allocated (runtime/bench/first_use.py), before the first token."""
+    restored, the seconds of that restore, of the checkpoints saved, of the decoder layers' span and
+    of the garbage collector's pauses (all of them, and the longest), what the expert store moved,
+    and the frames compiled and device memory segments allocated (runtime/bench/first_use.py),
+    before the first token."""
     cache = engine.generator.prefix_cache
     counted_before, first_use_before = store_counts(engine), (frames_compiled(), device_segments_allocated())
     restored_before = cache.stats.restore_seconds if cache is not None else 0.0
-    saved_before = saves.seconds if saves is not None else 0.0
+    saved_before = clocks.saves
     collected_before, mark = engine.collector.pauses(), engine.collector.mark()
-    saved = collected = longest = counted = first_use = None
+    saved = layers = collected = longest = counted = first_use = None
     pieces, generated, last = [], [], None
-    for event in engine.generator.stream(ids, SamplingParams(max_tokens=max_tokens),
-                                         checkpoints=engine.tokenizer.message_starts(ids)):
-        if saved is None:  # the first event comes once the first token is chosen
-            saved = saves.seconds - saved_before if saves is not None and cache is not None else 0.0
-            collected = engine.collector.pauses().since(collected_before)
-            longest = engine.collector.longest_since(mark)
-            counted, first_use = store_counts(engine), (frames_compiled(), device_segments_allocated())
-        pieces.append(event.text)
-        if event.token_id is not None:
-            generated.append(event.token_id)
-        last = event
+    clocks.layers.take()
+    clocks.layers.on = True
+    try:
+        for event in engine.generator.stream(ids, SamplingParams(max_tokens=max_tokens),
+                                             checkpoints=engine.tokenizer.message_starts(ids)):
+            if saved is None:  # the first event comes once the first token is chosen
+                saved = clocks.saves - saved_before if cache is not None else 0.0
+                layers = clocks.layers.take()
+                clocks.layers.on = False
+                collected = engine.collector.pauses().since(collected_before)
+                longest = engine.collector.longest_since(mark)
+                counted, first_use = store_counts(engine), (frames_compiled(), device_segments_allocated())
+            pieces.append(event.text)
+            if event.token_id is not None:
+                generated.append(event.token_id)
+            last = event
+    finally:
+        clocks.layers.on = False
     cached = last.timings["cached_tokens"]
     return {"prompt_tokens": len(ids), "cached_tokens": cached, "new_tokens": len(ids) - cached,
             "ttft_s": last.timings["first_token_seconds"],
             "restore_s": cache.stats.restore_seconds - restored_before if cache is not None else 0.0,
-            "saves_s": saved, "gc_s": sum(collected.seconds), "gc_full_collections": collected.counts[2],
+            "saves_s": saved, "layers_s": layers, "gc_s": sum(collected.seconds), "gc_full_collections": collected.counts[2],
             "gc_longest_s": longest, "frames_compiled": first_use[0] - first_use_before[0],
             "device_segments_allocated": first_use[1] - first_use_before[1], "text": "".join(pieces), "reply_ids": generated,
             "store": None if counted is None else {name: counted[name] - counted_before[name] for name in counted}}
@@ -270,7 +283,7 @@ def chat_ids(tokenizer, messages: list[dict], replies: dict[int, list[int]] | No
     return ids
 
 
-def conversation(engine, messages: list[dict], turns: list[str], reply_tokens: int, saves: SaveClock,
+def conversation(engine, messages: list[dict], turns: list[str], reply_tokens: int, clocks: RequestClocks,
                  replies: dict[int, list[int]] | None = None) -> list[dict]:
     """Each turn of `turns` appended to `messages` (in place) and answered, the reply appended too
     (and its tokens to `replies`, where given: chat_ids)."""
@@ -278,7 +291,7 @@ def conversation(engine, messages: list[dict], turns: list[str], reply_tokens: i
     for turn in turns:
         messages.append({"role": "user", "content": turn})
         ids = chat_ids(engine.tokenizer, messages, replies)
-        row = request(engine, ids, reply_tokens, saves)
+        row = request(engine, ids, reply_tokens, clocks)
         if replies is not None:
             replies[len(messages)] = row["reply_ids"]
         messages.append({"role": "assistant", "content": row.pop("text")})
@@ -356,14 +369,14 @@ def cached_fraction(paths: Iterable[Path]) -> float | None:
     return cached / total if total else None
 
 
-def restart_request(engine, ids: list[int], saves: SaveClock) -> dict:
+def restart_request(engine, ids: list[int], clocks: RequestClocks) -> dict:
     """A request of the restarted engine, its stored states read from the disk (module docstring)."""
     stored = engine.generator.prefix_cache.stored
     engine.generator.prefix_cache.flush()  # its own earlier requests' entries are written before the files are dropped
     files = stored_files(stored)
     drop_from_page_cache(files)
     left = cached_fraction(files)
-    row = request(engine, ids, 1, saves)
+    row = request(engine, ids, 1, clocks)
     row.pop("text")
     row.pop("reply_ids")
     return {**row, "stored_pages_cached_before": left}
@@ -414,9 +427,13 @@ def state_bytes(engine) -> StateBytes:
 def at_layers(row: dict, layer_scale: float, bytes_scale: float) -> float:
     """A TTFT at the full model's layer count: restoring and saving states move state bytes
     (scaled by `bytes_scale`), the garbage collector's pauses walk the process's heap (as they are),
-    everything else is the layers' work (scaled by `layer_scale`)."""
+    the decoder layers' span (`layers_s`, at most what is left) is the layers' work (scaled by
+    `layer_scale`), and the rest is what a request does once (as it is). A row without `layers_s`
+    counts all the rest as the layers'."""
     moved = row["restore_s"] + row["saves_s"]
-    return moved * bytes_scale + row["gc_s"] + (row["ttft_s"] - moved - row["gc_s"]) * layer_scale
+    rest = row["ttft_s"] - moved - row["gc_s"]
+    layers = rest if row.get("layers_s") is None else min(row["layers_s"], rest)
+    return moved * bytes_scale + row["gc_s"] + (rest - layers) + layers * layer_scale
 
 
 def free_memory() -> None:
@@ -516,14 +533,14 @@ def traced(folder: Path | None, name: str, found: dict):
     trace.unlink()
 
 
-def document_scenario(engine, args, saves: SaveClock) -> tuple[dict, list[int]]:
+def document_scenario(engine, args, clocks: RequestClocks) -> tuple[dict, list[int]]:
     """The document's first turn, then its follow-up with no reuse and with a live hit, then another
     question's live hit; returns the rows and the first follow-up's prompt. The stored tier is left as
     the first turn left it."""
     stored = engine.generator.prefix_cache.stored
     text = document_text(engine.tokenizer, source_text(), args.document_tokens)
     messages = [{"role": "system", "content": DOCUMENT_SYSTEM}, {"role": "user", "content": text}]
-    first = request(engine, engine.tokenizer.encode_chat(messages), args.reply_tokens, saves)
+    first = request(engine, engine.tokenizer.encode_chat(messages), args.reply_tokens, clocks)
     engine.generator.prefix_cache.flush()  # the follow-up comes once the first turn's states are stored (its reply is read first)
     first_turn_keys = set(stored.keys())
     first_reply = first.pop("reply_ids")
@@ -531,15 +548,15 @@ def document_scenario(engine, args, saves: SaveClock) -> tuple[dict, list[int]]:
     messages += [{"role": "assistant", "content": first.pop("text")}, {"role": "user", "content": QUESTION}]
     follow_up = chat_ids(engine.tokenizer, messages, replies)
     with reuse_off(engine):
-        plain = request(engine, follow_up, 1, saves)
+        plain = request(engine, follow_up, 1, clocks)
     profiles: dict = {}
     with traced(args.trace, "live-hit", profiles):
-        hit = request(engine, follow_up, 1, saves)
+        hit = request(engine, follow_up, 1, clocks)
     engine.generator.prefix_cache.flush()
     messages[-1] = {"role": "user", "content": ANOTHER_QUESTION}
-    again = request(engine, chat_ids(engine.tokenizer, messages, replies), 1, saves)
+    again = request(engine, chat_ids(engine.tokenizer, messages, replies), 1, clocks)
     engine.generator.prefix_cache.flush()
-    rounds = chunk_rounds(engine, messages, replies, args.chunk_rounds, saves)
+    rounds = chunk_rounds(engine, messages, replies, args.chunk_rounds, clocks)
     forget_stored(stored, first_turn_keys, min(row["cached_tokens"] for row in (hit, again, *rounds)))
     for row in (plain, hit, again):
         row.pop("text")
@@ -551,7 +568,7 @@ def document_scenario(engine, args, saves: SaveClock) -> tuple[dict, list[int]]:
             "profiles": profiles}, follow_up
 
 
-def chunk_rounds(engine, messages: list[dict], replies: dict | None, rounds: int, saves: SaveClock) -> list[dict]:
+def chunk_rounds(engine, messages: list[dict], replies: dict | None, rounds: int, clocks: RequestClocks) -> list[dict]:
     """`rounds` pairs of live hits on the document, in each pair one as the engine is set (its prompt
     chunks where it has them) and one with the chunks off (chunks_off), the first of a pair on, then
     off, in turn, in one process: the chunks' A/B with the engine, its store and its state the same. Each hit asks a question of
@@ -562,7 +579,7 @@ def chunk_rounds(engine, messages: list[dict], replies: dict | None, rounds: int
         for chunks in (True, False) if number % 2 == 0 else (False, True):  # ABBA: a place in the pair favours neither
             messages[-1] = {"role": "user", "content": f"Question {10 + len(rows)}: {QUESTION}"}
             with nullcontext() if chunks else chunks_off(engine):
-                row = request(engine, chat_ids(engine.tokenizer, messages, replies), 1, saves)
+                row = request(engine, chat_ids(engine.tokenizer, messages, replies), 1, clocks)
             engine.generator.prefix_cache.flush()
             row.pop("text")
             row.pop("reply_ids")
@@ -570,19 +587,19 @@ def chunk_rounds(engine, messages: list[dict], replies: dict | None, rounds: int
     return rows
 
 
-def turns_scenario(engine, args, saves: SaveClock) -> tuple[dict, list[int], set[str]]:
+def turns_scenario(engine, args, clocks: RequestClocks) -> tuple[dict, list[int], set[str]]:
     """The conversation with reuse, then each turn's prompt again with reuse set aside; returns the
     rows, the last turn's prompt and the stored entries there were before the last turn."""
     messages = [{"role": "system", "content": TURNS_SYSTEM}]
     pieces = source_turns(engine.tokenizer, args.turns, args.turn_tokens)
     replies: dict[int, list[int]] | None = {} if args.reply_ids else None
-    rows = conversation(engine, messages, pieces[:-1], args.reply_tokens, saves, replies)
+    rows = conversation(engine, messages, pieces[:-1], args.reply_tokens, clocks, replies)
     engine.generator.prefix_cache.flush()  # every turn before the last is stored: the restart finds them
     before_last = set(engine.generator.prefix_cache.stored.keys())
-    rows += conversation(engine, messages, pieces[-1:], args.reply_tokens, saves, replies)
+    rows += conversation(engine, messages, pieces[-1:], args.reply_tokens, clocks, replies)
     for row in rows:
         with reuse_off(engine):
-            plain = request(engine, row.pop("ids"), 1, saves)
+            plain = request(engine, row.pop("ids"), 1, clocks)
         plain.pop("text")
         plain.pop("reply_ids")
         row.update(ttft_no_reuse_s=plain["ttft_s"], no_reuse=plain)
@@ -627,25 +644,25 @@ def main() -> None:
         report["engines"] = {}
         live, report["engines"]["live"] = started(args.pack, config)
         stored = live.generator.prefix_cache.stored
-        saves = SaveClock(live.generator.prefix_cache)
+        clocks = RequestClocks(live)
         if args.document_tokens:
-            document, follow_up = document_scenario(live, args, saves)
+            document, follow_up = document_scenario(live, args, clocks)
         if args.turns:
-            turns, last_prompt, before_last = turns_scenario(live, args, saves)
+            turns, last_prompt, before_last = turns_scenario(live, args, clocks)
         by_part = state_bytes(live)
         report["live"] = live.generator.prefix_cache.to_dict()
         live.close()  # waits for the stored writes
         if turns is not None:
             forget_stored(stored, before_last, turns["rows"][-1]["cached_tokens"])
-        del live, stored, saves
+        del live, stored, clocks
         free_memory()
 
         restarted, report["engines"]["restarted"] = started(args.pack, config)  # nothing live: stored states only
-        saves = SaveClock(restarted.generator.prefix_cache)
+        clocks = RequestClocks(restarted)
         if document is not None:
-            document["stored_hit"] = restart_request(restarted, follow_up, saves)
+            document["stored_hit"] = restart_request(restarted, follow_up, clocks)
         if turns is not None:
-            turns["restart"] = restart_request(restarted, last_prompt, saves)
+            turns["restart"] = restart_request(restarted, last_prompt, clocks)
         report["restarted"] = restarted.generator.prefix_cache.to_dict()
         if document is not None:
             entry = document["stored_entry"] = measure_entry(restarted, follow_up,
@@ -735,8 +752,14 @@ def notes(layers: int, target: int) -> dict[str, str]:
                 "disk probe: 8 MiB reads, 8 threads), buffered_cold_read one read_bytes of the dropped file (what "
                 "the stored tier does), read_decode_s StoredStates.get of the dropped file (read, checksum, "
                 "decompress, decode onto the device).",
-        "scaling": (f"TTFTs at {target} layers (ttft_at_layers_s): the time outside restore_s and saves_s is the "
-                    f"layers' work, scaled by {target} / {layers} (a prefill is nearly all layer time); gc_s is "
+        "scaling": (f"TTFTs at {target} layers (ttft_at_layers_s): layers_s, the decoder layers' span (from the "
+                    "first layer's start to the last one's end in each step of the prompt, on the device's clock: "
+                    "runtime/bench/clock.py, LayerSpan), is the layers' work, scaled by "
+                    f"{target} / {layers}; what the TTFT holds outside it, restore_s, saves_s and gc_s is what a "
+                    "request does once (its prompt's digests and lookup, the embedding, the head, the token "
+                    "chosen), added as it is; a stored hit's waits for bytes inside the layers count in both "
+                    "layers_s and restore_s, so its scaled TTFT errs high there. The one PLE layer is timed "
+                    "among the layers and scaled with them, high too. gc_s is "
                     "added as it is (a walk of the heap, whatever the layers); restore_s and saves_s move state bytes and are scaled by the state's bytes at the full layer count over its "
                     "bytes in the pack (at the row's prompt length): DeltaNet and attention layers' parts each by "
                     "their layer counts (layer_counts, the pack's attention pattern continued), PLE and MTP parts "
@@ -786,9 +809,9 @@ def markdown(report: dict) -> str:
     if document:
         lines += [f"## A follow-up on a {document['document_tokens']}-token document "
                   f"({document['question_tokens']}-token question)", "",
-                  f"| request | prompt tokens | restored | new tokens | TTFT s | restore s | saves s | GC s (longest) | "
-                  f"experts to device GB (records read from disk) | frames compiled, segments allocated |{head}",
-                  f"| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |{rule}"]
+                  f"| request | prompt tokens | restored | new tokens | TTFT s | restore s | saves s | layers s | "
+                  f"GC s (longest) | experts to device GB (records read from disk) | frames compiled, segments allocated |{head}",
+                  f"| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |{rule}"]
         for name, key in (("first turn (document)", "first_turn"), ("follow-up, no reuse", "no_reuse"),
                           ("follow-up, live hit", "live_hit"),
                           ("another question, live hit", "live_hit_again"),
@@ -796,7 +819,7 @@ def markdown(report: dict) -> str:
             row = document[key]
             lines.append(f"| {name} | {row['prompt_tokens']} | {row['cached_tokens']} | {row['new_tokens']} | "
                          f"{_seconds(row['ttft_s'])} | {_seconds(row['restore_s'])} | {_seconds(row['saves_s'])} | "
-                         f"{_seconds(row['gc_s'])} ({_seconds(row['gc_longest_s'])}) | {_moved(row.get('store'))} | "
+                         f"{_seconds(row.get('layers_s'))} | {_seconds(row['gc_s'])} ({_seconds(row['gc_longest_s'])}) | {_moved(row.get('store'))} | "
                          f"{row.get('frames_compiled', '-')}, {row.get('device_segments_allocated', '-')} |"
                          + (f" {_seconds(row['ttft_at_layers_s'])} |" if scaled else ""))
         rounds = document["chunk_rounds"]
@@ -804,10 +827,10 @@ def markdown(report: dict) -> str:
             lines += ["", f"Live hits with the prompt chunks (prompt_graphs_max_tokens {document['chunks_limit']}"
                       + ("" if document["chunks_limit"] else ": none in this engine, both ways eager") + ") and "
                       "without, alternately, each a question of its own:", "",
-                      f"| round | chunks | new tokens | TTFT s |{head}", f"| --- | --- | --- | --- |{rule}"]
+                      f"| round | chunks | new tokens | TTFT s | layers s |{head}", f"| --- | --- | --- | --- | --- |{rule}"]
             for row in rounds:
                 lines.append(f"| {row['round']} | {'on' if row['chunks'] else 'off'} | {row['new_tokens']} | "
-                             f"{_seconds(row['ttft_s'])} |" + (f" {_seconds(row['ttft_at_layers_s'])} |" if scaled else ""))
+                             f"{_seconds(row['ttft_s'])} | {_seconds(row.get('layers_s'))} |" + (f" {_seconds(row['ttft_at_layers_s'])} |" if scaled else ""))
             median = lambda chunks: statistics.median(  # noqa: E731
                 row["ttft_s"] for row in rounds if row["chunks"] == chunks)
             lines += ["", f"Median TTFT: chunks on {median(True):.3f} s, off {median(False):.3f} s "

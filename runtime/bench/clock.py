@@ -94,3 +94,67 @@ class LayerClock:
         if BEFORE_LAYERS in seconds:
             seconds[BEFORE_LAYERS_HOST] = host_before
         return seconds
+
+
+class LayerSpan:
+    """The seconds a model's decoder layers take in the steps of a prompt, from the first layer's
+    start to the last one's end, summed over the steps since the last `take()`: what a bench scales
+    to more layers, apart from what a request does once whatever the layer count (encoding and
+    hashing the prompt, the embedding, the head, choosing the token). Hooks on the first and last
+    layers time the eager steps, a wrapper on CheckedGraphs.run a prompt's chunks (nested spans
+    count once); only while `on`, and never inside a CUDA graph's capture or a compile's trace
+    (the warm-up's and the graphs' own runs of the layers). On a GPU the marks are CUDA events on
+    the current stream, the device's time, which the host's launches pace where they are the
+    slower; on a CPU the wall clock."""
+
+    def __init__(self, model, checked=None):
+        self.cuda = model.device.type == "cuda"
+        self.on = False
+        self._depth = 0
+        self._spans: list[list] = []  # [start, end]: end None while open
+        model.layers[0].register_forward_pre_hook(lambda *_: self._start())
+        model.layers[-1].register_forward_hook(lambda *_: self._end())
+        if checked is not None:
+            run = checked.run
+
+            def spanned(*args, **kwargs):
+                self._start()
+                try:
+                    return run(*args, **kwargs)
+                finally:
+                    self._end()
+
+            checked.run = spanned
+
+    def _counting(self) -> bool:
+        if not self.on or torch.compiler.is_compiling():
+            return False
+        return not (self.cuda and torch.cuda.is_current_stream_capturing())
+
+    def _start(self) -> None:
+        if self._counting():
+            self._depth += 1
+            if self._depth == 1:
+                self._spans.append([self._mark(), None])
+
+    def _end(self) -> None:
+        if self._counting() and self._depth:
+            self._depth -= 1
+            if not self._depth:
+                self._spans[-1][1] = self._mark()
+
+    def _mark(self):
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def take(self) -> float:
+        """The closed spans' seconds since the last take (an open one, a step cut short, is
+        dropped); clears them."""
+        spans = [(start, end) for start, end in self._spans if end is not None]
+        self._spans, self._depth = [], 0
+        if self.cuda and spans:
+            spans[-1][1].synchronize()
+        return sum(start.elapsed_time(end) / 1000 if self.cuda else end - start for start, end in spans)

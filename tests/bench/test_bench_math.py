@@ -12,7 +12,7 @@ import torch
 
 from flashpack.errors import FlashpackError
 from flashpack.layout.manifest import Manifest
-from flashpack.runtime.bench.clock import BEFORE_LAYERS, BEFORE_LAYERS_HOST, LayerClock
+from flashpack.runtime.bench.clock import BEFORE_LAYERS, BEFORE_LAYERS_HOST, LayerClock, LayerSpan
 from flashpack.runtime.bench.emulate import (
     LAYER_KIND_FORMULA,
     LAYER_TIME_FORMULA,
@@ -165,6 +165,62 @@ def test_layer_clock_times_each_layer_and_adds_up_its_laps():
     assert set(seconds) == {BEFORE_LAYERS, BEFORE_LAYERS_HOST, 0} and 0.02 <= seconds[BEFORE_LAYERS] < 0.3
     assert 0.02 <= seconds[BEFORE_LAYERS_HOST] <= seconds[BEFORE_LAYERS] + 0.01  # on a CPU one clock
     assert clock.take() == {}
+
+
+class _Layers(torch.nn.Module):
+    """Two layers that sleep: a model's shape as LayerSpan hooks it, the first and last layer."""
+
+    device = torch.device("cpu")
+
+    def __init__(self, seconds: float):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(_Sleep(seconds) for _ in range(2))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+class _Sleep(torch.nn.Module):
+    def __init__(self, seconds: float):
+        super().__init__()
+        self.seconds = seconds
+
+    def forward(self, x):
+        time.sleep(self.seconds)
+        return x
+
+
+class _Checked:
+    """A CheckedGraphs stand-in: its run calls the layers again inside (a nested span, counted once)."""
+
+    def __init__(self, model):
+        self.model = model
+
+    def run(self, x):
+        time.sleep(0.01)
+        return self.model(x)
+
+
+def test_layer_span_times_the_layers_of_steps_while_on():
+    model = _Layers(0.01)
+    checked = _Checked(model)
+    span = LayerSpan(model, checked)
+    model(torch.zeros(1))  # off: not counted
+    assert span.take() == 0.0
+    span.on = True
+    time.sleep(0.05)  # outside the layers: not counted
+    model(torch.zeros(1))
+    model(torch.zeros(1))
+    assert 0.04 <= span.take() < 0.05 + 0.04  # two steps of two 0.01 s layers
+    checked.run(torch.zeros(1))  # a chunk: its own 0.01 s and its layers', once
+    assert 0.03 <= span.take() < 0.03 + 0.04
+    model.layers[0](torch.zeros(1))  # a step cut short (a warm-up's depth): an open span is dropped
+    assert span.take() == 0.0
+    span.on = False
+    model(torch.zeros(1))
+    assert span.take() == 0.0
 
 
 def test_phase_summary_hit_rates_and_per_token_bytes():

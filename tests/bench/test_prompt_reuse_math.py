@@ -68,6 +68,15 @@ def test_ttft_at_layers_keeps_collector_pauses_as_they_are():
     assert at_layers(row, layer_scale=3.0, bytes_scale=2.5) == pytest.approx(0.25 * 2.5 + 0.3 + 0.45 * 3.0)
 
 
+def test_ttft_at_layers_scales_only_the_layers_span_and_keeps_a_requests_own_work():
+    """The part outside the layers' span (digests, lookup, embedding, head, sampling) is as it is;
+    a span longer than what is left (a stored hit's waits counted in both) is capped there."""
+    row = {"ttft_s": 1.0, "restore_s": 0.1, "saves_s": 0.15, "gc_s": 0.0, "layers_s": 0.6}
+    assert at_layers(row, layer_scale=3.0, bytes_scale=2.5) == pytest.approx(0.25 * 2.5 + 0.15 + 0.6 * 3.0)
+    capped = {**row, "layers_s": 0.9}
+    assert at_layers(capped, layer_scale=3.0, bytes_scale=2.5) == pytest.approx(0.25 * 2.5 + 0.75 * 3.0)
+
+
 class _ChatTokenizer(_CharTokenizer):
     """Characters, with a chat template of markers around each message and the assistant opening;
     `strip_replies`: a template that renders earlier replies otherwise than their text (stripped)."""

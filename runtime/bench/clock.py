@@ -32,6 +32,15 @@ def median_seconds(fn: Callable[[], object], device: torch.device, repeats: int 
     return statistics.median(timed(fn, device)[1] for _ in range(repeats))
 
 
+def _mark(cuda: bool):
+    """A point in time: a CUDA event recorded on the current stream, or the host's clock."""
+    if not cuda:
+        return time.perf_counter()
+    event = torch.cuda.Event(enable_timing=True)
+    event.record()
+    return event
+
+
 BEFORE_LAYERS = "before"
 BEFORE_LAYERS_HOST = "before, host"
 
@@ -58,28 +67,22 @@ class LayerClock:
         self._host_before = 0.0  # host seconds from step() to begin(), summed since the last take
 
     def step(self) -> None:
-        self._marks.append([(None, self._mark())])
+        self._marks.append([(None, _mark(self.cuda))])
         self._stepped_at = time.perf_counter()
 
     def begin(self) -> None:
         if self._stepped_at is not None:
-            self._marks[-1].append((BEFORE_LAYERS, self._mark()))
+            self._marks[-1].append((BEFORE_LAYERS, _mark(self.cuda)))
             self._host_before += time.perf_counter() - self._stepped_at
             self._stepped_at = None
         else:
-            self._marks.append([(None, self._mark())])
+            self._marks.append([(None, _mark(self.cuda))])
 
     def lap(self, layer: int) -> None:
         if not self._marks:
             raise RuntimeError("LayerClock.lap before begin")
-        self._marks[-1].append((layer, self._mark()))
+        self._marks[-1].append((layer, _mark(self.cuda)))
 
-    def _mark(self):
-        if not self.cuda:
-            return time.perf_counter()
-        event = torch.cuda.Event(enable_timing=True)
-        event.record()
-        return event
 
     def take(self) -> dict[int | str, float]:
         steps, self._marks, self._stepped_at = self._marks, [], None
@@ -135,20 +138,14 @@ class LayerSpan:
         if self._counting():
             self._depth += 1
             if self._depth == 1:
-                self._spans.append([self._mark(), None])
+                self._spans.append([_mark(self.cuda), None])
 
     def _end(self) -> None:
         if self._counting() and self._depth:
             self._depth -= 1
             if not self._depth:
-                self._spans[-1][1] = self._mark()
+                self._spans[-1][1] = _mark(self.cuda)
 
-    def _mark(self):
-        if not self.cuda:
-            return time.perf_counter()
-        event = torch.cuda.Event(enable_timing=True)
-        event.record()
-        return event
 
     def take(self) -> float:
         """The closed spans' seconds since the last take (an open one, a step cut short, is

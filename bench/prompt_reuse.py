@@ -95,7 +95,7 @@ QUESTION = ("Going back to the document above: which functions in it decide when
 ANOTHER_QUESTION = ("Still about the document above: which functions in it prepare the inputs before the first "
                     "forward pass, and what do they do with the attention mask and the cache they are given? Answer "
                     "with a short list, one line for each function, naming the arguments it reads.")
-# --chunk-rounds' questions are QUESTION numbered 10, 11, ...: two digits each, so every one is as long.
+# --chunk-rounds' questions are QUESTION numbered 10, 11, ... (chunk_question): two digits each.
 MAX_CHUNK_ROUNDS = 45
 # The targets issue 25 sets for the full model (48 layers): seconds.
 LIVE_HIT_TARGET = 0.25
@@ -568,6 +568,14 @@ def document_scenario(engine, args, clocks: RequestClocks) -> tuple[dict, list[i
             "profiles": profiles}, follow_up
 
 
+def chunk_question(index: int) -> str:
+    """The index-th (0 to 2 * MAX_CHUNK_ROUNDS - 1) of --chunk-rounds' questions: QUESTION numbered
+    with two digits, so that each encodes to as many tokens and every hit prefills as many."""
+    if not 0 <= index < 2 * MAX_CHUNK_ROUNDS:
+        raise ValueError(f"chunk question {index} is past the {2 * MAX_CHUNK_ROUNDS} of two digits")
+    return f"Question {10 + index}: {QUESTION}"
+
+
 def chunk_rounds(engine, messages: list[dict], replies: dict | None, rounds: int, clocks: RequestClocks) -> list[dict]:
     """`rounds` pairs of live hits on the document, in each pair one as the engine is set (its prompt
     chunks where it has them) and one with the chunks off (chunks_off), the first of a pair on, then
@@ -577,7 +585,7 @@ def chunk_rounds(engine, messages: list[dict], replies: dict | None, rounds: int
     rows = []
     for number in range(rounds):
         for chunks in (True, False) if number % 2 == 0 else (False, True):  # ABBA: a place in the pair favours neither
-            messages[-1] = {"role": "user", "content": f"Question {10 + len(rows)}: {QUESTION}"}
+            messages[-1] = {"role": "user", "content": chunk_question(len(rows))}
             with nullcontext() if chunks else chunks_off(engine):
                 row = request(engine, chat_ids(engine.tokenizer, messages, replies), 1, clocks)
             engine.generator.prefix_cache.flush()

@@ -83,7 +83,6 @@ class LayerClock:
             raise RuntimeError("LayerClock.lap before begin")
         self._marks[-1].append((layer, _mark(self.cuda)))
 
-
     def take(self) -> dict[int | str, float]:
         steps, self._marks, self._stepped_at = self._marks, [], None
         host_before, self._host_before = self._host_before, 0.0
@@ -145,7 +144,6 @@ class LayerSpan:
             self._depth -= 1
             if not self._depth:
                 self._spans[-1][1] = _mark(self.cuda)
-
 
     def take(self) -> float:
         """The closed spans' seconds since the last take (an open one, a step cut short, is

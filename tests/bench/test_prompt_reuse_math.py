@@ -148,9 +148,17 @@ def test_chunks_off_sets_the_steps_limit_aside_and_back():
     assert engine.step.prompt_graphs_max_tokens == 128
 
 
-def test_chunk_rounds_questions_are_all_as_long():
-    """Each round's question is QUESTION numbered with two digits: the A/B's hits prefill as many tokens."""
-    from flashpack.bench.prompt_reuse import MAX_CHUNK_ROUNDS
+def test_chunk_questions_encode_to_as_many_tokens():
+    """--chunk-rounds' hits prefill as many tokens each: every question the rounds may ask encodes
+    to one count with the demo model's tokenizer (digits a token each, as Qwen's); none past them."""
+    import transformers
 
-    numbers = range(10, 10 + 2 * MAX_CHUNK_ROUNDS)
-    assert {len(str(number)) for number in numbers} == {2}
+    from flashpack import demo_model
+    from flashpack.bench.prompt_reuse import MAX_CHUNK_ROUNDS, chunk_question
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(demo_model.snapshot_path())
+    counts = {len(tokenizer.encode(chunk_question(index))) for index in range(2 * MAX_CHUNK_ROUNDS)}
+    assert len(counts) == 1
+    assert len(tokenizer.encode("Question 100: ")) != len(tokenizer.encode("Question 99: "))  # control: a third digit
+    with pytest.raises(ValueError, match="two digits"):
+        chunk_question(2 * MAX_CHUNK_ROUNDS)

@@ -95,8 +95,14 @@ QUESTION = ("Going back to the document above: which functions in it decide when
 ANOTHER_QUESTION = ("Still about the document above: which functions in it prepare the inputs before the first "
                     "forward pass, and what do they do with the attention mask and the cache they are given? Answer "
                     "with a short list, one line for each function, naming the arguments it reads.")
-# --chunk-rounds' questions are QUESTION numbered 10, 11, ... (chunk_question): two digits each.
-MAX_CHUNK_ROUNDS = 45
+# --ab-rounds' questions are QUESTION numbered 10, 11, ... (round_question): two digits each.
+MAX_AB_ROUNDS = 45
+# The engine's settings for short prompts (a follow-up's new tokens), by EngineConfig's names: the
+# attribute the step or a model module holds each in, and its default (off). --ab-rounds' arm
+# "aside" runs a request with every one at its default.
+SHORT_PROMPT_SETTINGS = {"prompt_graphs_max_tokens": ("prompt_graphs_max_tokens", 0),
+                         "compile_prompt_pieces": ("compile_pieces", False),
+                         "delta_rule_recurrent_max_tokens": ("recurrent_max_tokens", 1)}
 # The targets issue 25 sets for the full model (48 layers): seconds.
 LIVE_HIT_TARGET = 0.25
 STORED_HIT_TARGET = 1.0
@@ -190,15 +196,34 @@ class RequestClocks:
             self.saves += time.perf_counter() - start
 
 
+def _short_prompt_holders(engine) -> list[tuple[object, str, object]]:
+    """(holder, attribute, its default) for each of SHORT_PROMPT_SETTINGS the engine's step and its
+    model's modules hold."""
+    return [(holder, attribute, default) for holder in (engine.step, *engine.step.model.modules())
+            for attribute, default in SHORT_PROMPT_SETTINGS.values() if hasattr(holder, attribute)]
+
+
+def short_prompt_settings(engine) -> dict:
+    """SHORT_PROMPT_SETTINGS as the engine holds them now, by EngineConfig's names (a module setting:
+    its largest, True where any module has it)."""
+    holders = _short_prompt_holders(engine)
+    return {name: max((getattr(holder, held) for holder, held, _ in holders if held == attribute), default=default)
+            for name, (attribute, default) in SHORT_PROMPT_SETTINGS.items()}
+
+
 @contextmanager
-def chunks_off(engine):
-    """The engine's prompts without checked-step chunks for a while (Step.prompt_graphs_max_tokens
-    0): each runs as one eager step, its graphs kept warm for the next request that takes them."""
-    limit, engine.step.prompt_graphs_max_tokens = engine.step.prompt_graphs_max_tokens, 0
+def short_prompt_paths_aside(engine):
+    """The engine's prompts for a while with SHORT_PROMPT_SETTINGS at their defaults: no checked-step
+    chunks, the layers' plain code rather than their compiled pieces, the chunked delta rule past one
+    token. What was set stays warm (graphs, compiled code) for the next request that takes it."""
+    kept = [(holder, attribute, getattr(holder, attribute)) for holder, attribute, _ in _short_prompt_holders(engine)]
+    for holder, attribute, default in _short_prompt_holders(engine):
+        setattr(holder, attribute, default)
     try:
         yield
     finally:
-        engine.step.prompt_graphs_max_tokens = limit
+        for holder, attribute, value in kept:
+            setattr(holder, attribute, value)
 
 
 @contextmanager
@@ -491,10 +516,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="send each reply back as the tokens generated, as a trained model's reply text "
                              "encodes back to them (a synthetic pack's random replies do not: without this "
                              "their follow-ups prefill the reply again)")
-    parser.add_argument("--chunk-rounds", type=int, default=0,
+    parser.add_argument("--ab-rounds", type=int, default=0,
                         help="after the document's live hits, this many pairs more, each a new question asked "
-                             "with the engine's prompt chunks (--set prompt_graphs_max_tokens=N, a GPU's) and "
-                             "with them off, alternately in one process (default %(default)s: none)")
+                             "with the engine's short-prompt settings as --set gives them (prompt_graphs_max_tokens, "
+                             "compile_prompt_pieces, delta_rule_recurrent_max_tokens) and with them at their "
+                             "defaults, alternately in one process (default %(default)s: none)")
     parser.add_argument("--trace", type=Path,
                         help="profile the document's first live hit: its Chrome trace into this folder")
     parser.add_argument("--set", dest="settings", action="append", default=[], metavar="KEY=VALUE",
@@ -556,7 +582,7 @@ def document_scenario(engine, args, clocks: RequestClocks) -> tuple[dict, list[i
     messages[-1] = {"role": "user", "content": ANOTHER_QUESTION}
     again = request(engine, chat_ids(engine.tokenizer, messages, replies), 1, clocks)
     engine.generator.prefix_cache.flush()
-    rounds = chunk_rounds(engine, messages, replies, args.chunk_rounds, clocks)
+    rounds = ab_rounds(engine, messages, replies, args.ab_rounds, clocks)
     forget_stored(stored, first_turn_keys, min(row["cached_tokens"] for row in (hit, again, *rounds)))
     for row in (plain, hit, again):
         row.pop("text")
@@ -564,34 +590,34 @@ def document_scenario(engine, args, clocks: RequestClocks) -> tuple[dict, list[i
     return {"document_tokens": len(engine.tokenizer.encode(text)),
             "question_tokens": len(engine.tokenizer.encode(QUESTION)),
             "first_turn": first, "no_reuse": plain, "live_hit": hit, "live_hit_again": again,
-            "chunk_rounds": rounds, "chunks_limit": engine.step.prompt_graphs_max_tokens,
+            "ab_rounds": rounds, "short_prompt_settings": short_prompt_settings(engine),
             "profiles": profiles}, follow_up
 
 
-def chunk_question(index: int) -> str:
-    """The index-th (0 to 2 * MAX_CHUNK_ROUNDS - 1) of --chunk-rounds' questions: QUESTION numbered
+def round_question(index: int) -> str:
+    """The index-th (0 to 2 * MAX_AB_ROUNDS - 1) of --ab-rounds' questions: QUESTION numbered
     with two digits, so that each encodes to as many tokens and every hit prefills as many."""
-    if not 0 <= index < 2 * MAX_CHUNK_ROUNDS:
-        raise ValueError(f"chunk question {index} is past the {2 * MAX_CHUNK_ROUNDS} of two digits")
+    if not 0 <= index < 2 * MAX_AB_ROUNDS:
+        raise ValueError(f"round question {index} is past the {2 * MAX_AB_ROUNDS} of two digits")
     return f"Question {10 + index}: {QUESTION}"
 
 
-def chunk_rounds(engine, messages: list[dict], replies: dict | None, rounds: int, clocks: RequestClocks) -> list[dict]:
-    """`rounds` pairs of live hits on the document, in each pair one as the engine is set (its prompt
-    chunks where it has them) and one with the chunks off (chunks_off), the first of a pair on, then
-    off, in turn, in one process: the chunks' A/B with the engine, its store and its state the same. Each hit asks a question of
-    its own (the same length: a numbered QUESTION), since a prompt's own checkpoint would answer it
-    again with nothing left to prefill."""
+def ab_rounds(engine, messages: list[dict], replies: dict | None, rounds: int, clocks: RequestClocks) -> list[dict]:
+    """`rounds` pairs of live hits on the document, in each pair one with the engine's short-prompt
+    settings as set and one with them set aside (short_prompt_paths_aside), as set first, then aside
+    first, in turn (ABBA), in one process: an A/B with the engine, its store and its state the same.
+    Each hit asks a question of its own (the same length: round_question), since a prompt's own
+    checkpoint would answer it again with nothing left to prefill."""
     rows = []
     for number in range(rounds):
-        for chunks in (True, False) if number % 2 == 0 else (False, True):  # ABBA: a place in the pair favours neither
-            messages[-1] = {"role": "user", "content": chunk_question(len(rows))}
-            with nullcontext() if chunks else chunks_off(engine):
+        for as_set in (True, False) if number % 2 == 0 else (False, True):  # ABBA: a place in the pair favours neither
+            messages[-1] = {"role": "user", "content": round_question(len(rows))}
+            with nullcontext() if as_set else short_prompt_paths_aside(engine):
                 row = request(engine, chat_ids(engine.tokenizer, messages, replies), 1, clocks)
             engine.generator.prefix_cache.flush()
             row.pop("text")
             row.pop("reply_ids")
-            rows.append({**row, "chunks": chunks, "round": number + 1})
+            rows.append({**row, "as_set": as_set, "round": number + 1})
     return rows
 
 
@@ -620,8 +646,8 @@ def main() -> None:
     args = parse_args()
     if args.turns < 0 or args.document_tokens < 0 or not args.turns and not args.document_tokens:
         raise SystemExit("give --turns or --document-tokens a positive count")
-    if not 0 <= args.chunk_rounds <= MAX_CHUNK_ROUNDS or args.chunk_rounds and not args.document_tokens:
-        raise SystemExit(f"--chunk-rounds takes 0 to {MAX_CHUNK_ROUNDS} and needs --document-tokens")
+    if not 0 <= args.ab_rounds <= MAX_AB_ROUNDS or args.ab_rounds and not args.document_tokens:
+        raise SystemExit(f"--ab-rounds takes 0 to {MAX_AB_ROUNDS} and needs --document-tokens")
     device = parse_device(args.device)
     manifest = Pack.open(args.pack).manifest
     cfg = manifest.config
@@ -681,7 +707,7 @@ def main() -> None:
     timed = []  # every timed request
     if document is not None:
         timed += [document[key] for key in ("first_turn", "no_reuse", "live_hit", "live_hit_again", "stored_hit")]
-        timed += document["chunk_rounds"]
+        timed += document["ab_rounds"]
     if turns is not None:
         timed += turns["rows"] + [row["no_reuse"] for row in turns["rows"]] + [turns["restart"]]
     scale_rows(timed, document, entry, by_part, counts, layers, target)
@@ -830,19 +856,26 @@ def markdown(report: dict) -> str:
                          f"{_seconds(row.get('layers_s'))} | {_seconds(row['gc_s'])} ({_seconds(row['gc_longest_s'])}) | {_moved(row.get('store'))} | "
                          f"{row.get('frames_compiled', '-')}, {row.get('device_segments_allocated', '-')} |"
                          + (f" {_seconds(row['ttft_at_layers_s'])} |" if scaled else ""))
-        rounds = document["chunk_rounds"]
+        rounds = document["ab_rounds"]
         if rounds:
-            lines += ["", f"Live hits with the prompt chunks (prompt_graphs_max_tokens {document['chunks_limit']}"
-                      + ("" if document["chunks_limit"] else ": none in this engine, both ways eager") + ") and "
-                      "without, alternately, each a question of its own:", "",
-                      f"| round | chunks | new tokens | TTFT s | layers s |{head}", f"| --- | --- | --- | --- | --- |{rule}"]
+            changed = {name: value for name, value in document["short_prompt_settings"].items()
+                       if value != SHORT_PROMPT_SETTINGS[name][1]}
+            named = ", ".join(f"{name} {value}" for name, value in changed.items()) or "none, both ways alike"
+            lines += ["", f"Live hits with the engine's short-prompt settings as set ({named}) and set aside "
+                      "(each at its default), alternately, each a question of its own:", "",
+                      f"| round | settings | new tokens | TTFT s | layers s |{head}", f"| --- | --- | --- | --- | --- |{rule}"]
             for row in rounds:
-                lines.append(f"| {row['round']} | {'on' if row['chunks'] else 'off'} | {row['new_tokens']} | "
+                lines.append(f"| {row['round']} | {'as set' if row['as_set'] else 'aside'} | {row['new_tokens']} | "
                              f"{_seconds(row['ttft_s'])} | {_seconds(row.get('layers_s'))} |" + (f" {_seconds(row['ttft_at_layers_s'])} |" if scaled else ""))
-            median = lambda chunks: statistics.median(  # noqa: E731
-                row["ttft_s"] for row in rounds if row["chunks"] == chunks)
-            lines += ["", f"Median TTFT: chunks on {median(True):.3f} s, off {median(False):.3f} s "
-                          f"(on / off {median(True) / median(False):.2f})."]
+            median = lambda as_set: statistics.median(  # noqa: E731
+                row["ttft_s"] for row in rounds if row["as_set"] == as_set)
+            pairs: dict[int, dict[bool, float]] = {}
+            for row in rounds:
+                pairs.setdefault(row["round"], {})[row["as_set"]] = row["ttft_s"]
+            ahead = sum(pair[True] < pair[False] for pair in pairs.values())
+            lines += ["", f"Median TTFT: as set {median(True):.3f} s, aside {median(False):.3f} s "
+                          f"(as set / aside {median(True) / median(False):.2f}); as set ahead in {ahead} of "
+                          f"{len(pairs)} pairs."]
         entry, goals = document.get("stored_entry"), document["targets"]
         lines.append("")
         met = lambda value: "-" if value is None else "met" if value else "missed"  # noqa: E731

@@ -75,9 +75,9 @@ class EngineConfig:
     # where every expert is resident: a chunk's layer is one replay, where an eager layer of ~100
     # tokens is several hundred launches from the host. A chunk
     # of T tokens does more GPU work than a T-token share of one step (attention token by token, the
-    # decode kernels' few rows), so past some length the eager step wins. 0: off, a bench option
-    # until timed at real dimensions (`--set prompt_graphs_max_tokens=128`; PERFORMANCE.md,
-    # *Prompt-state reuse*, has the host's part).
+    # decode kernels' few rows), which eats most of what the host saves: at real dimensions a live
+    # hit's 100 tokens gained ~10 %, for 7-70 s more warm-up at every start. 0: off, a bench option
+    # (`--set prompt_graphs_max_tokens=128`; PERFORMANCE.md, *Prompt-state reuse*).
     prompt_graphs_max_tokens: int = 0
     # Decoder layers per CUDA graph: one a layer keeps the GPU on layer L while the host launches L + 1.
     layers_per_graph: int = 1

@@ -133,32 +133,50 @@ def test_store_counts_are_the_store_totals_over_its_layers():
     assert _moved(None) == "-"
 
 
-def test_chunks_off_sets_the_steps_limit_aside_and_back():
-    """--chunk-rounds' other arm: the step's limit 0 inside, the engine's own after, an error too."""
+def _short_prompt_engine(limit: int, compiled: bool, recurrent: int):
+    """An engine's step and model as short_prompt_paths_aside sees them: a step's chunk limit, two
+    modules holding compile_pieces (one of them recurrent_max_tokens too), one holding neither."""
     from types import SimpleNamespace
 
-    from flashpack.bench.prompt_reuse import chunks_off
+    from torch import nn
 
-    engine = SimpleNamespace(step=SimpleNamespace(prompt_graphs_max_tokens=128))
-    with chunks_off(engine):
-        assert engine.step.prompt_graphs_max_tokens == 0
-    assert engine.step.prompt_graphs_max_tokens == 128
-    with pytest.raises(RuntimeError), chunks_off(engine):
+    model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2), nn.ReLU())
+    model[0].compile_pieces = compiled
+    model[1].compile_pieces, model[1].recurrent_max_tokens = compiled, recurrent
+    return SimpleNamespace(step=SimpleNamespace(prompt_graphs_max_tokens=limit, model=model))
+
+
+def test_short_prompt_paths_aside_sets_every_setting_to_its_default_and_back():
+    """--ab-rounds' other arm: the step's chunk limit 0, compiled pieces off and the recurrence for
+    one token only inside; the engine's own after, an error too."""
+    from flashpack.bench.prompt_reuse import short_prompt_paths_aside, short_prompt_settings
+    from flashpack.runtime.engine.config import EngineConfig
+
+    engine = _short_prompt_engine(128, True, 16)
+    as_set = {"prompt_graphs_max_tokens": 128, "compile_prompt_pieces": True, "delta_rule_recurrent_max_tokens": 16}
+    defaults = {name: getattr(EngineConfig, name) for name in as_set}
+    assert short_prompt_settings(engine) == as_set
+    with short_prompt_paths_aside(engine):
+        assert short_prompt_settings(engine) == defaults
+        assert engine.step.model[0].compile_pieces is False  # every module, not only one
+    assert short_prompt_settings(engine) == as_set and engine.step.model[0].compile_pieces is True
+    with pytest.raises(RuntimeError), short_prompt_paths_aside(engine):
         raise RuntimeError
-    assert engine.step.prompt_graphs_max_tokens == 128
+    assert short_prompt_settings(engine) == as_set
+    assert short_prompt_settings(_short_prompt_engine(0, False, 1)) == defaults
 
 
-def test_chunk_questions_encode_to_as_many_tokens():
-    """--chunk-rounds' hits prefill as many tokens each: every question the rounds may ask encodes
+def test_round_questions_encode_to_as_many_tokens():
+    """--ab-rounds' hits prefill as many tokens each: every question the rounds may ask encodes
     to one count with the demo model's tokenizer (digits a token each, as Qwen's); none past them."""
     import transformers
 
     from flashpack import demo_model
-    from flashpack.bench.prompt_reuse import MAX_CHUNK_ROUNDS, chunk_question
+    from flashpack.bench.prompt_reuse import MAX_AB_ROUNDS, round_question
 
     tokenizer = transformers.AutoTokenizer.from_pretrained(demo_model.snapshot_path())
-    counts = {len(tokenizer.encode(chunk_question(index))) for index in range(2 * MAX_CHUNK_ROUNDS)}
+    counts = {len(tokenizer.encode(round_question(index))) for index in range(2 * MAX_AB_ROUNDS)}
     assert len(counts) == 1
     assert len(tokenizer.encode("Question 100: ")) != len(tokenizer.encode("Question 99: "))  # control: a third digit
     with pytest.raises(ValueError, match="two digits"):
-        chunk_question(2 * MAX_CHUNK_ROUNDS)
+        round_question(2 * MAX_AB_ROUNDS)

@@ -9,7 +9,9 @@
 #
 # Environment:
 #   STAGES   what runs after the build, in order (default "tests budgets"):
-#              tests    the CUDA tests (beside the build)
+#              tests    the CUDA tests (beside the build): TESTS, the test files (default: the kernels', the
+#                       engine's and the store's GPU tests), within TESTS_TIMEOUT seconds (default 420; on a
+#                       fresh machine beside the build four compile-heavy files took longer)
 #              budgets  each of BUDGETS (unbounded 32-128 24-64 8-32), PROMPT tokens then GEN decoded
 #              long     24/64 with a 32,768-token prompt
 #              presets  8/32 with each named experiment of PRESETS (runtime/bench/presets.py), between
@@ -75,7 +77,7 @@ else
   building=$!
 fi
 if has tests; then
-  timeout 420 python3 -m pytest ${TESTS:-tests/kernels tests/runtime/test_engine_slots.py tests/runtime/test_decode_graphs.py \
+  timeout ${TESTS_TIMEOUT:-420} python3 -m pytest ${TESTS:-tests/kernels tests/runtime/test_engine_slots.py tests/runtime/test_decode_graphs.py \
     tests/runtime/test_captured_call.py tests/runtime/test_delta_rule.py tests/runtime/test_dense_fp8.py \
     tests/runtime/test_host_copy.py tests/runtime/test_engine_config.py tests/store/test_store_stream.py \
     tests/store/test_store_fetch.py tests/store/test_store_slot_table.py tests/store/test_store_config.py \

@@ -13,9 +13,9 @@
 
 `ExpertBank.from_pool(pool, geometry)` views a device slot pool of records (uint8 [S, stride]) in
 place. The dispatcher (dispatch.py) picks Triton on CUDA and the references in reference.py
-elsewhere; the Triton modules (expert_decode, expert_grouped, matvec, fp8_linear, stage_records,
-router_top_k, decode_attention, prompt_attention) import triton and are loaded only when used, so
-this package imports without it.
+elsewhere; the Triton modules (expert_decode, expert_grouped and its tile_plan, matvec, fp8_linear,
+stage_records, router_top_k, decode_attention, prompt_attention) import triton and are loaded only
+when used, so this package imports without it.
 hc_mix.py (a hyper-connection mix in two kernels) is called by the module it replaces,
 runtime/model/hyper_connection.py's GatedResidual, whose own code is its reference.
 """

@@ -1,7 +1,7 @@
 """Grouped NVFP4 SwiGLU experts for many tokens (prefill, batched decode): W4A16 tile GEMMs.
 
 The T * K (token, expert) pairs are sorted by bank row, and each expert's run of pairs is cut into
-tiles of BLOCK_M rows (`plan_tiles`: torch ops on the device, no host sync, graph-capturable). Then
+tiles of BLOCK_M rows (tile_plan.py: on the device, no host sync, graph-capturable). Then
 
     h[r]   = silu(x[tok(r)] @ gate_e^T) * (x[tok(r)] @ up_e^T)      kernel 1: tiles x I/BLOCK_N
     y[p]   = weights[p] * (h[r] @ down_e^T)                         kernel 2: tiles x H/BLOCK_N
@@ -26,37 +26,7 @@ import triton.language as tl
 
 from flashpack.runtime.kernels.bank import ExpertBank
 from flashpack.runtime.kernels.nvfp4_dequant import block_scale_f32, e2m1_low_high
-
-
-def plan_tiles(
-    slots: torch.Tensor, num_experts: int, block_m: int, bound: tuple[int, int] | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """slots [T, K] -> (order [P] int32: pair index of each sorted row, tiles int32 [3, max_tiles]).
-
-    tiles[:, i] = (bank row, first sorted row, end sorted row) of tile i, at most block_m rows;
-    tiles past the real count have first == end and do nothing. Pairs with slot -1 sort last and
-    get no tile. max_tiles = P // block_m + min(E, P) bounds the real count, so the grid is sized
-    without reading counts back to the host; a caller that knows `bound` = (pairs with a slot,
-    distinct slots among them) gets the grid sized to those instead."""
-    flat = slots.reshape(-1).long()
-    pairs = flat.numel()
-    keyed = torch.where(flat >= 0, flat, num_experts)  # skipped pairs sort after every bank row
-    order = torch.argsort(keyed, stable=True)
-    counts = torch.zeros(num_experts + 1, dtype=torch.long, device=slots.device)
-    counts.scatter_add_(0, keyed, torch.ones_like(keyed))  # bincount would sync with the host
-    counts = counts[:num_experts]
-    ends = torch.cumsum(counts, 0)
-    tiles_per = (counts + block_m - 1) // block_m
-    tile_ends = torch.cumsum(tiles_per, 0)
-    computed, rows = (pairs, min(num_experts, pairs)) if bound is None else bound
-    max_tiles = max(1, computed // block_m + rows)
-    tile = torch.arange(max_tiles, device=slots.device)
-    expert = torch.searchsorted(tile_ends, tile, right=True).clamp(max=num_experts - 1)
-    local = tile - (tile_ends[expert] - tiles_per[expert])
-    first = ends[expert] - counts[expert] + local * block_m
-    end = torch.minimum(first + block_m, ends[expert])
-    first = torch.where(tile < tile_ends[-1], first, end)
-    return order.to(torch.int32), torch.stack([expert, first, end]).to(torch.int32)
+from flashpack.runtime.kernels.tile_plan import plan_tiles
 
 
 @triton.jit
@@ -195,7 +165,7 @@ def nvfp4_expert_pairs_grouped(
     """Each (token, pick) pair's weighted expert output, into y float32 [T * K, H]:
     y[t * K + k] = weights[t, k] * down_e(silu(gate_e x[t]) * up_e x[t]) for slots[t, k] >= 0; rows
     of pairs with slot -1 are left as they are, so a prompt whose experts arrive in chunks fills y
-    chunk by chunk and sums it once. `bound`: see plan_tiles. Returns y."""
+    chunk by chunk and sums it once. `bound`: see tile_plan.plan_size. Returns y."""
     if precision not in ("bf16", "fp32"):
         raise ValueError(f"precision must be 'bf16' or 'fp32', got {precision!r}")
     if precision == "bf16" and x.device.type != "cuda":

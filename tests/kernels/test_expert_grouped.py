@@ -36,40 +36,6 @@ def _case(make_bank, device, hidden, inter, experts, tokens, top_k):
     return bank, slots, weights, x
 
 
-def test_plan_tiles_covers_every_pair_once():
-    from flashpack.runtime.kernels.expert_grouped import plan_tiles
-
-    slots, _ = routing(13, 6, 3, seed=0, device="cpu")
-    order, tiles = plan_tiles(slots, 6, block_m=4)
-    flat = slots.reshape(-1).long()
-    assert sorted(order.tolist()) == list(range(flat.numel()))
-    seen = []
-    for expert, first, end in tiles.T.tolist():
-        assert end - first <= 4
-        rows = list(range(first, end))
-        assert all(flat[order[r]] == expert for r in rows)
-        seen += rows
-    assert sorted(seen) == list(range(flat.numel()))
-
-
-def test_plan_tiles_skips_unslotted_pairs_and_sizes_the_grid_to_a_bound():
-    from flashpack.runtime.kernels.expert_grouped import plan_tiles
-
-    slots, _ = routing(13, 6, 3, seed=1, device="cpu")
-    slots = torch.where(slots % 2 == 0, slots, -1)  # a chunk holding the even bank rows only
-    flat = slots.reshape(-1).long()
-    kept = (flat >= 0).nonzero().flatten().tolist()
-    bound = (len(kept), len(set(flat[kept].tolist())))
-    order, tiles = plan_tiles(slots, 6, block_m=4, bound=bound)
-    assert tiles.shape[1] == bound[0] // 4 + bound[1]
-    seen = []
-    for expert, first, end in tiles.T.tolist():
-        rows = list(range(first, end))
-        assert all(flat[order[r]] == expert for r in rows)
-        seen += [order[r].item() for r in rows]
-    assert sorted(seen) == kept
-
-
 @pytest.mark.parametrize("hidden,inter,experts,tokens,top_k", CASES[:2])
 def test_pairs_filled_chunk_by_chunk_sum_to_the_reference(triton_device, make_bank, hidden, inter, experts, tokens,
                                                           top_k):

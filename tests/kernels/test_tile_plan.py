@@ -36,9 +36,10 @@ def _bound(slots: torch.Tensor) -> tuple[int, int]:
     (13, 6, 3, 4, 0.0, False), (13, 6, 3, 4, 0.5, True), (1, 5, 2, 16, 0.0, False), (92, 512, 10, 64, 0.0, False),
     (92, 8192, 10, 16, 0.0, False), (300, 64, 8, 64, 0.3, True), (40, 3, 2, 16, 1.0, False),
 ])
-def test_the_kernels_plan_is_the_torch_plan(tokens, rows, top_k, block_m, unslotted, bounded):
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+def test_the_kernels_plan_is_the_torch_plan(tokens, rows, top_k, block_m, unslotted, bounded, dtype):
     plans = _plans()
-    slots = _slots(tokens, rows, top_k, seed=tokens + rows, unslotted=unslotted)
+    slots = _slots(tokens, rows, top_k, seed=tokens + rows, unslotted=unslotted).to(dtype)
     bound = _bound(slots) if bounded else None
     order, tiles = plans["kernel"](slots, rows, block_m, bound)
     expected_order, expected_tiles = plans["reference"](slots, rows, block_m, bound)

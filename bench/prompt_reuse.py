@@ -102,7 +102,8 @@ MAX_AB_ROUNDS = 45
 # "aside" runs a request with every one at its default.
 SHORT_PROMPT_SETTINGS = {"prompt_graphs_max_tokens": ("prompt_graphs_max_tokens", 0),
                          "compile_prompt_pieces": ("compile_pieces", False),
-                         "delta_rule_recurrent_max_tokens": ("recurrent_max_tokens", 1)}
+                         "delta_rule_recurrent_max_tokens": ("recurrent_max_tokens", 1),
+                         "fused_norms": ("use_kernel", False)}
 # The targets issue 25 sets for the full model (48 layers): seconds.
 LIVE_HIT_TARGET = 0.25
 STORED_HIT_TARGET = 1.0
@@ -215,7 +216,7 @@ def short_prompt_settings(engine) -> dict:
 def short_prompt_paths_aside(engine):
     """The engine's prompts for a while with SHORT_PROMPT_SETTINGS at their defaults: no checked-step
     chunks, the layers' plain code rather than their compiled pieces, the chunked delta rule past one
-    token. What was set stays warm (graphs, compiled code) for the next request that takes it."""
+    token, the norms' plain code rather than their kernel. What was set stays warm (graphs, compiled code) for the next request that takes it."""
     kept = [(holder, attribute, getattr(holder, attribute)) for holder, attribute, _ in _short_prompt_holders(engine)]
     for holder, attribute, default in _short_prompt_holders(engine):
         setattr(holder, attribute, default)
@@ -519,7 +520,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--ab-rounds", type=int, default=0,
                         help="after the document's live hits, this many pairs more, each a new question asked "
                              "with the engine's short-prompt settings as --set gives them (prompt_graphs_max_tokens, "
-                             "compile_prompt_pieces, delta_rule_recurrent_max_tokens) and with them at their "
+                             "compile_prompt_pieces, delta_rule_recurrent_max_tokens, fused_norms) and with them at their "
                              "defaults, alternately in one process (default %(default)s: none)")
     parser.add_argument("--trace", type=Path,
                         help="profile the document's first live hit: its Chrome trace into this folder")

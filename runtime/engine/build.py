@@ -231,7 +231,8 @@ def engine_model(weights: WeightSource, source, config: EngineConfig, dtype: tor
                           dense_tile_max_tokens=config.dense_tile_max_tokens,
                           fp8_matvec_max_tokens=config.fp8_matvec_max_tokens,
                           delta_rule_recurrent_max_tokens=config.delta_rule_recurrent_max_tokens,
-                          compile_pieces=config.compile_prompt_pieces)
+                          compile_pieces=config.compile_prompt_pieces,
+                          fused_norms=config.fused_norms and device.type == "cuda")
     if isinstance(routed, StoreExperts):
         routed.predict_with({layer.layer: layer.moe.route for layer in model.layers})
     return model

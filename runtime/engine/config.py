@@ -83,6 +83,11 @@ class EngineConfig:
     layers_per_graph: int = 1
     # One-token hyper-connection mixes as two Triton kernels each (GPU only) instead of the module's code.
     fused_mix: bool = True
+    # The RMS norms of steps run eagerly (prompts, a follow-up's new tokens; not compiled pieces,
+    # which fuse them anyway) as one Triton kernel each (GPU only) instead of the module's seven
+    # operations: ~36 a layer of a short prompt's launches from the host. A bench option until
+    # measured on the GPU (`--set fused_norms=true`, an A/B with `bench/prompt_reuse.py --ab-rounds`).
+    fused_norms: bool = False
     # BF16 projections of up to this many tokens take the matvec kernel, more cuBLAS; beyond one token
     # only matrices of under 2,048 rows (the router's stack, the hyper-connections' down projections),
     # where cuBLAS's few-row kernels are slow (runtime/kernels/dispatch.py says where it was measured).

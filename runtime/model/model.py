@@ -14,7 +14,8 @@ tokens take the matvec kernel on CUDA, then the tile kernel's few-token tiles, m
 dense_linear says which matrices), `fp8_matvec_max_tokens` (FP8 projections: the matvec kernel, more the tile kernel) and
 `delta_rule_recurrent_max_tokens` (DeltaNet steps of up to that many tokens by the recurrence) and
 `compile_pieces` (the plain tensor code between the layers' kernels of their own compiled by
-torch.compile, one compile for every layer and step length: compiled.py).
+torch.compile, one compile for every layer and step length: compiled.py) and `fused_norms` (the
+RMS norms of steps run outside a compile as one Triton kernel each, CUDA only: norms.py).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from flashpack.runtime.model.deltanet import GatedDeltaNet
 from flashpack.runtime.model.hyper_connection import GatedResidual
 from flashpack.runtime.model.qsa_attention import QSAAttention
 from flashpack.runtime.model.linear import StackedLinear
+from flashpack.runtime.model.norms import RMSNorm
 from flashpack.runtime.model.routed_experts import RoutedExperts, as_routed_experts
 from flashpack.runtime.model.rope import Rotary
 from flashpack.runtime.state import SequenceState
@@ -52,13 +54,13 @@ class Qwen4ExpModel(nn.Module):
         device: torch.device | str = "cpu", fused_mix: bool = False,
         dense_matvec_max_tokens: int = DENSE_MATVEC_MAX_TOKENS, dense_tile_max_tokens: int = DENSE_TILE_MAX_TOKENS,
         fp8_matvec_max_tokens: int = FP8_MATVEC_MAX_TOKENS, delta_rule_recurrent_max_tokens: int = 1,
-        compile_pieces: bool = False,
+        compile_pieces: bool = False, fused_norms: bool = False,
     ):
         super().__init__()
         cfg = self.config = source.config
         self.dtype, self.device = dtype, torch.device(device)
-        if fused_mix and self.device.type != "cuda":
-            raise ValueError("fused hyper-connection mixes run on CUDA only")
+        if (fused_mix or fused_norms) and self.device.type != "cuda":
+            raise ValueError("fused hyper-connection mixes and norms run on CUDA only")
         self.experts = experts = as_routed_experts(experts, cfg, dtype, self.device)
         self.rotary = Rotary(cfg, self.device)
         self.register_buffer("embed_tokens", load_dense(source, "embed_tokens.weight", dtype, device), persistent=False)
@@ -75,6 +77,8 @@ class Qwen4ExpModel(nn.Module):
         for module in self.modules():
             if isinstance(module, GatedResidual):
                 module.fused = fused_mix
+            if isinstance(module, RMSNorm):
+                module.use_kernel = fused_norms
             if isinstance(module, StackedLinear):
                 module.matvec_max_tokens, module.fp8_matvec_max_tokens = dense_matvec_max_tokens, fp8_matvec_max_tokens
                 module.tile_max_tokens = dense_tile_max_tokens

@@ -4,6 +4,10 @@
 per group (the hyper-connection and PLE norms normalise each H-sized stream of the hc x H layout
 separately while keeping one weight per element). `GatedRMSNorm` is the DeltaNet output norm:
 a plain weight (starts at 1), gated by act(z).
+
+With `use_kernel` set (Qwen4ExpModel's `fused_norms`, CUDA only), an `RMSNorm` run outside a
+compile takes one Triton kernel (runtime/kernels/rms_norm.py) instead of `rms_norm`'s seven, which
+stays the reference it is tested against; inside a compile the code below is traced and fused.
 """
 
 from __future__ import annotations
@@ -41,8 +45,13 @@ class RMSNorm(nn.Module):
         self.register_buffer("weight", weight, persistent=False)
         self.eps = eps
         self.group_size = group_size
+        self.use_kernel = False  # the model sets it
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.use_kernel and x.is_cuda and not torch.compiler.is_compiling():
+            from flashpack.runtime.kernels.rms_norm import rms_norm_triton
+
+            return rms_norm_triton(x, self.weight, self.eps, self.group_size)
         return rms_norm(x, self.weight, self.eps, self.group_size)
 
 

@@ -133,27 +133,30 @@ def test_store_counts_are_the_store_totals_over_its_layers():
     assert _moved(None) == "-"
 
 
-def _short_prompt_engine(limit: int, compiled: bool, recurrent: int):
+def _short_prompt_engine(limit: int, compiled: bool, recurrent: int, kernel: bool):
     """An engine's step and model as short_prompt_paths_aside sees them: a step's chunk limit, two
-    modules holding compile_pieces (one of them recurrent_max_tokens too), one holding neither."""
+    modules holding compile_pieces (one of them recurrent_max_tokens too), a norm holding
+    use_kernel, one module holding none."""
     from types import SimpleNamespace
 
     from torch import nn
 
-    model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2), nn.ReLU())
+    model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2), nn.ReLU(), nn.Identity())
     model[0].compile_pieces = compiled
     model[1].compile_pieces, model[1].recurrent_max_tokens = compiled, recurrent
+    model[3].use_kernel = kernel
     return SimpleNamespace(step=SimpleNamespace(prompt_graphs_max_tokens=limit, model=model))
 
 
 def test_short_prompt_paths_aside_sets_every_setting_to_its_default_and_back():
-    """--ab-rounds' other arm: the step's chunk limit 0, compiled pieces off and the recurrence for
-    one token only inside; the engine's own after, an error too."""
+    """--ab-rounds' other arm: the step's chunk limit 0, compiled pieces off, the recurrence for one
+    token only and the norms' plain code inside; the engine's own after, an error too."""
     from flashpack.bench.prompt_reuse import short_prompt_paths_aside, short_prompt_settings
     from flashpack.runtime.engine.config import EngineConfig
 
-    engine = _short_prompt_engine(128, True, 16)
-    as_set = {"prompt_graphs_max_tokens": 128, "compile_prompt_pieces": True, "delta_rule_recurrent_max_tokens": 16}
+    engine = _short_prompt_engine(128, True, 16, True)
+    as_set = {"prompt_graphs_max_tokens": 128, "compile_prompt_pieces": True, "delta_rule_recurrent_max_tokens": 16,
+              "fused_norms": True}
     defaults = {name: getattr(EngineConfig, name) for name in as_set}
     assert short_prompt_settings(engine) == as_set
     with short_prompt_paths_aside(engine):
@@ -163,7 +166,7 @@ def test_short_prompt_paths_aside_sets_every_setting_to_its_default_and_back():
     with pytest.raises(RuntimeError), short_prompt_paths_aside(engine):
         raise RuntimeError
     assert short_prompt_settings(engine) == as_set
-    assert short_prompt_settings(_short_prompt_engine(0, False, 1)) == defaults
+    assert short_prompt_settings(_short_prompt_engine(0, False, 1, False)) == defaults
 
 
 def test_round_questions_encode_to_as_many_tokens():

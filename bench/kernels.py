@@ -32,6 +32,11 @@ H = 2560, I = 640, 512 experts per layer, top-10; FP8 matrix 8192 x 2560.
             and 16 tokens, the state after each kept: delta_rule_steps' one launch against
             flash-linear-attention's recurrent kernel a token at a time and the states stacked, checked
             against it (states 1e-5, bf16 outputs 2^-7 relative; needs fla-core)
+  eager-pieces  pieces a prompt step issues from the host in every layer, one call at a time on an
+            idle GPU (an eager step's pace): the grouped experts' tile plan (tile_plan.py) against its
+            torch reference for 92 and 2,048 tokens' top-10 over a resident bank of 16 layers' 8,192
+            rows (equal exactly), and the RMS norm kernel (rms_norm.py) against the module's code on
+            a hyper-connection row of 92 tokens (4 x H, grouped by H) and on 92 tokens' 32 heads of 128
 
 Bytes moved count what a kernel must read and write: each selected expert's record data
 (2,764,800 bytes) once, the distinct experts once for the grouped path, plus activations and
@@ -487,6 +492,34 @@ def bench_delta_steps(report: Report, device) -> None:
         report.check(case + " outputs", relative_error(out, want_out), 2.0**-7, "fla a token at a time (bf16)")
 
 
+def bench_eager_pieces(report: Report, device) -> None:
+    """Per-layer host pieces of a prompt step, timed eagerly (launches included): the tile plan and
+    the RMS norm, each kernel against the code it replaces."""
+    from flashpack.runtime.kernels.rms_norm import rms_norm_triton
+    from flashpack.runtime.kernels.tile_plan import plan_tiles, plan_tiles_reference
+    from flashpack.runtime.model.norms import rms_norm
+
+    rows = 16 * EXPERTS  # a resident bank holds every layer's experts
+    for tokens in (92, PREFILL_TOKENS):
+        slots = torch.rand(tokens, rows, device=device).argsort(dim=-1)[:, :TOP_K].to(torch.int32)
+        case = f"tile plan T={tokens}"
+        moved = slots.numel() * 4 * 3
+        report.timing(case, "triton tile_plan", eager_ms(lambda i: plan_tiles(slots, rows, 64), 20), moved)
+        report.timing(case, "torch reference", eager_ms(lambda i: plan_tiles_reference(slots, rows, 64), 20), moved)
+        found, expected = plan_tiles(slots, rows, 64), plan_tiles_reference(slots, rows, 64)
+        equal = all(torch.equal(a, b) for a, b in zip(found, expected))
+        report.check(case, 0.0 if equal else 1.0, 0.0, "torch reference (exact)")
+    for shape, group in (((92, 4 * H), H), ((92, 32, 128), None)):
+        x = torch.randn(*shape, device=device, dtype=torch.bfloat16)
+        weight = torch.randn(shape[-1], device=device, dtype=torch.bfloat16) * 0.1
+        case = f"rms norm {'x'.join(map(str, shape))}"
+        moved = 2 * x.numel() * 2
+        report.timing(case, "triton rms_norm", eager_ms(lambda i: rms_norm_triton(x, weight, 1e-6, group), 20), moved)
+        report.timing(case, "module code", eager_ms(lambda i: rms_norm(x, weight, 1e-6, group), 20), moved)
+        report.check(case, relative_error(rms_norm_triton(x, weight, 1e-6, group).float(),
+                                          rms_norm(x, weight, 1e-6, group).float()), 2.0**-7, "module code (bf16)")
+
+
 def bench_attention(report: Report, device, sweep: bool) -> None:
     """QSA decode attention (attend_step's masked attention) at the real dims: 2 KV heads, group 12,
     head_dim 256, bf16. Capacity 600 with a causal prefix of 550 keys; capacity 32768 with the
@@ -781,7 +814,7 @@ def main() -> None:
     parser.add_argument("--sweep-seconds", type=float, default=45.0, help="time limit of each section's sweep")
     parser.add_argument("--only",
                         default="decode,fp8,fp8-few,prefill,crossover,staging,router,hc-mix,dense,dense-few,attention,"
-                                "delta-steps")
+                                "delta-steps,eager-pieces")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench/kernels.py needs a CUDA GPU")
@@ -822,6 +855,8 @@ def main() -> None:
                 bench_attention(report, device, args.sweep)
             elif name == "delta-steps":
                 bench_delta_steps(report, device)
+            elif name == "eager-pieces":
+                bench_eager_pieces(report, device)
         except Exception:
             failures.append({"case": name, "error": traceback.format_exc()})
             print(failures[-1]["error"], file=sys.stderr)

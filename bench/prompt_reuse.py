@@ -216,7 +216,8 @@ def short_prompt_settings(engine) -> dict:
 def short_prompt_paths_aside(engine):
     """The engine's prompts for a while with SHORT_PROMPT_SETTINGS at their defaults: no checked-step
     chunks, the layers' plain code rather than their compiled pieces, the chunked delta rule past one
-    token, the norms' plain code rather than their kernel. What was set stays warm (graphs, compiled code) for the next request that takes it."""
+    token, the norms' plain code rather than their kernel. What was set stays warm (graphs, compiled
+    code) for the next request that takes it."""
     kept = [(holder, attribute, getattr(holder, attribute)) for holder, attribute, _ in _short_prompt_holders(engine)]
     for holder, attribute, default in _short_prompt_holders(engine):
         setattr(holder, attribute, default)

@@ -103,7 +103,7 @@ def test_steps_up_to_recurrent_max_tokens_take_the_recurrence():
 
 
 @cuda_fla
-@pytest.mark.parametrize("length,recurrent_max_tokens", [(1, 1), (5, 1), (200, 1), (5, 16), (16, 16)])
+@pytest.mark.parametrize("length,recurrent_max_tokens", [(1, 1), (5, 1), (200, 1), (5, 16), (16, 16), (92, 128)])
 def test_fla_kernels_match_the_plain_rule(length, recurrent_max_tokens):
     """Real head shapes (16 key heads of 128, 32 value heads of 128), bf16 projections as the
     engine feeds them; tolerance 2e-2 relative: bf16 inputs and output, fp32 state both ways. Short

@@ -107,7 +107,9 @@ class ResidentExperts:
             self.stats.bump(layer, requests=used, device_hits=used)
         else:
             seen = torch.zeros(self.num_experts, dtype=torch.bool, device=experts.device)
-            seen[experts.flatten()] = True
+            # index_fill_ takes True as a scalar argument: `seen[ids] = True` copies it to the device
+            # from pageable memory first, a wait for the GPU in every MoE layer of a prompt
+            seen.index_fill_(0, experts.flatten().long(), True)
             landed = torch.cuda.Event()
             count = seen.sum().to("cpu", non_blocking=True)
             landed.record()

@@ -98,12 +98,12 @@ ANOTHER_QUESTION = ("Still about the document above: which functions in it prepa
 # --ab-rounds' questions are QUESTION numbered 10, 11, ... (round_question): two digits each.
 MAX_AB_ROUNDS = 45
 # The engine's settings for short prompts (a follow-up's new tokens), by EngineConfig's names: the
-# attribute the step or a model module holds each in, and its default (off). --ab-rounds' arm
-# "aside" runs a request with every one at its default.
-SHORT_PROMPT_SETTINGS = {"prompt_graphs_max_tokens": ("prompt_graphs_max_tokens", 0),
-                         "compile_prompt_pieces": ("compile_pieces", False),
-                         "delta_rule_recurrent_max_tokens": ("recurrent_max_tokens", 1),
-                         "fused_norms": ("use_kernel", False)}
+# attribute the step or a model module holds each in. --ab-rounds' arm "aside" runs a request with
+# every one at EngineConfig's default (off).
+SHORT_PROMPT_SETTINGS = {"prompt_graphs_max_tokens": "prompt_graphs_max_tokens",
+                         "compile_prompt_pieces": "compile_pieces",
+                         "delta_rule_recurrent_max_tokens": "recurrent_max_tokens",
+                         "fused_norms": "use_kernel"}
 # The targets issue 25 sets for the full model (48 layers): seconds.
 LIVE_HIT_TARGET = 0.25
 STORED_HIT_TARGET = 1.0
@@ -197,30 +197,32 @@ class RequestClocks:
             self.saves += time.perf_counter() - start
 
 
-def _short_prompt_holders(engine) -> list[tuple[object, str, object]]:
-    """(holder, attribute, its default) for each of SHORT_PROMPT_SETTINGS the engine's step and its
-    model's modules hold."""
-    return [(holder, attribute, default) for holder in (engine.step, *engine.step.model.modules())
-            for attribute, default in SHORT_PROMPT_SETTINGS.values() if hasattr(holder, attribute)]
+def _short_prompt_holders(engine) -> list[tuple[object, str, str]]:
+    """(holder, attribute, EngineConfig's name) for each of SHORT_PROMPT_SETTINGS the engine's step
+    and its model's modules hold."""
+    return [(holder, attribute, name) for holder in (engine.step, *engine.step.model.modules())
+            for name, attribute in SHORT_PROMPT_SETTINGS.items() if hasattr(holder, attribute)]
 
 
 def short_prompt_settings(engine) -> dict:
     """SHORT_PROMPT_SETTINGS as the engine holds them now, by EngineConfig's names (a module setting:
     its largest, True where any module has it)."""
     holders = _short_prompt_holders(engine)
-    return {name: max((getattr(holder, held) for holder, held, _ in holders if held == attribute), default=default)
-            for name, (attribute, default) in SHORT_PROMPT_SETTINGS.items()}
+    return {name: max((getattr(holder, attribute) for holder, attribute, held in holders if held == name),
+                      default=getattr(EngineConfig, name))
+            for name in SHORT_PROMPT_SETTINGS}
 
 
 @contextmanager
 def short_prompt_paths_aside(engine):
-    """The engine's prompts for a while with SHORT_PROMPT_SETTINGS at their defaults: no checked-step
-    chunks, the layers' plain code rather than their compiled pieces, the chunked delta rule past one
-    token, the norms' plain code rather than their kernel. What was set stays warm (graphs, compiled
-    code) for the next request that takes it."""
-    kept = [(holder, attribute, getattr(holder, attribute)) for holder, attribute, _ in _short_prompt_holders(engine)]
-    for holder, attribute, default in _short_prompt_holders(engine):
-        setattr(holder, attribute, default)
+    """The engine's prompts for a while with SHORT_PROMPT_SETTINGS at EngineConfig's defaults: no
+    checked-step chunks, the layers' plain code rather than their compiled pieces, the chunked delta
+    rule past one token, the norms' plain code rather than their kernel. What was set stays warm
+    (graphs, compiled code) for the next request that takes it."""
+    holders = _short_prompt_holders(engine)
+    kept = [(holder, attribute, getattr(holder, attribute)) for holder, attribute, _ in holders]
+    for holder, attribute, name in holders:
+        setattr(holder, attribute, getattr(EngineConfig, name))
     try:
         yield
     finally:
@@ -861,7 +863,7 @@ def markdown(report: dict) -> str:
         rounds = document["ab_rounds"]
         if rounds:
             changed = {name: value for name, value in document["short_prompt_settings"].items()
-                       if value != SHORT_PROMPT_SETTINGS[name][1]}
+                       if value != getattr(EngineConfig, name)}
             named = ", ".join(f"{name} {value}" for name, value in changed.items()) or "none, both ways alike"
             lines += ["", f"Live hits with the engine's short-prompt settings as set ({named}) and set aside "
                       "(each at its default), alternately, each a question of its own:", "",

@@ -85,7 +85,7 @@ class EngineConfig:
     fused_mix: bool = True
     # The RMS norms of steps run eagerly (prompts, a follow-up's new tokens; not compiled pieces,
     # which fuse them anyway) as one Triton kernel each (GPU only) instead of the module's seven
-    # operations: ~36 a layer of a short prompt's launches from the host. A bench option until
+    # operations: ~36 of the host's operations a layer of a short prompt. A bench option until
     # measured on the GPU (`--set fused_norms=true`, an A/B with `bench/prompt_reuse.py --ab-rounds`).
     fused_norms: bool = False
     # BF16 projections of up to this many tokens take the matvec kernel, more cuBLAS; beyond one token

@@ -17,7 +17,7 @@ import pytest
 
 pytest.importorskip("triton")
 
-BUILD = """
+PRELUDE = """
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
@@ -37,8 +37,8 @@ def build(kernel, signature, constants):
                               target=GPUTarget("cuda", 90, 32))
     assert ".entry" in compiled.asm["ptx"]
     print("built", kernel.__name__, flush=True)
-
-
+"""
+BUILD = PRELUDE + """
 sizes = {"pairs": "i32", "num_experts": "i32", "block_m": "i32"}
 for keys in ("*i32", "*i64"):
     build(_tile_starts_kernel, {"keys_ptr": keys, "starts_ptr": "*i32", **sizes},
@@ -96,7 +96,6 @@ def test_control_a_kernel_the_interpreter_runs_and_the_compiler_refuses(tmp_path
     interpreted = ("import os\nos.environ['TRITON_INTERPRET'] = '1'\nimport torch\nfrom drifting_sum import drifting_sum\n"
                    "out = torch.zeros(1)\ndrifting_sum[(1,)](torch.ones(4), out)\nassert out.item() == 4\n")
     assert _run(interpreted, tmp_path).returncode == 0
-    built = (BUILD.split("\n\n\nsizes")[0] + "\nfrom drifting_sum import drifting_sum\n"
-             "build(drifting_sum, {'x_ptr': '*fp32', 'out_ptr': '*fp32'}, {})\n")
+    built = PRELUDE + "from drifting_sum import drifting_sum\nbuild(drifting_sum, {'x_ptr': '*fp32', 'out_ptr': '*fp32'}, {})\n"
     done = _run(built, tmp_path)
     assert done.returncode != 0 and "Loop-carried variable total" in done.stderr

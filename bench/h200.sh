@@ -40,7 +40,8 @@
 #                       a restart, and a 10-turn conversation; the stored states on the pack's disk;
 #                       prompt-reuse-BUDGET.{json,md}; REUSE_ARGS: more of its arguments, e.g. "--trace /tmp/results"
 #                       or "--set delta_rule_recurrent_max_tokens=16", or "--set compile_prompt_pieces=true
-#                       --ab-rounds 5" (live hits with that setting and without, alternated in one process); REUSE_NAME: a suffix for the results' names.
+#                       --ab-rounds 5" (live hits with that setting and without, alternated in one process; with
+#                       --ab-aside NAME, repeatable, a series of pairs each with only NAME set aside); REUSE_NAME: a suffix for the results' names.
 #                       REUSE_VARIANTS="NAME=ARGS;NAME=ARGS" instead runs each variant (its ARGS after REUSE_ARGS)
 #                       in turn, REUSE_REPEATS (default 1) times (A/B/A/B); REUSE_TAIL: log lines shown (40)
 #   BEFORE   another flashpack tree (e.g. .before, carried): each budget is benched with this tree and with

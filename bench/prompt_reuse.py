@@ -58,7 +58,7 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -99,7 +99,7 @@ ANOTHER_QUESTION = ("Still about the document above: which functions in it prepa
 MAX_AB_ROUNDS = 45
 # The engine's settings for short prompts (a follow-up's new tokens), by EngineConfig's names: the
 # attribute the step or a model module holds each in. --ab-rounds' arm "aside" runs a request with
-# every one at EngineConfig's default (off).
+# every one (or those --ab-aside names) at EngineConfig's default (off).
 SHORT_PROMPT_SETTINGS = {"prompt_graphs_max_tokens": "prompt_graphs_max_tokens",
                          "compile_prompt_pieces": "compile_pieces",
                          "delta_rule_recurrent_max_tokens": "recurrent_max_tokens",
@@ -214,12 +214,12 @@ def short_prompt_settings(engine) -> dict:
 
 
 @contextmanager
-def short_prompt_paths_aside(engine):
-    """The engine's prompts for a while with SHORT_PROMPT_SETTINGS at EngineConfig's defaults: no
-    checked-step chunks, the layers' plain code rather than their compiled pieces, the chunked delta
-    rule past one token, the norms' plain code rather than their kernel. What was set stays warm
-    (graphs, compiled code) for the next request that takes it."""
-    holders = _short_prompt_holders(engine)
+def short_prompt_paths_aside(engine, names: Sequence[str] = tuple(SHORT_PROMPT_SETTINGS)):
+    """The engine's prompts for a while with SHORT_PROMPT_SETTINGS (or those of `names`) at
+    EngineConfig's defaults: no checked-step chunks, the layers' plain code rather than their
+    compiled pieces, the chunked delta rule past one token, the norms' plain code rather than their
+    kernel. What was set stays warm (graphs, compiled code) for the next request that takes it."""
+    holders = [holder for holder in _short_prompt_holders(engine) if holder[2] in names]
     kept = [(holder, attribute, getattr(holder, attribute)) for holder, attribute, _ in holders]
     for holder, attribute, name in holders:
         setattr(holder, attribute, getattr(EngineConfig, name))
@@ -525,6 +525,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "with the engine's short-prompt settings as --set gives them (prompt_graphs_max_tokens, "
                              "compile_prompt_pieces, delta_rule_recurrent_max_tokens, fused_norms) and with them at their "
                              "defaults, alternately in one process (default %(default)s: none)")
+    parser.add_argument("--ab-aside", dest="asides", action="append", type=parse_aside, metavar="SETTING[,SETTING]",
+                        help="--ab-rounds' other arm sets only these short-prompt settings to their defaults "
+                             "(repeatable: a series of rounds each, in one process; default: one series, all of them)")
     parser.add_argument("--trace", type=Path,
                         help="profile the document's first live hit: its Chrome trace into this folder")
     parser.add_argument("--set", dest="settings", action="append", default=[], metavar="KEY=VALUE",
@@ -586,7 +589,7 @@ def document_scenario(engine, args, clocks: RequestClocks) -> tuple[dict, list[i
     messages[-1] = {"role": "user", "content": ANOTHER_QUESTION}
     again = request(engine, chat_ids(engine.tokenizer, messages, replies), 1, clocks)
     engine.generator.prefix_cache.flush()
-    rounds = ab_rounds(engine, messages, replies, args.ab_rounds, clocks)
+    rounds = ab_rounds(engine, messages, replies, args.ab_rounds, clocks, args.asides or (tuple(SHORT_PROMPT_SETTINGS),))
     forget_stored(stored, first_turn_keys, min(row["cached_tokens"] for row in (hit, again, *rounds)))
     for row in (plain, hit, again):
         row.pop("text")
@@ -606,23 +609,47 @@ def round_question(index: int) -> str:
     return f"Question {10 + index}: {QUESTION}"
 
 
-def ab_rounds(engine, messages: list[dict], replies: dict | None, rounds: int, clocks: RequestClocks) -> list[dict]:
-    """`rounds` pairs of live hits on the document, in each pair one with the engine's short-prompt
-    settings as set and one with them set aside (short_prompt_paths_aside), as set first, then aside
-    first, in turn (ABBA), in one process: an A/B with the engine, its store and its state the same.
-    Each hit asks a question of its own (the same length: round_question), since a prompt's own
-    checkpoint would answer it again with nothing left to prefill."""
+def ab_rounds(engine, messages: list[dict], replies: dict | None, rounds: int, clocks: RequestClocks,
+              asides: Sequence[Sequence[str]] = (tuple(SHORT_PROMPT_SETTINGS),)) -> list[dict]:
+    """For each of `asides` (settings by EngineConfig's names), `rounds` pairs of live hits on the
+    document, in each pair one with the engine's short-prompt settings as set and one with those
+    set aside (short_prompt_paths_aside), as set first, then aside first, in turn (ABBA), in one
+    process: an A/B with the engine, its store and its state the same. Each hit asks a question of
+    its own (the same length: round_question), since a prompt's own checkpoint would answer it again
+    with nothing left to prefill."""
     rows = []
-    for number in range(rounds):
-        for as_set in (True, False) if number % 2 == 0 else (False, True):  # ABBA: a place in the pair favours neither
-            messages[-1] = {"role": "user", "content": round_question(len(rows))}
-            with nullcontext() if as_set else short_prompt_paths_aside(engine):
-                row = request(engine, chat_ids(engine.tokenizer, messages, replies), 1, clocks)
-            engine.generator.prefix_cache.flush()
-            row.pop("text")
-            row.pop("reply_ids")
-            rows.append({**row, "as_set": as_set, "round": number + 1})
+    for aside in asides:
+        for number in range(rounds):
+            for as_set in (True, False) if number % 2 == 0 else (False, True):  # ABBA: a place in the pair favours neither
+                messages[-1] = {"role": "user", "content": round_question(len(rows))}
+                with nullcontext() if as_set else short_prompt_paths_aside(engine, aside):
+                    row = request(engine, chat_ids(engine.tokenizer, messages, replies), 1, clocks)
+                engine.generator.prefix_cache.flush()
+                row.pop("text")
+                row.pop("reply_ids")
+                rows.append({**row, "as_set": as_set, "round": number + 1, "aside": list(aside)})
     return rows
+
+
+def ab_summary(rows: Sequence[dict]) -> str:
+    """One series of --ab-rounds' pairs in a line: each arm's median TTFT, their ratio, the pairs won."""
+    median = {as_set: statistics.median(row["ttft_s"] for row in rows if row["as_set"] == as_set) for as_set in (True, False)}
+    pairs: dict[int, dict[bool, float]] = {}
+    for row in rows:
+        pairs.setdefault(row["round"], {})[row["as_set"]] = row["ttft_s"]
+    ahead = sum(pair[True] < pair[False] for pair in pairs.values())
+    return (f"Median TTFT: as set {median[True]:.3f} s, aside {median[False]:.3f} s (as set / aside "
+            f"{median[True] / median[False]:.2f}); as set ahead in {ahead} of {len(pairs)} pairs.")
+
+
+def parse_aside(text: str) -> tuple[str, ...]:
+    """--ab-aside's SETTING[,SETTING...] -> the names, each one of SHORT_PROMPT_SETTINGS."""
+    names = tuple(name for name in text.split(",") if name)
+    unknown = [name for name in names if name not in SHORT_PROMPT_SETTINGS]
+    if not names or unknown:
+        raise argparse.ArgumentTypeError(f"--ab-aside takes names of {', '.join(SHORT_PROMPT_SETTINGS)}, "
+                                         f"comma-separated; got {text!r}")
+    return names
 
 
 def turns_scenario(engine, args, clocks: RequestClocks) -> tuple[dict, list[int], set[str]]:
@@ -650,8 +677,12 @@ def main() -> None:
     args = parse_args()
     if args.turns < 0 or args.document_tokens < 0 or not args.turns and not args.document_tokens:
         raise SystemExit("give --turns or --document-tokens a positive count")
-    if not 0 <= args.ab_rounds <= MAX_AB_ROUNDS or args.ab_rounds and not args.document_tokens:
-        raise SystemExit(f"--ab-rounds takes 0 to {MAX_AB_ROUNDS} and needs --document-tokens")
+    series = len(args.asides or [()])
+    if not 0 <= args.ab_rounds * series <= MAX_AB_ROUNDS or args.ab_rounds and not args.document_tokens:
+        raise SystemExit(f"--ab-rounds takes 0 to {MAX_AB_ROUNDS} pairs in all (rounds x --ab-aside series) "
+                         "and needs --document-tokens")
+    if args.asides and not args.ab_rounds:
+        raise SystemExit("--ab-aside needs --ab-rounds")
     device = parse_device(args.device)
     manifest = Pack.open(args.pack).manifest
     cfg = manifest.config
@@ -861,25 +892,20 @@ def markdown(report: dict) -> str:
                          f"{row.get('frames_compiled', '-')}, {row.get('device_segments_allocated', '-')} |"
                          + (f" {_seconds(row['ttft_at_layers_s'])} |" if scaled else ""))
         rounds = document["ab_rounds"]
-        if rounds:
+        series: dict[tuple, list[dict]] = {}
+        for row in rounds:
+            series.setdefault(tuple(row.get("aside", SHORT_PROMPT_SETTINGS)), []).append(row)
+        for aside, rows in series.items():
             changed = {name: value for name, value in document["short_prompt_settings"].items()
                        if value != getattr(EngineConfig, name)}
             named = ", ".join(f"{name} {value}" for name, value in changed.items()) or "none, both ways alike"
-            lines += ["", f"Live hits with the engine's short-prompt settings as set ({named}) and set aside "
-                      "(each at its default), alternately, each a question of its own:", "",
+            lines += ["", f"Live hits with the engine's short-prompt settings as set ({named}) and with "
+                      f"{', '.join(aside)} set aside (at their defaults), alternately, each a question of its own:", "",
                       f"| round | settings | new tokens | TTFT s | layers s |{head}", f"| --- | --- | --- | --- | --- |{rule}"]
-            for row in rounds:
+            for row in rows:
                 lines.append(f"| {row['round']} | {'as set' if row['as_set'] else 'aside'} | {row['new_tokens']} | "
                              f"{_seconds(row['ttft_s'])} | {_seconds(row.get('layers_s'))} |" + (f" {_seconds(row['ttft_at_layers_s'])} |" if scaled else ""))
-            median = lambda as_set: statistics.median(  # noqa: E731
-                row["ttft_s"] for row in rounds if row["as_set"] == as_set)
-            pairs: dict[int, dict[bool, float]] = {}
-            for row in rounds:
-                pairs.setdefault(row["round"], {})[row["as_set"]] = row["ttft_s"]
-            ahead = sum(pair[True] < pair[False] for pair in pairs.values())
-            lines += ["", f"Median TTFT: as set {median(True):.3f} s, aside {median(False):.3f} s "
-                          f"(as set / aside {median(True) / median(False):.2f}); as set ahead in {ahead} of "
-                          f"{len(pairs)} pairs."]
+            lines += ["", ab_summary(rows)]
         entry, goals = document.get("stored_entry"), document["targets"]
         lines.append("")
         met = lambda value: "-" if value is None else "met" if value else "missed"  # noqa: E731

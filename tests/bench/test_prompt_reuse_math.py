@@ -169,6 +169,40 @@ def test_short_prompt_paths_aside_sets_every_setting_to_its_default_and_back():
     assert short_prompt_settings(_short_prompt_engine(0, False, 1, False)) == defaults
 
 
+def test_short_prompt_paths_aside_sets_only_the_named_settings_aside():
+    """--ab-aside's series: only the named settings go to their defaults; the others stay as set."""
+    from flashpack.bench.prompt_reuse import short_prompt_paths_aside, short_prompt_settings
+
+    engine = _short_prompt_engine(128, True, 16, True)
+    as_set = short_prompt_settings(engine)
+    with short_prompt_paths_aside(engine, ("delta_rule_recurrent_max_tokens",)):
+        assert short_prompt_settings(engine) == {**as_set, "delta_rule_recurrent_max_tokens": 1}
+    with short_prompt_paths_aside(engine, ("compile_prompt_pieces", "fused_norms")):
+        assert short_prompt_settings(engine) == {**as_set, "compile_prompt_pieces": False, "fused_norms": False}
+    assert short_prompt_settings(engine) == as_set
+
+
+def test_ab_aside_takes_only_short_prompt_settings():
+    import argparse
+
+    from flashpack.bench.prompt_reuse import parse_aside
+
+    assert parse_aside("fused_norms,compile_prompt_pieces") == ("fused_norms", "compile_prompt_pieces")
+    for bad in ("", "fused_norm", "fused_norms,prefetch"):
+        with pytest.raises(argparse.ArgumentTypeError, match="--ab-aside takes"):
+            parse_aside(bad)
+
+
+def test_ab_summary_counts_each_pair_once_and_takes_each_arms_median():
+    """Three ABBA pairs: the as-set arm's median 1.0 against 2.0, ahead in two of three pairs."""
+    from flashpack.bench.prompt_reuse import ab_summary
+
+    times = {(1, True): 1.0, (1, False): 2.0, (2, False): 1.5, (2, True): 0.5, (3, True): 3.0, (3, False): 2.5}
+    rows = [{"round": number, "as_set": as_set, "ttft_s": seconds} for (number, as_set), seconds in times.items()]
+    assert ab_summary(rows) == ("Median TTFT: as set 1.000 s, aside 2.000 s (as set / aside 0.50); "
+                                "as set ahead in 2 of 3 pairs.")
+
+
 def test_round_questions_encode_to_as_many_tokens():
     """--ab-rounds' hits prefill as many tokens each: every question the rounds may ask encodes
     to one count with the demo model's tokenizer (digits a token each, as Qwen's); none past them."""

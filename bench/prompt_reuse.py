@@ -204,25 +204,34 @@ def _short_prompt_holders(engine) -> list[tuple[object, str, str]]:
             for name, attribute in SHORT_PROMPT_SETTINGS.items() if hasattr(holder, attribute)]
 
 
+def short_prompt_defaults(engine) -> dict:
+    """SHORT_PROMPT_SETTINGS as an engine on this one's device takes them where none is set."""
+    config, device_type = EngineConfig(), engine.step.model.device.type
+    return {name: config.recurrent_max_tokens(device_type) if name == "delta_rule_recurrent_max_tokens"
+            else getattr(config, name) for name in SHORT_PROMPT_SETTINGS}
+
+
 def short_prompt_settings(engine) -> dict:
     """SHORT_PROMPT_SETTINGS as the engine holds them now, by EngineConfig's names (a module setting:
     its largest, True where any module has it)."""
-    holders = _short_prompt_holders(engine)
+    holders, defaults = _short_prompt_holders(engine), short_prompt_defaults(engine)
     return {name: max((getattr(holder, attribute) for holder, attribute, held in holders if held == name),
-                      default=getattr(EngineConfig, name))
+                      default=defaults[name])
             for name in SHORT_PROMPT_SETTINGS}
 
 
 @contextmanager
 def short_prompt_paths_aside(engine, names: Sequence[str] = tuple(SHORT_PROMPT_SETTINGS)):
     """The engine's prompts for a while with SHORT_PROMPT_SETTINGS (or those of `names`) at
-    EngineConfig's defaults: no checked-step chunks, the layers' plain code rather than their
-    compiled pieces, the chunked delta rule past one token, the norms' plain code rather than their
-    kernel. What was set stays warm (graphs, compiled code) for the next request that takes it."""
+    the defaults on the engine's device (short_prompt_defaults): no checked-step chunks, the layers'
+    plain code rather than their compiled pieces, the norms' plain code rather than their kernel,
+    the delta rule's recurrence up to the device's default. What was set stays warm (graphs,
+    compiled code) for the next request that takes it."""
     holders = [holder for holder in _short_prompt_holders(engine) if holder[2] in names]
     kept = [(holder, attribute, getattr(holder, attribute)) for holder, attribute, _ in holders]
+    defaults = short_prompt_defaults(engine)
     for holder, attribute, name in holders:
-        setattr(holder, attribute, getattr(EngineConfig, name))
+        setattr(holder, attribute, defaults[name])
     try:
         yield
     finally:
@@ -598,6 +607,7 @@ def document_scenario(engine, args, clocks: RequestClocks) -> tuple[dict, list[i
             "question_tokens": len(engine.tokenizer.encode(QUESTION)),
             "first_turn": first, "no_reuse": plain, "live_hit": hit, "live_hit_again": again,
             "ab_rounds": rounds, "short_prompt_settings": short_prompt_settings(engine),
+            "short_prompt_defaults": short_prompt_defaults(engine),
             "profiles": profiles}, follow_up
 
 
@@ -897,7 +907,7 @@ def markdown(report: dict) -> str:
             series.setdefault(tuple(row.get("aside", SHORT_PROMPT_SETTINGS)), []).append(row)
         for aside, rows in series.items():
             changed = {name: value for name, value in document["short_prompt_settings"].items()
-                       if value != getattr(EngineConfig, name)}
+                       if value != document["short_prompt_defaults"][name]}
             named = ", ".join(f"{name} {value}" for name, value in changed.items()) or "none, both ways alike"
             lines += ["", f"Live hits with the engine's short-prompt settings as set ({named}) and with "
                       f"{', '.join(aside)} set aside (at their defaults), alternately, each a question of its own:", "",

@@ -230,7 +230,7 @@ def engine_model(weights: WeightSource, source, config: EngineConfig, dtype: tor
                           dense_matvec_max_tokens=config.dense_matvec_max_tokens,
                           dense_tile_max_tokens=config.dense_tile_max_tokens,
                           fp8_matvec_max_tokens=config.fp8_matvec_max_tokens,
-                          delta_rule_recurrent_max_tokens=config.delta_rule_recurrent_max_tokens,
+                          delta_rule_recurrent_max_tokens=config.recurrent_max_tokens(device.type),
                           compile_pieces=config.compile_prompt_pieces,
                           fused_norms=config.fused_norms and device.type == "cuda")
     if isinstance(routed, StoreExperts):

@@ -20,6 +20,8 @@ EXPERT_SOURCES = ("auto", "store", "pack")
 
 SPECULATE = ("auto", "mtp", "lookup", "off")
 MAX_DRAFT_TOKENS = 16  # a checked step's positions stay a decode's few (DeltaNet runs them one by one)
+# DeltaNet steps of up to this many tokens by fla's recurrent kernel on a GPU (delta_rule_recurrent_max_tokens).
+GPU_RECURRENT_MAX_TOKENS = 128
 
 
 @dataclass(frozen=True)
@@ -102,11 +104,13 @@ class EngineConfig:
     # beyond one token only matrices of under 4,096 rows (DeltaNet's output projection, the shared
     # expert's), where the matvec still wins (runtime/kernels/dispatch.py says where it was measured).
     fp8_matvec_max_tokens: int = FP8_MATVEC_MAX_TOKENS
-    # DeltaNet steps of up to this many tokens take the recurrent kernel (one launch, each token's
-    # arithmetic as decode does it), longer ones the chunked rule (several kernels, more host time a
-    # call: a short segment of a prompt with checkpoints pays it in every DeltaNet layer). 1: decode
-    # alone; a bench option until measured on the GPU (`--set delta_rule_recurrent_max_tokens=16`).
-    delta_rule_recurrent_max_tokens: int = 1
+    # DeltaNet steps of up to this many tokens take the recurrence, longer ones the chunked rule.
+    # None: 128 on a GPU, where fla's recurrent kernel is one launch (each token's arithmetic as
+    # decode does it) and its chunked rule several kernels and ~2 ms of the host's time a call, paid
+    # in every DeltaNet layer of a short step: a follow-up's ~100 new tokens after a restored state
+    # took 15 % less with it (PERFORMANCE.md, *Prompt-state reuse*); 1 on a CPU, where the plain
+    # recurrence is a loop of a Python step a token and the chunked form wins.
+    delta_rule_recurrent_max_tokens: int | None = None
     # Decode through a store: the next layer's router, applied to this layer's input, names experts
     # to load ahead.
     prefetch: bool = True
@@ -169,6 +173,12 @@ class EngineConfig:
     freeze_heap: bool = True
     store: StoreConfig = field(default_factory=StoreConfig)
 
+    def recurrent_max_tokens(self, device_type: str) -> int:
+        """delta_rule_recurrent_max_tokens as set, or its default on a device of this type ("cuda", "cpu")."""
+        if self.delta_rule_recurrent_max_tokens is not None:
+            return self.delta_rule_recurrent_max_tokens
+        return GPU_RECURRENT_MAX_TOKENS if device_type == "cuda" else 1
+
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise FlashpackError(f"unknown dtype {self.dtype!r}: use one of {', '.join(DTYPES)}")
@@ -182,6 +192,8 @@ class EngineConfig:
                     "prompt_graphs_max_tokens": 0}
         for name, least in minimums.items():
             value = getattr(self, name)
+            if value is None and name == "delta_rule_recurrent_max_tokens":  # the device's default
+                continue
             if not isinstance(value, int) or isinstance(value, bool) or value < least:
                 raise FlashpackError(f"engine {name} must be a whole number of at least {least}, got {value!r}")
         if self.draft_tokens > MAX_DRAFT_TOKENS:

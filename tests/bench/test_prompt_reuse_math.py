@@ -145,6 +145,7 @@ def _short_prompt_engine(limit: int, compiled: bool, recurrent: int, kernel: boo
     model[0].compile_pieces = compiled
     model[1].compile_pieces, model[1].recurrent_max_tokens = compiled, recurrent
     model[3].use_kernel = kernel
+    model.device = torch.device("cpu")
     return SimpleNamespace(step=SimpleNamespace(prompt_graphs_max_tokens=limit, model=model))
 
 
@@ -157,7 +158,7 @@ def test_short_prompt_paths_aside_sets_every_setting_to_its_default_and_back():
     engine = _short_prompt_engine(128, True, 16, True)
     as_set = {"prompt_graphs_max_tokens": 128, "compile_prompt_pieces": True, "delta_rule_recurrent_max_tokens": 16,
               "fused_norms": True}
-    defaults = {name: getattr(EngineConfig, name) for name in as_set}
+    defaults = {**{name: getattr(EngineConfig, name) for name in as_set}, "delta_rule_recurrent_max_tokens": 1}  # a CPU's
     assert short_prompt_settings(engine) == as_set
     with short_prompt_paths_aside(engine):
         assert short_prompt_settings(engine) == defaults

@@ -64,7 +64,7 @@ def test_every_key_can_be_set_and_reads_back():
         else:
             value = {"device": "cuda", "dtype": "bfloat16", "experts": "store", "store.policy": "lru",
                      "speculate": "lookup", "prompt_cache_ram": "2GiB", "prompt_cache_dir": "/tmp/states", "prompt_cache_disk": "1GiB", "decoded_experts_ram": "64MiB",
-                     "checkpoints_in_one_step": True, "restore_as_it_arrives": True,
+                     "checkpoints_in_one_step": True, "restore_as_it_arrives": True, "delta_rule_recurrent_max_tokens": 16,
                      "store.vram_budget": "8GiB", "store.ram_budget": "32GiB", "store.hot_set": "chat"}[key]
         text = str(value).lower() if isinstance(value, bool) else str(value)
         config = with_settings(EngineConfig(), [f"{key}={text}"])
@@ -217,3 +217,22 @@ def test_kernel_choices_reach_every_projection_and_mix(tiny_pack):
     assert deltanets and all(m.recurrent_max_tokens == 16 for m in deltanets)
     with pytest.raises(FlashpackError, match="fp8_matvec_max_tokens must be a whole number of at least 0"):
         EngineConfig(fp8_matvec_max_tokens=-1)
+
+
+def test_delta_rule_recurrence_defaults_to_short_steps_on_a_gpu_and_one_token_on_a_cpu(tiny_pack):
+    """Unset, DeltaNet steps of up to 128 tokens take the recurrence on a GPU (fla's kernel: one
+    launch) and only one token on a CPU (the plain loop loses to the chunked form); a value set is
+    taken on either, 0 is refused, and a CPU engine's layers get the CPU's default."""
+    from flashpack.runtime.engine.config import GPU_RECURRENT_MAX_TOKENS
+    from flashpack.runtime.model.deltanet import GatedDeltaNet
+
+    assert EngineConfig().delta_rule_recurrent_max_tokens is None
+    assert (EngineConfig().recurrent_max_tokens("cuda"), EngineConfig().recurrent_max_tokens("cpu")) == (
+        GPU_RECURRENT_MAX_TOKENS, 1) == (128, 1)
+    assert EngineConfig(delta_rule_recurrent_max_tokens=16).recurrent_max_tokens("cuda") == 16
+    assert EngineConfig(delta_rule_recurrent_max_tokens=16).recurrent_max_tokens("cpu") == 16
+    with pytest.raises(FlashpackError, match="delta_rule_recurrent_max_tokens must be a whole number of at least 1"):
+        EngineConfig(delta_rule_recurrent_max_tokens=0)
+    engine = load_engine(tiny_pack, EngineConfig(dtype="float32"))
+    deltanets = [m for m in engine.model.modules() if isinstance(m, GatedDeltaNet)]
+    assert deltanets and all(m.recurrent_max_tokens == 1 for m in deltanets)

@@ -67,8 +67,9 @@ class EngineConfig:
     # DeltaNet's projections, conv and output norm, attention's projections and gated output)
     # compiled by torch.compile, one compile for every layer and step length, instead of
     # several dozen small kernels a layer, each launched by the host: a short prompt's layer (a
-    # follow-up's new tokens) is bound by its launches, not by its GPU work. A bench option until
-    # measured on the GPU (`--set compile_prompt_pieces=true`); on a CPU a compiled call's own
+    # follow-up's new tokens) is bound by its launches, not by its GPU work. Off: on an H100 a live
+    # hit's 100 new tokens took 0.097 s with them against 0.070 s without (the compiled calls' guards
+    # and wrappers cost more than the launches they save), and on a CPU a compiled call's own
     # overhead loses to the eager operations it replaces (PERFORMANCE.md, *Prompt-state reuse*).
     compile_prompt_pieces: bool = False
     # Prompts of 2 to this many new tokens (a follow-up's question and markers after a restored
@@ -87,8 +88,9 @@ class EngineConfig:
     fused_mix: bool = True
     # The RMS norms of steps run eagerly (prompts, a follow-up's new tokens; not compiled pieces,
     # which fuse them anyway) as one Triton kernel each (GPU only) instead of the module's seven
-    # operations: ~36 of the host's operations a layer of a short prompt. A bench option until
-    # measured on the GPU (`--set fused_norms=true`, an A/B with `bench/prompt_reuse.py --ab-rounds`).
+    # operations: ~36 of the host's operations a layer of a short prompt. Off: on an H100 a live
+    # hit took 2-4 % less with it, under the 5 % a change must win by (`--set fused_norms=true`;
+    # PERFORMANCE.md, *Prompt-state reuse*).
     fused_norms: bool = False
     # BF16 projections of up to this many tokens take the matvec kernel, more cuBLAS; beyond one token
     # only matrices of under 2,048 rows (the router's stack, the hyper-connections' down projections),

@@ -80,6 +80,7 @@ from flashpack.runtime.engine.config import EngineConfig
 from flashpack.runtime.engine.prefix_cache import entry_key, prefix_digests
 from flashpack.runtime.engine.settings import with_settings
 from flashpack.runtime.engine.stored_states import SUFFIX
+from flashpack.runtime.model.delta_rule import fla_kernels
 from flashpack.runtime.sampling import SamplingParams
 from flashpack.runtime.state import SequenceState
 from flashpack.runtime.store.budget import parse_budget
@@ -99,7 +100,7 @@ ANOTHER_QUESTION = ("Still about the document above: which functions in it prepa
 MAX_AB_ROUNDS = 45
 # The engine's settings for short prompts (a follow-up's new tokens), by EngineConfig's names: the
 # attribute the step or a model module holds each in. --ab-rounds' arm "aside" runs a request with
-# every one (or those --ab-aside names) at EngineConfig's default (off).
+# every one (or those --ab-aside names) at its default on the engine's device (short_prompt_defaults).
 SHORT_PROMPT_SETTINGS = {"prompt_graphs_max_tokens": "prompt_graphs_max_tokens",
                          "compile_prompt_pieces": "compile_pieces",
                          "delta_rule_recurrent_max_tokens": "recurrent_max_tokens",
@@ -206,8 +207,8 @@ def _short_prompt_holders(engine) -> list[tuple[object, str, str]]:
 
 def short_prompt_defaults(engine) -> dict:
     """SHORT_PROMPT_SETTINGS as an engine on this one's device takes them where none is set."""
-    config, device_type = EngineConfig(), engine.step.model.device.type
-    return {name: config.recurrent_max_tokens(device_type) if name == "delta_rule_recurrent_max_tokens"
+    config, fla = EngineConfig(), fla_kernels(engine.step.model.device)
+    return {name: config.recurrent_max_tokens(fla) if name == "delta_rule_recurrent_max_tokens"
             else getattr(config, name) for name in SHORT_PROMPT_SETTINGS}
 
 

@@ -31,6 +31,7 @@ from flashpack.runtime.engine.drafters import LookupDrafter, MTPDrafter
 from flashpack.runtime.engine.speculative import SpeculativeDecoder
 from flashpack.runtime.engine.step import Step
 from flashpack.runtime.experts import ExpertFetcher
+from flashpack.runtime.model.delta_rule import fla_kernels
 from flashpack.runtime.model.model import Qwen4ExpModel
 from flashpack.runtime.model.mtp import MTPHead
 from flashpack.runtime.pack_source import PackExperts, PackWeights
@@ -230,7 +231,7 @@ def engine_model(weights: WeightSource, source, config: EngineConfig, dtype: tor
                           dense_matvec_max_tokens=config.dense_matvec_max_tokens,
                           dense_tile_max_tokens=config.dense_tile_max_tokens,
                           fp8_matvec_max_tokens=config.fp8_matvec_max_tokens,
-                          delta_rule_recurrent_max_tokens=config.recurrent_max_tokens(device.type),
+                          delta_rule_recurrent_max_tokens=config.recurrent_max_tokens(fla_kernels(device)),
                           compile_pieces=config.compile_prompt_pieces,
                           fused_norms=config.fused_norms and device.type == "cuda")
     if isinstance(routed, StoreExperts):

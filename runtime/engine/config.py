@@ -20,7 +20,7 @@ EXPERT_SOURCES = ("auto", "store", "pack")
 
 SPECULATE = ("auto", "mtp", "lookup", "off")
 MAX_DRAFT_TOKENS = 16  # a checked step's positions stay a decode's few (DeltaNet runs them one by one)
-# DeltaNet steps of up to this many tokens by fla's recurrent kernel on a GPU (delta_rule_recurrent_max_tokens).
+# DeltaNet steps of up to this many tokens by fla's recurrent kernel (delta_rule_recurrent_max_tokens).
 GPU_RECURRENT_MAX_TOKENS = 128
 
 
@@ -107,11 +107,12 @@ class EngineConfig:
     # expert's), where the matvec still wins (runtime/kernels/dispatch.py says where it was measured).
     fp8_matvec_max_tokens: int = FP8_MATVEC_MAX_TOKENS
     # DeltaNet steps of up to this many tokens take the recurrence, longer ones the chunked rule.
-    # None: 128 on a GPU, where fla's recurrent kernel is one launch (each token's arithmetic as
+    # None: 128 on a GPU with fla-core, where its recurrent kernel is one launch (each token's arithmetic as
     # decode does it) and its chunked rule several kernels and ~2 ms of the host's time a call, paid
     # in every DeltaNet layer of a short step: a follow-up's ~100 new tokens after a restored state
-    # took 15 % less with it (PERFORMANCE.md, *Prompt-state reuse*); 1 on a CPU, where the plain
-    # recurrence is a loop of a Python step a token and the chunked form wins.
+    # took 15 % less with it (PERFORMANCE.md, *Prompt-state reuse*); 1 where the plain rule runs (a
+    # CPU, a GPU without fla-core): its recurrence is a loop of a Python step a token and the
+    # chunked form wins.
     delta_rule_recurrent_max_tokens: int | None = None
     # Decode through a store: the next layer's router, applied to this layer's input, names experts
     # to load ahead.
@@ -175,11 +176,13 @@ class EngineConfig:
     freeze_heap: bool = True
     store: StoreConfig = field(default_factory=StoreConfig)
 
-    def recurrent_max_tokens(self, device_type: str) -> int:
-        """delta_rule_recurrent_max_tokens as set, or its default on a device of this type ("cuda", "cpu")."""
+    def recurrent_max_tokens(self, fla_kernels: bool) -> int:
+        """delta_rule_recurrent_max_tokens as set, or its default where fla's kernels run the delta
+        rule (a GPU with fla-core) or where the plain rule does (a CPU, or a GPU without fla-core,
+        whose plain recurrence is a launch an operation a token)."""
         if self.delta_rule_recurrent_max_tokens is not None:
             return self.delta_rule_recurrent_max_tokens
-        return GPU_RECURRENT_MAX_TOKENS if device_type == "cuda" else 1
+        return GPU_RECURRENT_MAX_TOKENS if fla_kernels else 1
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:

@@ -45,6 +45,11 @@ def gated_delta_rule_for(device: torch.device | str, backend: str = "auto") -> C
     return plain_gated_delta_rule
 
 
+def fla_kernels(device: torch.device | str) -> bool:
+    """Whether the delta rule on `device` runs as fla's kernels (gated_delta_rule_for's choice)."""
+    return gated_delta_rule_for(device) is fla_gated_delta_rule
+
+
 def delta_rule_positions(rule: Callable, q, k, v, g, beta, state: torch.Tensor):
     """The recurrence of `rule`'s backend a token at a time: (out [T, Hv, Dv], the state after each
     token [T, Hv, Dk, Dv]).

@@ -220,17 +220,20 @@ def test_kernel_choices_reach_every_projection_and_mix(tiny_pack):
 
 
 def test_delta_rule_recurrence_defaults_to_short_steps_on_a_gpu_and_one_token_on_a_cpu(tiny_pack):
-    """Unset, DeltaNet steps of up to 128 tokens take the recurrence on a GPU (fla's kernel: one
-    launch) and only one token on a CPU (the plain loop loses to the chunked form); a value set is
-    taken on either, 0 is refused, and a CPU engine's layers get the CPU's default."""
+    """Unset, DeltaNet steps of up to 128 tokens take the recurrence where fla's kernels run the rule
+    (its recurrent kernel: one launch) and only one token where the plain rule does (its loop loses
+    to the chunked form); a value set is taken either way, 0 is refused, and a CPU engine's layers
+    get the plain rule's default."""
     from flashpack.runtime.engine.config import GPU_RECURRENT_MAX_TOKENS
+    from flashpack.runtime.model.delta_rule import fla_kernels
     from flashpack.runtime.model.deltanet import GatedDeltaNet
 
     assert EngineConfig().delta_rule_recurrent_max_tokens is None
-    assert (EngineConfig().recurrent_max_tokens("cuda"), EngineConfig().recurrent_max_tokens("cpu")) == (
+    assert (EngineConfig().recurrent_max_tokens(True), EngineConfig().recurrent_max_tokens(False)) == (
         GPU_RECURRENT_MAX_TOKENS, 1) == (128, 1)
-    assert EngineConfig(delta_rule_recurrent_max_tokens=16).recurrent_max_tokens("cuda") == 16
-    assert EngineConfig(delta_rule_recurrent_max_tokens=16).recurrent_max_tokens("cpu") == 16
+    assert EngineConfig(delta_rule_recurrent_max_tokens=16).recurrent_max_tokens(True) == 16
+    assert EngineConfig(delta_rule_recurrent_max_tokens=16).recurrent_max_tokens(False) == 16
+    assert not fla_kernels("cpu")
     with pytest.raises(FlashpackError, match="delta_rule_recurrent_max_tokens must be a whole number of at least 1"):
         EngineConfig(delta_rule_recurrent_max_tokens=0)
     engine = load_engine(tiny_pack, EngineConfig(dtype="float32"))

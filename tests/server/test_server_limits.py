@@ -178,11 +178,25 @@ def server_process(pack: Path, settings: dict, tmp_path: Path, open_files: int |
         process.wait(30)
 
 
+def open_in_full_backlogs(port: int, count: int, backlog: int) -> list[socket.socket]:
+    """`count` connections, a full listen backlog at a time with a pause between: each of the
+    server's turns accepts a whole backlog (the case its descriptor budget is cut for), while a
+    client that never pauses overflows the queue and waits out a dropped SYN's 1 s retry every
+    backlog (~50 s for 1,100)."""
+    opened = []
+    while len(opened) < count:
+        opened += [socket.create_connection(("127.0.0.1", port)) for _ in range(min(backlog, count - len(opened)))]
+        time.sleep(0.02)
+    return opened
+
+
 def test_accept_never_runs_out_of_files(tiny_pack, tmp_path):
     """Under a 256-file limit (cap 97, backlog 19) 1,100 idle sockets are evicted, never an EMFILE."""
     settings = {"model_name": MODEL, "api_key": KEY}
+    budget = connection_budget(512, 256)
+    assert (budget.max_connections, budget.backlog) == (97, 19)
     with server_process(tiny_pack, settings, tmp_path, open_files=256) as (process, base_url, log):
-        idle = [socket.create_connection(("127.0.0.1", int(base_url.rsplit(":", 1)[1]))) for _ in range(1100)]
+        idle = open_in_full_backlogs(int(base_url.rsplit(":", 1)[1]), 1100, budget.backlog)
         try:
             time.sleep(0.5)
             status, seconds = timed_health(base_url)

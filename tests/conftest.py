@@ -63,3 +63,12 @@ def tiny_nvfp4_pack(tiny_nvfp4_snapshot, tmp_path_factory) -> Path:
     from flashpack.convert.pipeline import convert
 
     return convert(str(tiny_nvfp4_snapshot), tmp_path_factory.mktemp("pack") / "tiny-nvfp4.pack", progress=False)
+
+
+@pytest.fixture(scope="session")
+def demo_pack(tmp_path_factory) -> Path:
+    """The committed demo model (demo_model/), converted."""
+    from flashpack import demo_model
+    from flashpack.convert.pipeline import convert
+
+    return convert(str(demo_model.snapshot_path()), tmp_path_factory.mktemp("demo") / "demo.pack", progress=False)

@@ -1,4 +1,4 @@
-"""Fixtures for the eval tests: the trained demo model's pack and engine, and the server harness."""
+"""Fixtures for the eval tests: the trained demo model's engine (its pack: tests/conftest.py), and the server harness."""
 
 from __future__ import annotations
 
@@ -8,14 +8,6 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent.parent / "server"))  # server_harness
-
-
-@pytest.fixture(scope="session")
-def demo_pack(tmp_path_factory) -> Path:
-    from flashpack import demo_model
-    from flashpack.convert.pipeline import convert
-
-    return convert(str(demo_model.snapshot_path()), tmp_path_factory.mktemp("demo") / "demo.pack", progress=False)
 
 
 @pytest.fixture(scope="session")

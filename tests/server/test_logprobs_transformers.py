@@ -16,7 +16,6 @@ from server_harness import serving
 from transformers import Qwen4ExpForCausalLM
 
 from flashpack import demo_model
-from flashpack.convert.pipeline import convert
 from flashpack.convert.source import SourceCheckpoint
 from flashpack.runtime.engine.build import load_engine
 from flashpack.runtime.engine.config import EngineConfig
@@ -29,9 +28,8 @@ PROMPT = "def forward(self, hidden_states):\n    hidden_states = self.dense(hidd
 
 
 @pytest.fixture(scope="module")
-def demo_engine(tmp_path_factory):
-    pack = convert(str(demo_model.snapshot_path()), tmp_path_factory.mktemp("demo") / "demo.pack", progress=False)
-    return load_engine(pack, EngineConfig(store=StoreConfig(verify_records=False)))
+def demo_engine(demo_pack):
+    return load_engine(demo_pack, EngineConfig(store=StoreConfig(verify_records=False)))
 
 
 def _transformers_model() -> Qwen4ExpForCausalLM:

@@ -19,10 +19,11 @@ kernel launches), and a save is off the request's path: the state is copied on t
 fraction of a millisecond), the entry is live at once from that copy, and a thread of the cache's
 own copies it into the arena on a stream of its own before the device copy is let go (a state is
 hundreds of MB at 32k tokens: the request's first token does not wait for that copy). Where the
-arena has no free range large enough, the least recently used host entries make room; an entry
-that still finds none, or whose copy fails, is dropped. With a StoredStates tier (stored_states.py)
-every saved entry is also written to disk in the background, and a prompt that finds nothing live
-looks there. A stored entry stays live where it was read (on a GPU a block of the arena); with
+arena has no free range large enough, the least recently used host entries make room (and the
+stored tier's queued writes, which hold their entries' blocks, are waited for); an entry that still
+finds none, or whose copy fails, is not live. With a StoredStates tier (stored_states.py) every
+saved entry is also written to disk in the background, one with no room in the arena from a
+pageable copy of its own, and a prompt that finds nothing live looks there. A stored entry stays live where it was read (on a GPU a block of the arena); with
 `arriving` (a GPU's default) it is restored layer by layer as the disk delivers it, beside the
 prefill of the new tokens (arriving_state.py), else read whole first.
 """
@@ -191,10 +192,10 @@ class PrefixCache:
             try:
                 with torch.cuda.stream(stream):
                     stream.wait_event(copied)
-                    host = self._host_copy(key, saved)
+                    host, written = self._host_copies(key, saved, write)
                 stream.synchronize()
             except RuntimeError:  # the copy failed: the entry goes, its device copy with it
-                host = None
+                host = written = None
             with self._lock:
                 entry = self._live.get(key)
                 if entry is not None and entry.state is saved:
@@ -203,10 +204,27 @@ class PrefixCache:
                         self.stats.live_entries = len(self._live)
                     else:
                         entry.state = host
-            if write and host is not None and self.stored is not None:
-                self.stored.put(key, length, host)
+            if written is not None:
+                self.stored.put(key, length, written)
+            item = saved = host = written = None  # the device copy goes before the next wait
             self._copies.task_done()
         self._copies.task_done()
+
+    def _host_copies(self, key: str, saved: SequenceState, write: bool) -> tuple[SequenceState | None, SequenceState | None]:
+        """(the copier thread, on its stream) The host copy of the device state `saved` that its
+        live entry keeps (None: it is dropped), and the one its stored write reads (None: no write).
+        The stored tier's queued writes hold the arena blocks of entries already evicted until they
+        are written: where the arena has no room without those, the copier waits for the writes (it
+        is off the request's path) and tries again. A state that still finds no room is not live,
+        but is stored all the same, from a copy of its own in pageable memory: a live budget smaller
+        than a state, or than two, still leaves every saved state on the disk."""
+        host = self._host_copy(key, saved)
+        if host is None and self.stored is not None and self.stored.pending_bytes():
+            self.stored.flush()
+            host = self._host_copy(key, saved)
+        if not write or self.stored is None:
+            return host, None
+        return host, host if host is not None else saved.to(torch.device("cpu"))
 
     def _arrive_stored(self, key: str, length: int, state: SequenceState, started: float) -> bool | None:
         """Restore the stored entry `key` into `state` as the disk delivers it (arriving_state.py):

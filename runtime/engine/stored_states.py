@@ -116,8 +116,14 @@ class StoredStates:
                     "write_seconds": self._write_seconds}
 
     def flush(self) -> None:
-        """Wait until every entry put so far is on disk."""
+        """Wait until every entry put so far is on disk (and let go of: a host state in a pinned
+        arena's block gives the block back then)."""
         self._queue.join()
+
+    def pending_bytes(self) -> int:
+        """The state bytes put and not yet written."""
+        with self._lock:
+            return self._pending_bytes
 
     def close(self) -> None:
         self.flush()
@@ -218,9 +224,11 @@ class StoredStates:
     def _write_loop(self) -> None:
         compressor = zstandard.ZstdCompressor(level=_LEVEL)
         while (item := self._queue.get()) is not None:
+            key, tokens, state, size = item
+            item = None  # the state is let go of before the write counts as done (flush)
             try:
                 start = time.perf_counter()
-                self._write(compressor, *item[:3])
+                self._write(compressor, key, tokens, state)
                 self._evict()
                 with self._lock:
                     self._counts["writes"] += 1
@@ -228,8 +236,9 @@ class StoredStates:
             except OSError:  # a full or failing disk: the entry stays live only
                 self._count("skipped_writes")
             finally:
+                state = None
                 with self._lock:
-                    self._pending_bytes -= item[3]
+                    self._pending_bytes -= size
                 self._queue.task_done()
         self._queue.task_done()
 

@@ -182,3 +182,66 @@ def test_an_arena_that_cannot_be_pinned_whole_halves_then_gives_one_clear_error(
     limit[0] = 0
     with pytest.raises(FlashpackError, match="could not pin 0.4 GiB .* --prompt-cache-ram"):
         PinnedArena.pinned(400 << 20)
+
+
+def _stored_tier(tmp_path, release=None):
+    """A StoredStates tier whose writer waits for `release` (a threading.Event) before each write."""
+    from flashpack.runtime.engine.stored_states import StoredStates
+
+    stored = StoredStates(tmp_path, 1 << 30, "fingerprint")
+    if release is not None:
+        write = stored._write
+
+        def held_write(*args):
+            release.wait(10)
+            write(*args)
+
+        stored._write = held_write
+    return stored
+
+
+def test_a_state_with_no_room_live_is_still_stored_from_a_copy_of_its_own(engine, tmp_path):
+    """A live budget smaller than a state (a tiered store's spare RAM can be) keeps nothing live,
+    but every saved state still reaches the disk."""
+    state = _state(engine, 40, 5)
+    stored = _stored_tier(tmp_path)
+    cache = PrefixCache(1 << 30, stored=stored, pinned=PinnedArena(_copy_bytes(state) - ALIGNMENT, pin=False))
+    host, written = cache._host_copies("40-0000000000000005", state, write=True)
+    assert host is None and written is not None
+    assert cache._host_copies("40-0000000000000005", state, write=False) == (None, None)
+    stored.put("40-0000000000000005", 40, written)
+    stored.flush()
+    back, follow = engine.step.new_state(), torch.tensor([11, 12, 13])
+    back.restore(stored.get("40-0000000000000005", state))
+    assert torch.equal(engine.step.forward(follow, back).logits, engine.step.forward(follow, state).logits)
+    stored.close()
+
+
+@pytest.mark.parametrize("waits_for_writes", [True, False], ids=["waits", "control-does-not-wait"])
+def test_a_copy_waits_for_the_writes_that_hold_the_arena_then_lands_in_it(engine, tmp_path, waits_for_writes):
+    """An arena with room for one state, holding the last one saved until its write lands: the next
+    state's copy waits for that write and lands in the arena (live), where one that does not wait
+    (the control) finds no room and is stored only."""
+    import threading
+
+    first, second = _state(engine, 40, 6), _state(engine, 40, 7)
+    release = threading.Event()
+    stored = _stored_tier(tmp_path, release)
+    arena = PinnedArena(_copy_bytes(first) + ALIGNMENT, pin=False)
+    cache = PrefixCache(1 << 30, stored=stored, pinned=arena)
+    host, written = cache._host_copies("40-0000000000000006", first, write=True)
+    assert host is written is not None
+    cache._keep("40-0000000000000006", 40, host, write=False)
+    stored.put("40-0000000000000006", 40, written)
+    del host, written  # the live entry and the queued write hold the block now
+    if not waits_for_writes:
+        stored.pending_bytes = lambda: 0
+    threading.Timer(0.2, release.set).start()
+    host, written = cache._host_copies("40-0000000000000007", second, write=True)
+    if waits_for_writes:
+        assert host is not None and written is host
+        assert 0 <= host.device_tensors()[0].data_ptr() - arena.data.data_ptr() < arena.capacity
+    else:
+        assert host is None and written is not None
+    release.set()
+    stored.close()

@@ -214,13 +214,15 @@ class PrefixCache:
         """(the copier thread, on its stream) The host copy of the device state `saved` that its
         live entry keeps (None: it is dropped), and the one its stored write reads (None: no write).
         The stored tier's queued writes hold the arena blocks of entries already evicted until they
-        are written: where the arena has no room without those, the copier waits for the writes (it
-        is off the request's path) and tries again. A state that still finds no room is not live,
-        but is stored all the same, from a copy of its own in pageable memory: a live budget smaller
-        than a state, or than two, still leaves every saved state on the disk."""
-        host = self._host_copy(key, saved)
+        are written: where the arena has no room as it stands, the copier waits for those writes (it
+        is off the request's path) before evicting live entries for room, which would not free the
+        blocks the writes hold. A state that still finds no room is not live, but is stored all the
+        same, from a copy of its own in pageable memory: a live budget smaller than a state, or than
+        two, still leaves every saved state on the disk."""
+        host = self.pinned.host_copy(saved)
         if host is None and self.stored is not None and self.stored.pending_bytes():
             self.stored.flush()
+        if host is None:
             host = self._host_copy(key, saved)
         if not write or self.stored is None:
             return host, None

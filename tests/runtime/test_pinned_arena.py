@@ -245,3 +245,29 @@ def test_a_copy_waits_for_the_writes_that_hold_the_arena_then_lands_in_it(engine
         assert host is None and written is not None
     release.set()
     stored.close()
+
+
+@pytest.mark.parametrize("waits_for_writes", [True, False], ids=["waits", "control-does-not-wait"])
+def test_queued_writes_are_waited_for_before_live_entries_are_evicted(engine, tmp_path, waits_for_writes):
+    """Room for two states: one live, one evicted whose write still holds its block. The next copy
+    takes the block that write gives back and the live entry stays; evicting first (the control)
+    frees the live entry's block instead and loses it."""
+    import threading
+
+    live, evicted, new = (_state(engine, 40, seed) for seed in (8, 9, 10))
+    release = threading.Event()
+    stored = _stored_tier(tmp_path, release)
+    cache = PrefixCache(1 << 30, stored=stored, pinned=PinnedArena(2 * _copy_bytes(live) + ALIGNMENT, pin=False))
+    host, _ = cache._host_copies("40-0000000000000008", live, write=False)
+    cache._keep("40-0000000000000008", 40, host, write=False)
+    written = cache._host_copies("40-0000000000000009", evicted, write=True)[1]
+    stored.put("40-0000000000000009", 40, written)
+    del host, written  # the live entry and the queued write hold the blocks now
+    if not waits_for_writes:
+        stored.pending_bytes = lambda: 0
+    threading.Timer(0.2, release.set).start()
+    host, _ = cache._host_copies("40-000000000000000a", new, write=False)
+    assert host is not None
+    assert ("40-0000000000000008" in cache._live) == waits_for_writes
+    release.set()
+    stored.close()

@@ -23,9 +23,10 @@ arena has no free range large enough, the least recently used host entries make 
 stored tier's queued writes, which hold their entries' blocks, are waited for); an entry that still
 finds none, or whose copy fails, is not live. With a StoredStates tier (stored_states.py) every
 saved entry is also written to disk in the background, one with no room in the arena from a
-pageable copy of its own, and a prompt that finds nothing live looks there. A stored entry stays live where it was read (on a GPU a block of the arena); with
-`arriving` (a GPU's default) it is restored layer by layer as the disk delivers it, beside the
-prefill of the new tokens (arriving_state.py), else read whole first.
+pageable copy of its own, and a prompt that finds nothing live looks there. A stored entry stays
+live where it was read (on a GPU a block of the arena); with `arriving` (a GPU's default) it is
+restored layer by layer as the disk delivers it, beside the prefill of the new tokens
+(arriving_state.py), else read whole first.
 """
 
 from __future__ import annotations

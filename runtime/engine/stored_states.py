@@ -233,7 +233,7 @@ class StoredStates:
                 with self._lock:
                     self._counts["writes"] += 1
                     self._write_seconds += time.perf_counter() - start
-            except OSError:  # a full or failing disk: the entry stays live only
+            except OSError:  # a full or failing disk: the entry is not stored (live only, if live)
                 self._count("skipped_writes")
             finally:
                 state = None

@@ -85,7 +85,7 @@ class StoredStates:
         size = state.nbytes()
         with self._lock:
             if self._pending_bytes and self._pending_bytes + size > PENDING_BYTES:
-                self._counts["skipped_writes"] += 1  # the disk is behind: this entry stays live only
+                self._counts["skipped_writes"] += 1  # the disk is behind: this entry is not stored (live only, if live)
                 return
             self._pending_bytes += size
         self._queue.put((key, tokens, state, size))

@@ -240,3 +240,35 @@ def test_on_a_gpu_a_stored_hit_is_read_into_the_arena_and_stays_live_there(tiny_
         second.generator.prefix_cache = cache
     finally:
         second.close()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the copier thread and its pinned arena are a GPU's")
+def test_on_a_gpu_a_live_share_of_one_state_keeps_the_newest_live_and_stores_every_one(tiny_pack, tmp_path):
+    """An arena with room for one state and saves in a row (a prompt's checkpoints, then its reply's):
+    the newest ends live (the queued write of the one before held its block until written), and
+    every one is stored, those with no room from copies of their own."""
+    from flashpack.runtime.engine.pinned_arena import aligned
+    from flashpack.runtime.engine.stored_states import StoredStates
+
+    engine = load_engine(tiny_pack, EngineConfig(device="cuda", dtype="float32", prompt_cache_ram=0, speculate="off"))
+    try:
+        step, prompt = engine.step, _ids(120, 16)
+        whole = step.new_state()
+        step.forward(torch.tensor(prompt), whole)
+        largest = sum(aligned(t.numel() * t.element_size()) for t in whole.snapshot().device_tensors())
+        stored = StoredStates(tmp_path, 1 << 30, "fingerprint")
+        cache = PrefixCache(1 << 30, stored=stored, pinned=PinnedArena(largest * 3 // 2))  # one, not two
+        state = step.new_state()
+        step.forward(torch.tensor(prompt[:100]), state)
+        cache.save(prompt[:100], state)
+        for token in prompt[100:]:
+            step.forward(torch.tensor([token]), state)
+            if state.position % 10 == 0:
+                cache.save(prompt[:state.position], state)
+        cache.flush()
+        assert [entry.length for entry in cache._live.values()] == [120]
+        assert sorted(int(key.split("-")[0]) for key in stored.keys()) == [100, 110, 120]
+        assert cache.restore_longest(prompt + [5], step.new_state()) == 120 and cache.stats.stored_hits == 0
+        cache.close()
+    finally:
+        engine.close()

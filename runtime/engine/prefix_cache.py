@@ -19,11 +19,11 @@ kernel launches), and a save is off the request's path: the state is copied on t
 fraction of a millisecond), the entry is live at once from that copy, and a thread of the cache's
 own copies it into the arena on a stream of its own before the device copy is let go (a state is
 hundreds of MB at 32k tokens: the request's first token does not wait for that copy). Where the
-arena has no free range large enough, the least recently used host entries make room (and the
-stored tier's queued writes, which hold their entries' blocks, are waited for); an entry that still
-finds none, or whose copy fails, is not live. With a StoredStates tier (stored_states.py) every
-saved entry is also written to disk in the background, one with no room in the arena from a
-pageable copy of its own, and a prompt that finds nothing live looks there. A stored entry stays
+arena has no free range large enough, the least recently used host entries make room, or, while
+the stored tier's queued writes hold the blocks of entries already evicted, the entry is copied to
+pageable host memory instead (`_host_copies`); an entry whose copy fails is dropped. With a
+StoredStates tier (stored_states.py) every saved entry is also written to disk in the background,
+and a prompt that finds nothing live looks there. A stored entry stays
 live where it was read (on a GPU a block of the arena); with `arriving` (a GPU's default) it is
 restored layer by layer as the disk delivers it, beside the prefill of the new tokens
 (arriving_state.py), else read whole first.
@@ -213,21 +213,25 @@ class PrefixCache:
 
     def _host_copies(self, key: str, saved: SequenceState, write: bool) -> tuple[SequenceState | None, SequenceState | None]:
         """(the copier thread, on its stream) The host copy of the device state `saved` that its
-        live entry keeps (None: it is dropped), and the one its stored write reads (None: no write).
-        The stored tier's queued writes hold the arena blocks of entries already evicted until they
-        are written: where the arena has no room as it stands, the copier waits for those writes (it
-        is off the request's path) before evicting live entries for room, which would not free the
-        blocks the writes hold. A state that still finds no room is not live, but is stored all the
-        same, from a copy of its own in pageable memory: a live budget smaller than a state, or than
-        two, still leaves every saved state on the disk."""
+        live entry keeps, and the one its stored write reads (None: no write). The stored tier's
+        queued writes hold the arena blocks of entries evicted since, until they are written: where
+        the arena has no room while writes are queued, evicting live entries would free no block
+        those writes hold, and waiting for the writes would hold this device copy (and the next
+        saves') on the GPU for as long as they take. The state is then copied to pageable host
+        memory, live and stored from there (its restore a slower copy than from pinned memory, far
+        faster than a read from the disk). With no writes queued the least recently used host
+        entries make room first. A state too large to be live is still stored."""
         host = self.pinned.host_copy(saved)
-        if host is None and self.stored is not None and self.stored.pending_bytes():
-            self.stored.flush()
-        if host is None:
+        if host is None and not (self.stored is not None and self.stored.pending_bytes()):
             host = self._host_copy(key, saved)
-        if not write or self.stored is None:
-            return host, None
-        return host, host if host is not None else saved.to(torch.device("cpu"))
+        stores = write and self.stored is not None
+        if host is None and (stores or self._is_live(key)):
+            host = saved.to(torch.device("cpu"))
+        return host, host if stores else None
+
+    def _is_live(self, key: str) -> bool:
+        with self._lock:
+            return key in self._live
 
     def _arrive_stored(self, key: str, length: int, state: SequenceState, started: float) -> bool | None:
         """Restore the stored entry `key` into `state` as the disk delivers it (arriving_state.py):

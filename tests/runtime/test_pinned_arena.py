@@ -200,14 +200,19 @@ def _stored_tier(tmp_path, release=None):
     return stored
 
 
-def test_a_state_with_no_room_live_is_still_stored_from_a_copy_of_its_own(engine, tmp_path):
-    """A live budget smaller than a state (a tiered store's spare RAM can be) keeps nothing live,
-    but every saved state still reaches the disk."""
+def _in(arena: PinnedArena, state) -> bool:
+    return 0 <= state.device_tensors()[0].data_ptr() - arena.data.data_ptr() < arena.capacity
+
+
+def test_a_state_too_large_for_the_arena_is_still_stored_from_a_copy_of_its_own(engine, tmp_path):
+    """An arena smaller than a state (a tiered store's spare RAM can leave one): every saved state
+    still reaches the disk, from a pageable copy; one neither stored nor live is not copied."""
     state = _state(engine, 40, 5)
     stored = _stored_tier(tmp_path)
-    cache = PrefixCache(1 << 30, stored=stored, pinned=PinnedArena(_copy_bytes(state) - ALIGNMENT, pin=False))
+    arena = PinnedArena(_copy_bytes(state) - ALIGNMENT, pin=False)
+    cache = PrefixCache(1 << 30, stored=stored, pinned=arena)
     host, written = cache._host_copies("40-0000000000000005", state, write=True)
-    assert host is None and written is not None
+    assert host is written is not None and not _in(arena, host)
     assert cache._host_copies("40-0000000000000005", state, write=False) == (None, None)
     stored.put("40-0000000000000005", 40, written)
     stored.flush()
@@ -217,57 +222,49 @@ def test_a_state_with_no_room_live_is_still_stored_from_a_copy_of_its_own(engine
     stored.close()
 
 
-@pytest.mark.parametrize("waits_for_writes", [True, False], ids=["waits", "control-does-not-wait"])
-def test_a_copy_waits_for_the_writes_that_hold_the_arena_then_lands_in_it(engine, tmp_path, waits_for_writes):
-    """An arena with room for one state, holding the last one saved until its write lands: the next
-    state's copy waits for that write and lands in the arena (live), where one that does not wait
-    (the control) finds no room and is stored only."""
-    import threading
-
-    first, second = _state(engine, 40, 6), _state(engine, 40, 7)
-    release = threading.Event()
-    stored = _stored_tier(tmp_path, release)
-    arena = PinnedArena(_copy_bytes(first) + ALIGNMENT, pin=False)
-    cache = PrefixCache(1 << 30, stored=stored, pinned=arena)
-    host, written = cache._host_copies("40-0000000000000006", first, write=True)
-    assert host is written is not None
-    cache._keep("40-0000000000000006", 40, host, write=False)
-    stored.put("40-0000000000000006", 40, written)
-    del host, written  # the live entry and the queued write hold the block now
-    if not waits_for_writes:
-        stored.pending_bytes = lambda: 0
-    threading.Timer(0.2, release.set).start()
-    host, written = cache._host_copies("40-0000000000000007", second, write=True)
-    if waits_for_writes:
-        assert host is not None and written is host
-        assert 0 <= host.device_tensors()[0].data_ptr() - arena.data.data_ptr() < arena.capacity
-    else:
-        assert host is None and written is not None
-    release.set()
-    stored.close()
-
-
-@pytest.mark.parametrize("waits_for_writes", [True, False], ids=["waits", "control-does-not-wait"])
-def test_queued_writes_are_waited_for_before_live_entries_are_evicted(engine, tmp_path, waits_for_writes):
-    """Room for two states: one live, one evicted whose write still holds its block. The next copy
-    takes the block that write gives back and the live entry stays; evicting first (the control)
-    frees the live entry's block instead and loses it."""
+@pytest.mark.parametrize("writes_queued", [True, False], ids=["queued", "control-evicts-first"])
+def test_while_queued_writes_hold_the_arena_a_copy_goes_to_pageable_memory_and_evicts_nothing(
+        engine, tmp_path, writes_queued):
+    """Room for two states: one live, one evicted whose write (held up) still holds its block. The
+    next copy neither waits for that write nor evicts the live entry: it lands in pageable memory,
+    the same values. Evicting first (the control, as if no write were queued) takes the live
+    entry's block and loses the entry."""
     import threading
 
     live, evicted, new = (_state(engine, 40, seed) for seed in (8, 9, 10))
     release = threading.Event()
     stored = _stored_tier(tmp_path, release)
-    cache = PrefixCache(1 << 30, stored=stored, pinned=PinnedArena(2 * _copy_bytes(live) + ALIGNMENT, pin=False))
-    host, _ = cache._host_copies("40-0000000000000008", live, write=False)
+    arena = PinnedArena(2 * _copy_bytes(live) + ALIGNMENT, pin=False)
+    cache = PrefixCache(1 << 30, stored=stored, pinned=arena)
+    host = cache._host_copies("40-0000000000000008", live, write=False)[0]
     cache._keep("40-0000000000000008", 40, host, write=False)
     written = cache._host_copies("40-0000000000000009", evicted, write=True)[1]
     stored.put("40-0000000000000009", 40, written)
     del host, written  # the live entry and the queued write hold the blocks now
-    if not waits_for_writes:
+    if not writes_queued:
         stored.pending_bytes = lambda: 0
-    threading.Timer(0.2, release.set).start()
-    host, _ = cache._host_copies("40-000000000000000a", new, write=False)
-    assert host is not None
-    assert ("40-0000000000000008" in cache._live) == waits_for_writes
+    cache._keep("40-000000000000000a", 40, new, write=False)  # live (from its device copy, on a GPU)
+    host, written = cache._host_copies("40-000000000000000a", new, write=True)
+    assert not release.is_set()  # nothing waited for the held-up write
+    assert host is written is not None
+    assert all(torch.equal(a, b) for a, b in zip(host.device_tensors(), new.device_tensors()))
+    assert _in(arena, host) != writes_queued  # the control took the live entry's block
+    assert ("40-0000000000000008" in cache._live) == writes_queued
     release.set()
+    stored.close()
+
+
+def test_the_writer_lets_go_of_a_state_once_written(engine, tmp_path):
+    """A state's arena block comes back when its write is done (flush), not when the next write
+    arrives: the copy after it lands in the arena."""
+    state, other = _state(engine, 40, 11), _state(engine, 40, 12)
+    stored = _stored_tier(tmp_path)
+    arena = PinnedArena(_copy_bytes(state) + ALIGNMENT, pin=False)
+    cache = PrefixCache(1 << 30, stored=stored, pinned=arena)
+    written = cache._host_copies("40-000000000000000b", state, write=True)[1]
+    assert _in(arena, written)
+    stored.put("40-000000000000000b", 40, written)
+    del written
+    stored.flush()
+    assert _in(arena, cache._host_copies("40-000000000000000c", other, write=True)[0])
     stored.close()

@@ -244,9 +244,9 @@ def test_on_a_gpu_a_stored_hit_is_read_into_the_arena_and_stays_live_there(tiny_
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the copier thread and its pinned arena are a GPU's")
 def test_on_a_gpu_a_live_share_of_one_state_keeps_the_newest_live_and_stores_every_one(tiny_pack, tmp_path):
-    """An arena with room for one state and saves in a row (a prompt's checkpoints, then its reply's):
-    the newest ends live (the queued write of the one before held its block until written), and
-    every one is stored, those with no room from copies of their own."""
+    """A live budget (and arena) with room for one state and saves in a row (a prompt's checkpoints,
+    then its reply's): the newest ends live, in the arena or, while the write of the one before still
+    holds its block, in pageable memory, and every one is stored."""
     from flashpack.runtime.engine.pinned_arena import aligned
     from flashpack.runtime.engine.stored_states import StoredStates
 
@@ -257,7 +257,8 @@ def test_on_a_gpu_a_live_share_of_one_state_keeps_the_newest_live_and_stores_eve
         step.forward(torch.tensor(prompt), whole)
         largest = sum(aligned(t.numel() * t.element_size()) for t in whole.snapshot().device_tensors())
         stored = StoredStates(tmp_path, 1 << 30, "fingerprint")
-        cache = PrefixCache(1 << 30, stored=stored, pinned=PinnedArena(largest * 3 // 2))  # one, not two
+        room = largest * 3 // 2  # one state, not two: the live budget and its arena, as an engine sizes them
+        cache = PrefixCache(room, stored=stored, pinned=PinnedArena(room))
         state = step.new_state()
         step.forward(torch.tensor(prompt[:100]), state)
         cache.save(prompt[:100], state)

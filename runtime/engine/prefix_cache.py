@@ -23,10 +23,9 @@ arena has no free range large enough, the least recently used host entries make 
 the stored tier's queued writes hold the blocks of entries already evicted, the entry is copied to
 pageable host memory instead (`_host_copies`); an entry whose copy fails is dropped. With a
 StoredStates tier (stored_states.py) every saved entry is also written to disk in the background,
-and a prompt that finds nothing live looks there. A stored entry stays
-live where it was read (on a GPU a block of the arena); with `arriving` (a GPU's default) it is
-restored layer by layer as the disk delivers it, beside the prefill of the new tokens
-(arriving_state.py), else read whole first.
+and a prompt that finds nothing live looks there. A stored entry stays live where it was read (on
+a GPU a block of the arena); with `arriving` (a GPU's default) it is restored layer by layer as the
+disk delivers it, beside the prefill of the new tokens (arriving_state.py), else read whole first.
 """
 
 from __future__ import annotations

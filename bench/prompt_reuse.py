@@ -866,6 +866,18 @@ def _moved(store: dict | None) -> str:
     return "-" if store is None else f"{store['bytes_host_to_device'] / 1e9:.2f} ({store['disk_reads']})"
 
 
+def states_line(live: dict | None) -> str:
+    """The live engine's prompt-state counts (PrefixCache.to_dict): how many of its saves it kept,
+    and how many of its hits came from the disk (a live hit restored from there was not live)."""
+    if not live:
+        return "The live engine's prompt states: not reported."
+    stored = live.get("stored") or {}
+    return (f"The live engine's prompt states: {live['saved']} saved, {live['evicted']} evicted or dropped, "
+            f"{live['live_entries']} live at the end ({_bytes(live['live_bytes'])}); {live['hits']} hits, "
+            f"{live['stored_hits']} of them read from the disk; stored: {stored.get('writes', '-')} written, "
+            f"{stored.get('skipped_writes', '-')} skipped.")
+
+
 def markdown(report: dict) -> str:
     """The report's tables."""
     settings, budgets = report["settings"], report["budgets"]
@@ -926,6 +938,7 @@ def markdown(report: dict) -> str:
         cached = document["stored_hit"]["stored_pages_cached_before"]
         lines.append(f"Stored files' pages in the page cache before the restart's request: "
                      f"{'unknown' if cached is None else f'{cached:.1%}'}.")
+        lines.append(states_line(report.get("live")))
         if entry:
             disk = entry["disk_read"]
             lines.append(f"The restored entry ({entry['tokens']} tokens): {_bytes(entry['file_bytes'])} on disk "

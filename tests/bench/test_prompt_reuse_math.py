@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from flashpack.bench.prompt_reuse import StateBytes, at_layers, document_text, layer_counts, state_parts
+from flashpack.bench.prompt_reuse import StateBytes, at_layers, document_text, layer_counts, state_parts, states_line
 from flashpack.runtime.state import AttentionCache, DeltaNetState, PLEState, SequenceState
 
 
@@ -218,3 +218,12 @@ def test_round_questions_encode_to_as_many_tokens():
     assert len(tokenizer.encode("Question 100: ")) != len(tokenizer.encode("Question 99: "))  # control: a third digit
     with pytest.raises(ValueError, match="two digits"):
         round_question(2 * MAX_AB_ROUNDS)
+
+
+def test_the_states_line_says_how_many_saves_stayed_and_where_the_hits_came_from():
+    live = {"saved": 12, "evicted": 12, "live_entries": 0, "live_bytes": 0, "hits": 2, "stored_hits": 2,
+            "stored": {"writes": 2, "skipped_writes": 0}}
+    line = states_line(live)
+    assert "12 saved, 12 evicted or dropped, 0 live at the end" in line
+    assert "2 hits, 2 of them read from the disk" in line and "2 written, 0 skipped" in line
+    assert states_line(None) == "The live engine's prompt states: not reported."

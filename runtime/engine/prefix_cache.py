@@ -220,9 +220,8 @@ class PrefixCache:
         memory, live and stored from there (its restore a slower copy than from pinned memory, far
         faster than a read from the disk). With no writes queued the least recently used host
         entries make room first. A state too large to be live is still stored."""
-        host = self.pinned.host_copy(saved)
-        if host is None and not (self.stored is not None and self.stored.pending_bytes()):
-            host = self._host_copy(key, saved)
+        writes_queued = self.stored is not None and self.stored.pending_bytes() > 0
+        host = self.pinned.host_copy(saved) if writes_queued else self._host_copy(key, saved)
         stores = write and self.stored is not None
         if host is None and (stores or self._is_live(key)):
             host = saved.to(torch.device("cpu"))

@@ -44,6 +44,9 @@
 #                       --ab-aside NAME, repeatable, a series of pairs each with only NAME set aside); REUSE_NAME: a suffix for the results' names.
 #                       REUSE_VARIANTS="NAME=ARGS;NAME=ARGS" instead runs each variant (its ARGS after REUSE_ARGS)
 #                       in turn, REUSE_REPEATS (default 1) times (A/B/A/B); REUSE_TAIL: log lines shown (40)
+#              profile  bench/profile_decode.py at PROFILE_BUDGET (default 24-64), 48 layers emulated, every record
+#                       pre-warmed, with PROFILE_ARGS (e.g. "--phase extend --prompt-len 32768 --extend-tokens 100
+#                       --fresh-extension --trace"); profile-PROFILE_NAME.{txt,json} (default name: the budget)
 #   BEFORE   another flashpack tree (e.g. .before, carried): each budget is benched with this tree and with
 #            that one alternately, REPEATS (default 2) times each (A/B/A/B), on the same pack; in the reuse
 #            and speculation stages each variant runs with this tree, then with that one (NAME-before)
@@ -165,6 +168,14 @@ for stage in $STAGES; do
         > $OUT/collector.log 2>&1
       echo "collector rc=$? $(( $(date +%s) - start )) s" >> $OUT/collector.log
       tail -30 $OUT/collector.log ;;
+    profile)
+      eval "set -- $(budget ${PROFILE_BUDGET:-24-64})"
+      echo "== profile ${PROFILE_BUDGET:-24-64} at $(( $(date +%s) - start )) s"
+      timeout ${PROFILE_TIMEOUT:-240} python3 bench/profile_decode.py $W/full.pack --device cuda ${1:+--vram-budget $1} \
+        ${2:+--ram-budget $2} --emulate-layers 48 --hot-set '*' --name ${PROFILE_NAME:-${PROFILE_BUDGET:-24-64}} --out $R \
+        $PROFILE_ARGS > $OUT/profile.log 2>&1
+      echo "profile rc=$? $(( $(date +%s) - start )) s" >> $OUT/profile.log
+      tr '\r' '\n' < $OUT/profile.log | grep -v "loading experts" | tail -40 ;;
     reuse)
       IFS=';' read -ra variants <<< "${REUSE_VARIANTS:-${REUSE_NAME:-}=}"
       for b in ${REUSE_BUDGETS:-24-64}; do

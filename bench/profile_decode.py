@@ -10,6 +10,7 @@ prompt-cache hit runs it).
         --hot-set '*' --out DIR          # the budgets typed for 48 layers, scaled as `flashpack bench` does
     python bench/profile_decode.py PACK --phase prefill --prompt-len 32768 --out DIR
     python bench/profile_decode.py PACK --phase extend --prompt-len 32768 --extend-tokens 159 --marks 80 --out DIR
+    python bench/profile_decode.py PACK --phase extend --fresh-extension ...   # new tokens each step (tiered budgets)
 
 Writes DIR/profile-<name>.txt (top operators by host time and by device time) and prints the
 step's wall time against the device-busy time (and `warm_steps_ms`, each unprofiled warm-up step's
@@ -107,6 +108,10 @@ def main() -> None:
     parser.add_argument("--verify-tokens", type=int, default=5, help="positions of a checked step (--phase verify)")
     parser.add_argument("--extend-tokens", type=int, default=159, help="tokens after the prompt (--phase extend)")
     parser.add_argument("--marks", default="", help="checkpoints inside the extension, e.g. 80,150 (--phase extend)")
+    parser.add_argument("--fresh-extension", action="store_true",
+                        help="draw each step's extension anew (--phase extend): its tokens route to experts the "
+                             "tiers' caches have not just been handed, as a follow-up's new tokens do; without it "
+                             "every step repeats one extension, whose experts the first step leaves cached")
     parser.add_argument("--name", default="decode")
     parser.add_argument("--out", default=".")
     parser.add_argument("--trace", action="store_true", help="also write the profiled steps as a Chrome trace")
@@ -140,6 +145,9 @@ def main() -> None:
         marks = [int(mark) for mark in args.marks.split(",") if mark]
 
         def step():
+            nonlocal extension
+            if args.fresh_extension:
+                extension = torch.randint(0, manifest.config.vocab_size, (args.extend_tokens,))
             state.restore(prompt_state)
             forward(extension, state, last_only=True, marks=marks)
     elif args.phase == "verify":
@@ -198,7 +206,7 @@ def main() -> None:
     summary = {"name": args.name, "step_wall_ms": wall * 1e3, "warm_steps_ms": warm_steps, "device_busy_ms": device_busy * 1e3,
                "host_overhead_ms": (wall - device_busy) * 1e3, "host_split_ms": host_split, "gpu_idle": idle,
                "device_time_by_kernel_class": classes,
-               "phase": args.phase, "prompt_tokens": args.prompt_len,
+               "phase": args.phase, "prompt_tokens": args.prompt_len, "fresh_extension": args.fresh_extension,
                "kernel_launches_per_step": sum(e.count for e in events if e.device_type.name == "CUDA") / steps}
     print(json.dumps(summary))
     Path(args.out, f"profile-{args.name}.json").write_text(json.dumps(summary, indent=1))

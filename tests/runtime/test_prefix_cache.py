@@ -136,7 +136,12 @@ def test_on_a_gpu_a_save_is_live_at_once_and_moves_to_pinned_host_memory(tiny_pa
     """A save on a GPU returns before its host copy is made: the entry restores from its device copy
     while the copier thread works, and from pinned host memory once flushed, the same logits both
     ways. Its sequence going on does not change it (the copy is of the state when saved). The host
-    copy lies in the cache's pinned arena."""
+    copy lies in the cache's pinned arena.
+
+    Against the sequence run on without a save (the same kernels) the restored logits agree to
+    FP32's rounding; against one prefill of all 302 tokens to TF32's: that prefill runs its DeltaNet
+    layers by fla's chunked rule, whose float32 dot products are TF32 on Hopper, where the two new
+    tokens take the recurrent kernel in full FP32 (4.1e-4 apart on an H100)."""
     engine = load_engine(tiny_pack, EngineConfig(device="cuda", dtype="float32", prompt_cache_ram=0, speculate="off"))
     try:
         arena = PinnedArena(256 << 20)
@@ -155,9 +160,13 @@ def test_on_a_gpu_a_save_is_live_at_once_and_moves_to_pinned_host_memory(tiny_pa
             fresh = step.new_state()
             assert cache.restore_longest(prompt + [11, 12], fresh) == len(prompt)
             outputs.append(step.forward(torch.tensor([11, 12]), fresh).logits)
-        expected = step.forward(torch.tensor(prompt + [11, 12]), step.new_state()).logits[-2:]
+        unsaved = step.new_state()
+        step.forward(torch.tensor(prompt), unsaved)
+        continued = step.forward(torch.tensor([11, 12]), unsaved).logits
+        whole = step.forward(torch.tensor(prompt + [11, 12]), step.new_state()).logits[-2:]
         assert torch.equal(outputs[0], outputs[1])
-        assert float((outputs[0] - expected).norm() / expected.norm()) < 1e-4
+        assert float((outputs[0] - continued).norm() / continued.norm()) < 1e-5
+        assert float((outputs[0] - whole).norm() / whole.norm()) < 2e-3
         cache.close()
     finally:
         engine.close()

@@ -102,9 +102,9 @@ class TieredStore:
         """Ready handles for `experts` of `layer`, chunk by chunk, each expert once.
 
         A request that fits the layer's share is one chunk. A larger one (a prefill) yields its
-        hits first, then its misses half the layer's share at a time; each chunk's loads are
-        started before the previous chunk is yielded, so reads and copies overlap the consumer's
-        work. A chunk's slots are released when the consumer asks for the next chunk, or closes
+        hits first, as a chunk of their own, then its misses half the layer's share at a time; each
+        chunk's loads are started before the previous chunk is yielded, so reads and copies overlap
+        the consumer's work (the first misses load while the consumer works on the hits). A chunk's slots are released when the consumer asks for the next chunk, or closes
         the generator (use `contextlib.closing`, or let an exception end the loop): kernels
         reading them must be enqueued by then (on CUDA the release records an event on the
         current stream).
@@ -123,13 +123,18 @@ class TieredStore:
         # half the layer's share a chunk: the chunk computed and the one loading fit side by side,
         # and a prompt makes few round trips (each a lock, a copy job and thread hand-offs)
         misses = max(1, device_slots.capacity[layer] // 2) if streaming else None
+        # the hits alone first: with the first misses in their chunk, the hits' kernels would wait for
+        # those copies, and hits and misses filling the share would leave no room to stage the next
+        # chunk, so the link would idle while the host issued the chunk and admitted the next
+        first = 0 if streaming and (layer, remaining[0]) in device_slots else misses
         hits_before = self.stats.layer(layer).device_hits
         current: list[ExpertHandle] = []
         staged: list[ExpertHandle] = []
         try:
             while True:
                 while not current and remaining:  # blocks for room (a release) when there is none
-                    current, remaining = self.admission.request(layer, remaining, partial=True, max_misses=misses)
+                    current, remaining = self.admission.request(layer, remaining, partial=True, max_misses=first)
+                    first = misses
                 if not current:
                     break
                 if remaining:  # start the next chunk's loads, without waiting for room, first

@@ -125,6 +125,37 @@ def test_stream_starts_the_next_chunk_before_yielding(store_pack):
         assert _nothing_pinned(store)
 
 
+def test_a_prefills_hits_come_alone_first_while_its_first_misses_load(store_pack):
+    """The hits are handed out at once, as a chunk of their own, with the first misses' loads
+    started into the share's other slots: a consumer works on the hits while those land (with hits
+    and misses in one chunk, it would wait for the misses' loads: the control holds the reads)."""
+    pack = Pack.open(store_pack)
+    info = _info(pack)
+    experts, layers = info.experts, info.layers
+    with _store(pack, 8 * len(layers), 32, rebalance=False) as store:
+        layer = layers[1]
+        store.fetch(layer, [3, 9])
+        gate = threading.Event()
+        _gate_reads(store, pack, {(layer, e) for e in range(experts) if e not in (3, 9)}, gate)
+        stream = store.stream(layer, list(range(experts)))
+        handed = []
+        consumer = threading.Thread(target=lambda: handed.append(next(stream)), daemon=True)
+        consumer.start()
+        consumer.join(5)
+        try:
+            assert handed, "the hits waited for the misses' loads"
+            assert sorted(h.expert for h in handed[0]) == [3, 9]
+            with store.placement.changed:  # half the share's misses, loading behind the gate
+                loading = {key for key in store.placement.inflight if key[0] == layer}
+            assert len(loading) == 4 and (layer, 3) not in loading and (layer, 9) not in loading
+        finally:
+            gate.set()
+            consumer.join(20)
+        rest = [h.expert for chunk in stream for h in chunk]
+        assert sorted(rest) == [e for e in range(experts) if e not in (3, 9)]
+        assert _nothing_pinned(store)
+
+
 def test_stream_releases_its_slots_when_closed_early_or_the_consumer_raises(store_pack):
     pack = Pack.open(store_pack)
     info = _info(pack)

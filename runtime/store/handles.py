@@ -38,12 +38,18 @@ class ExpertHandle:
 
         On CUDA the bytes are in place for work enqueued afterwards on the caller's current
         stream: that stream is made to wait for the copy (no host sync)."""
-        if self._future is not None:
-            self._future.result(timeout)
-        landed = self._entry.landed
+        landed = self.loaded(timeout)
         if landed is not None:
             torch.cuda.current_stream(self._pool.device).wait_event(landed)
         return self._pool.slot(self.slot)
+
+    def loaded(self, timeout: float | None = WAIT_TIMEOUT_S) -> torch.cuda.Event | None:
+        """Wait until the load is done (on CUDA: its copy enqueued); the event work reading the slot
+        must wait for (its copy landing), None where there is none. A batch's copies share one
+        event, so a chunk of handles makes its stream wait once per batch, not once per handle."""
+        if self._future is not None:
+            self._future.result(timeout)
+        return self._entry.landed
 
     def release(self) -> None:
         self._release([self])

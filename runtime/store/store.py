@@ -104,7 +104,8 @@ class TieredStore:
         A request that fits the layer's share is one chunk. A larger one (a prefill) yields its
         hits first, as a chunk of their own, then its misses half the layer's share at a time; each
         chunk's loads are started before the previous chunk is yielded, so reads and copies overlap
-        the consumer's work (the first misses load while the consumer works on the hits). A chunk's slots are released when the consumer asks for the next chunk, or closes
+        the consumer's work (the first misses load while the consumer works on the hits). A
+        chunk's slots are released when the consumer asks for the next chunk, or closes
         the generator (use `contextlib.closing`, or let an exception end the loop): kernels
         reading them must be enqueued by then (on CUDA the release records an event on the
         current stream).

@@ -621,3 +621,18 @@ def test_a_request_for_a_queued_guess_promotes_its_read(store_pack, guess, sourc
         counters = store.stats.layer(queued[0])
         assert (counters.prefetch_used, counters.read_ahead_used) == ((1, 0) if guess == "prefetch" else (0, 1))
         assert _nothing_pinned(store)
+
+
+def test_copies_go_in_runs_each_after_the_release_that_opens_it():
+    """A batch's copies are enqueued a run a call: a new run starts at each release event not yet
+    waited for (the compute that last read its slot), so no copy goes before its slot's readers
+    finish and none waits for a release that freed no slot of its own; each event once."""
+    from flashpack.runtime.store.transfers import runs_after_releases
+
+    first, second = object(), object()
+    free = {11: first, 13: second, 14: first, 99: second}  # device slot -> its last readers' event
+    runs = runs_after_releases([(0, 10), (1, 11), (2, 12), (3, 13), (4, 14)], free)
+    assert runs == [(None, [(0, 10)]), (first, [(1, 11), (2, 12)]), (second, [(3, 13), (4, 14)])]
+    assert free == {99: second}  # the copied slots' events are used up, the others' stay
+    assert runs_after_releases([(5, 11), (6, 12)], {11: first}) == [(first, [(5, 11), (6, 12)])]
+    assert runs_after_releases([], {}) == []
